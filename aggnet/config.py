@@ -1,0 +1,110 @@
+"""aggnet's one typed configuration, read at the edge.
+
+Library code takes a :class:`ClientConfig`; only :meth:`ClientConfig.from_env`
+(called by the CLI, the DDP hook and the embedded default) reads the
+environment. Every setting is checked when the object is made, and a bad
+value is shown in the error.
+
+Environment variables:
+
+=====================  ====================================================
+``AGGNET_ADDRESS``     aggregator service address (unset: embedded local one)
+``AGGNET_TIMEOUT``     seconds an all-reduce may go without progress
+``AGGNET_CHUNK_BYTES`` wire bytes per chunk (``1MiB``, ``262144``)
+``AGGNET_WINDOW``      chunks in flight per aggregator shard
+``AGGNET_SHARDS``      shards of an embedded aggregator (default: cores)
+=====================  ====================================================
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, fields, replace
+
+#: wire bytes per chunk. Measured with `aggnet bench --chunk-sweep` on the
+#: reference 2-core machine (docs/benchmarks.md): over ZeroMQ each message
+#: costs tens of microseconds of Python on both ends, so 32 KiB chunks (PHub's
+#: InfiniBand size) are message-rate bound; at 1 MiB the per-message cost is
+#: amortized while a 4-chunk window still pipelines transfer and summation
+#: and keeps a 100 MiB all-reduce split over every shard.
+DEFAULT_CHUNK_BYTES = 1 << 20
+#: chunks in flight per shard: enough to overlap one chunk's transfer with
+#: the previous one's summation and the result's return.
+DEFAULT_WINDOW = 4
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6,
+          "mib": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in ``text`` ("1MiB", "100MiB", "32KiB", "4096")."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read size {text!r}: use a number with an optional unit like 32KiB, 1MiB, 100MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}B"
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    #: service address; None starts (rank 0) or finds an embedded local one
+    address: str | None = None
+    #: seconds an all-reduce may go without any progress before it fails
+    timeout: float = 60.0
+    #: seconds to wait for the aggregator to answer at start
+    connect_timeout: float = 30.0
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    window: int = DEFAULT_WINDOW
+    #: shards of an embedded aggregator (None: one per core)
+    embedded_shards: int | None = None
+
+    def __post_init__(self):
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
+        if self.connect_timeout <= 0:
+            raise ValueError(f"connect_timeout must be > 0 seconds, got {self.connect_timeout!r}")
+        if not (64 <= self.chunk_bytes <= 1 << 30):
+            raise ValueError(f"chunk_bytes must be between 64 B and 1 GiB, got {self.chunk_bytes!r}")
+        if self.chunk_bytes % 4:
+            raise ValueError(f"chunk_bytes must be a multiple of 4, got {self.chunk_bytes!r}")
+        if not (1 <= self.window <= 1024):
+            raise ValueError(f"window must be between 1 and 1024 chunks, got {self.window!r}")
+        if self.embedded_shards is not None and self.embedded_shards < 1:
+            raise ValueError(f"embedded_shards must be >= 1, got {self.embedded_shards!r}")
+
+    @classmethod
+    def from_env(cls, environ=None, **overrides) -> "ClientConfig":
+        env = os.environ if environ is None else environ
+        values: dict = {}
+        if env.get("AGGNET_ADDRESS"):
+            values["address"] = env["AGGNET_ADDRESS"]
+        for key, name, conv in (
+            ("timeout", "AGGNET_TIMEOUT", float),
+            ("chunk_bytes", "AGGNET_CHUNK_BYTES", parse_size),
+            ("window", "AGGNET_WINDOW", int),
+            ("embedded_shards", "AGGNET_SHARDS", int),
+        ):
+            if env.get(name):
+                try:
+                    values[key] = conv(env[name])
+                except ValueError as exc:
+                    raise ValueError(f"{name}={env[name]!r}: {exc}") from None
+        known = {f.name for f in fields(cls)}
+        for k, v in overrides.items():
+            if k not in known:
+                raise TypeError(f"unknown ClientConfig setting {k!r}; known: {sorted(known)}")
+            if v is not None:
+                values[k] = v
+        return cls(**values)
+
+    def replace(self, **changes) -> "ClientConfig":
+        return replace(self, **changes)

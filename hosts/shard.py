@@ -1,0 +1,291 @@
+"""One aggregator shard: a process (or, for tests, a thread) that owns its
+chunk keys, its socket and its accumulators, and shares nothing with other
+shards, so no lock is ever taken on the data path (PHub's per-core design).
+
+The shard sums contributions as they arrive (the first one into an empty
+slot is copied, later ones are added), and when every worker of the job has
+contributed it sends the result to all of them. Bad messages are dropped
+and counted, and the sender is told why; they never touch another job.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+
+import numpy as np
+
+from aggnet import kernels, wire
+from aggnet.transport import Listener
+from aggnet.wire import ITEMSIZE, DType, ErrorCode, Flag, Header, MsgType
+
+from .jobs import ACC_DTYPE, BufferPool, Job, Slot
+
+log = logging.getLogger("aggnet.hosts.shard")
+
+#: how often pending slots are checked for workers that went silent
+STALL_CHECK_INTERVAL = 0.25
+_HALF_FMT = {DType.FLOAT16: "f16", DType.BFLOAT16: "bf16"}
+
+
+class Shard:
+    def __init__(self, listener: Listener, index: int = 0):
+        self.listener = listener
+        self.index = index
+        self.jobs: dict[int, Job] = {}
+        self.counters: collections.Counter = collections.Counter()
+        self.k = kernels.load("cpu")
+        self.pool = BufferPool()
+        self._next_stall_check = 0.0
+
+    # -- the loop ----------------------------------------------------------------
+
+    def serve(self, should_stop) -> None:
+        """Serve until ``should_stop()`` is true (checked at least every 0.2 s)."""
+        while not should_stop():
+            msg = self.listener.recv(0.2)
+            while msg is not None:
+                self.handle(msg.peer, msg.header, msg.payload)
+                msg = self.listener.recv(0)
+            now = time.monotonic()
+            if now >= self._next_stall_check:
+                self._next_stall_check = now + STALL_CHECK_INTERVAL
+                self.check_stalls(now)
+
+    def handle(self, peer, header_buf, payload) -> None:
+        self.counters["messages"] += 1
+        try:
+            h = wire.unpack_header(header_buf)
+            wire.check_payload(h, len(payload))
+        except wire.WireError as exc:
+            self._drop(peer, f"malformed_{exc.reason}", ErrorCode.MALFORMED, str(exc), None)
+            return
+        t = h.msg_type
+        if t == MsgType.PUSH:
+            self._on_push(peer, h, payload)
+        elif t == MsgType.JOIN:
+            self._on_join(peer, h, payload)
+        elif t == MsgType.LEAVE:
+            self._on_leave(peer, h)
+        elif t == MsgType.HELLO:
+            self._reply(peer, Header(MsgType.HELLO_OK), wire.json_payload(
+                {"service": "aggnet", "version": wire.VERSION, "shards": [str(self.listener.address)]}))
+        elif t == MsgType.STATS:
+            self._reply(peer, Header(MsgType.STATS_OK), wire.json_payload(self.stats()))
+        else:
+            self._drop(peer, "unexpected_type", ErrorCode.REFUSED,
+                       f"an aggregator does not accept {t.name} messages", h)
+
+    # -- replies and drops ---------------------------------------------------------
+
+    def _reply(self, peer, h: Header, payload: bytes | None = None) -> None:
+        packed = h.pack() if payload is None else h.pack_for(payload)
+        if not self.listener.send(peer, packed, payload):
+            self.counters["send_unreachable"] += 1
+
+    def _drop(self, peer, counter: str, code: ErrorCode, text: str, h: Header | None) -> None:
+        self.counters[f"dropped_{counter}"] += 1
+        log.debug("shard %d dropped a message (%s): %s", self.index, counter, text)
+        err = Header(MsgType.ERROR)
+        if h is not None:
+            err.job_id, err.round, err.index, err.sender = h.job_id, h.round, h.index, h.sender
+        self._reply(peer, err, wire.error_payload(code, text))
+
+    # -- membership ------------------------------------------------------------------
+
+    def _on_join(self, peer, h: Header, payload) -> None:
+        try:
+            info = wire.parse_json(payload)
+        except wire.WireError as exc:
+            self._drop(peer, "malformed_json", ErrorCode.MALFORMED, str(exc), h)
+            return
+        name = str(info.get("name", h.job_id))
+        timeout = float(info.get("timeout", 60.0))
+        if h.world < 1 or h.sender >= h.world:
+            self._drop(peer, "bad_join", ErrorCode.REFUSED,
+                       f"rank {h.sender} is outside world size {h.world}", h)
+            return
+        job = self.jobs.get(h.job_id)
+        if job is None:
+            job = Job(h.job_id, name, h.world, timeout)
+            self.jobs[h.job_id] = job
+            log.info("shard %d: job %r (id %08x) registered with world size %d", self.index, name, h.job_id, h.world)
+        elif job.name != name:
+            self._drop(peer, "job_name_clash", ErrorCode.JOB_MISMATCH,
+                       f"job id {h.job_id:08x} belongs to job {job.name!r}, not {name!r}; choose another job name", h)
+            return
+        elif job.world != h.world:
+            self._drop(peer, "world_mismatch", ErrorCode.JOB_MISMATCH,
+                       f"job {name!r} is registered with world size {job.world} but rank {h.sender} "
+                       f"joined with world size {h.world}; all workers must agree", h)
+            return
+        old = job.members.get(h.sender)
+        if old is not None and old != peer:
+            log.warning("shard %d: job %r rank %d re-joined from a new connection", self.index, name, h.sender)
+        job.members[h.sender] = peer
+        job.stall_timeout = min(job.stall_timeout, timeout)
+        self.counters["joins"] += 1
+        self._reply(peer, Header(MsgType.JOIN_OK, job_id=h.job_id, sender=h.sender, world=job.world),
+                    wire.json_payload({"job": name, "shard": self.index, "world": job.world}))
+
+    def _on_leave(self, peer, h: Header) -> None:
+        job = self.jobs.get(h.job_id)
+        if job is None or job.members.get(h.sender) != peer:
+            return
+        del job.members[h.sender]
+        if not job.members:
+            for slot in job.slots.values():
+                self.pool.give(slot.buf)
+            del self.jobs[h.job_id]
+            log.info("shard %d: job %r finished (every worker left)", self.index, job.name)
+
+    # -- aggregation -----------------------------------------------------------------
+
+    def _on_push(self, peer, h: Header, payload) -> None:
+        job = self.jobs.get(h.job_id)
+        if job is None:
+            self._drop(peer, "unknown_job", ErrorCode.NOT_JOINED,
+                       f"job id {h.job_id:08x} is not registered on this aggregator; JOIN first", h)
+            return
+        if job.members.get(h.sender) != peer:
+            self._drop(peer, "not_member", ErrorCode.NOT_JOINED,
+                       f"rank {h.sender} has not joined job {job.name!r} from this connection", h)
+            return
+        if h.dtype not in ACC_DTYPE or h.flags & Flag.SHM:
+            self._drop(peer, "bad_dtype", ErrorCode.REFUSED, f"cannot sum {h.dtype.name} payloads", h)
+            return
+        op_max = bool(h.flags & Flag.OP_MAX)
+        key = (h.round, h.index, op_max)
+        if key in job.done:
+            self.counters["dropped_late"] += 1
+            return
+        slot = job.slots.get(key)
+        if slot is None:
+            nbytes = h.count * np.dtype(ACC_DTYPE[h.dtype]).itemsize
+            buf = self.pool.take(nbytes)
+            acc = buf[:nbytes].view(ACC_DTYPE[h.dtype])
+            slot = Slot(key, h.dtype, h.count, h.offset, h.exponent, op_max, buf, acc)
+            job.slots[key] = slot
+        elif (h.dtype, h.count, h.offset, h.exponent) != (slot.dtype, slot.count, slot.offset, slot.exponent):
+            self._mismatch(job, slot, h)
+            return
+        bit = 1 << h.sender
+        if slot.seen & bit:
+            self.counters["dropped_duplicate"] += 1
+            return
+        self._accumulate(slot, h, payload)
+        slot.seen |= bit
+        slot.nsum += 1
+        slot.next_exponent = max(slot.next_exponent, h.next_exponent)
+        self.counters["pushes"] += 1
+        self.counters["bytes_in"] += len(payload)
+        if slot.nsum == job.world:
+            self._complete(job, slot)
+
+    def _accumulate(self, slot: Slot, h: Header, payload) -> None:
+        acc = slot.acc
+        little = bool(h.flags & Flag.LITTLE_ENDIAN)
+        big_endian_i32 = not little and h.dtype == DType.INT32
+        if h.dtype in _HALF_FMT:
+            src = np.frombuffer(payload, np.uint16, h.count)
+            if not little:
+                src = src.byteswap()
+            if slot.nsum == 0:
+                self.k.from_half(src, acc, _HALF_FMT[h.dtype])
+            else:
+                self.k.accumulate_half(acc, src, _HALF_FMT[h.dtype])
+            return
+        src = np.frombuffer(payload, acc.dtype, h.count)
+        if slot.op_max:
+            if not little:
+                src = src.byteswap()
+            if slot.nsum == 0:
+                acc[...] = src
+            else:
+                np.maximum(acc, src, out=acc)
+        elif slot.nsum == 0:
+            if big_endian_i32:
+                self.k.byteswap32(src, acc)
+            else:
+                np.copyto(acc, src)
+        else:
+            self.k.accumulate(acc, src, big_endian_i32)
+
+    def _complete(self, job: Job, slot: Slot) -> None:
+        del job.slots[slot.key]
+        job.remember_done(slot.key)
+        h = Header(MsgType.RESULT, job_id=job.job_id, round=slot.key[0], index=slot.key[1],
+                   flags=Flag.LITTLE_ENDIAN | (Flag.OP_MAX if slot.op_max else 0), dtype=slot.dtype,
+                   count=slot.count, exponent=slot.exponent, next_exponent=slot.next_exponent,
+                   nsum=slot.nsum, world=job.world, offset=slot.offset)
+        out = slot.acc
+        out_buf = None
+        if slot.dtype in _HALF_FMT:
+            out_buf = self.pool.take(slot.count * 2)
+            out = out_buf[: slot.count * 2].view(np.uint16)
+            self.k.to_half(slot.acc, out, _HALF_FMT[slot.dtype])
+        header = h.pack()
+        for rank in range(job.world):
+            if not self.listener.send(job.members[rank], header, out):
+                self.counters["send_unreachable"] += 1
+        self.counters["results"] += 1
+        self.counters["bytes_out"] += out.nbytes * job.world
+        del out
+        self.pool.give(slot.buf)
+        if out_buf is not None:
+            self.pool.give(out_buf)
+
+    def _mismatch(self, job: Job, slot: Slot, h: Header) -> None:
+        text = (f"job {job.name!r} round {slot.key[0]} chunk {slot.key[1]}: rank {h.sender} sent "
+                f"{h.count} {h.dtype.name} at offset {h.offset} (exponent {h.exponent}) but ranks "
+                f"{job.present(slot.seen)} sent {slot.count} {slot.dtype.name} at offset {slot.offset} "
+                f"(exponent {slot.exponent}); all workers must all-reduce the same buffers in the same order")
+        self.counters["dropped_mismatch"] += 1
+        log.warning("shard %d: %s", self.index, text)
+        self._abandon(job, slot, ErrorCode.JOB_MISMATCH, text, extra_ranks=[h.sender])
+
+    def _abandon(self, job: Job, slot: Slot, code: ErrorCode, text: str, extra_ranks=()) -> None:
+        """Give up a slot and tell every worker that contributed to it."""
+        job.slots.pop(slot.key, None)
+        job.remember_done(slot.key)
+        err = Header(MsgType.ERROR, job_id=job.job_id, round=slot.key[0], index=slot.key[1])
+        payload = wire.error_payload(code, text)
+        for rank in sorted(set(job.present(slot.seen)) | set(extra_ranks)):
+            peer = job.members.get(rank)
+            if peer is not None:
+                err.sender = rank
+                self._reply(peer, err, payload)
+        self.pool.give(slot.buf)
+
+    def check_stalls(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for job in list(self.jobs.values()):
+            for slot in list(job.slots.values()):
+                waited = now - slot.first_seen
+                if waited < job.stall_timeout:
+                    continue
+                missing = job.missing(slot.seen)
+                what = "exponent agreement" if slot.key[1] == wire.SCALE_INDEX else f"chunk {slot.key[1]}"
+                text = (f"waited {waited:.1f}s for rank(s) {missing} of job {job.name!r} (world size "
+                        f"{job.world}) to contribute to round {slot.key[0]} {what}; rank(s) "
+                        f"{job.present(slot.seen)} did. Is rank {missing[0]} alive and calling "
+                        f"allreduce in the same order as the others?")
+                log.warning("shard %d: %s", self.index, text)
+                self.counters["stalls"] += 1
+                self._abandon(job, slot, ErrorCode.STALL, text)
+
+    def stats(self) -> dict:
+        return {
+            "shard": self.index,
+            "pid": os.getpid(),
+            "address": str(self.listener.address),
+            "counters": dict(self.counters),
+            "pool_buffers": self.pool.allocated,
+            "jobs": {
+                job.name: {"id": job.job_id, "world": job.world, "members": sorted(job.members),
+                           "open_slots": len(job.slots)}
+                for job in self.jobs.values()
+            },
+        }

@@ -1,0 +1,99 @@
+"""Running N workers against a service: threads for inproc services,
+real processes (forked) for socket transports."""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import threading
+import time
+import tempfile
+import traceback
+import uuid
+
+from aggnet.hosts import service as service_mod
+from aggnet.hosts.process import ServiceProcess
+
+
+class WorkerFailed(AssertionError):
+    pass
+
+
+def _call(fn, rank, args, out):
+    try:
+        out.put((rank, True, fn(rank, *args)))
+    except BaseException as exc:  # report every failure, with its type
+        out.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
+
+
+def run_workers(address: str, world: int, fn, *args, timeout: float = 60.0, expect_errors: bool = False):
+    """Run ``fn(rank, *args)`` for every rank; return results by rank.
+
+    With ``expect_errors`` a failing worker's (type name, message) is
+    returned in its place instead of failing the test."""
+    inproc = address.startswith("inproc://")
+    if inproc:
+        out = queue.Queue()
+        workers = [threading.Thread(target=_call, args=(fn, r, args, out), daemon=True) for r in range(world)]
+    else:
+        ctx = multiprocessing.get_context("fork")
+        out = ctx.Queue()
+        workers = [ctx.Process(target=_call, args=(fn, r, args, out), daemon=True) for r in range(world)]
+    for w in workers:
+        w.start()
+    results = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < world:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            rank, ok, value = out.get(timeout=left)
+        except queue.Empty:
+            break
+        if not ok and not expect_errors:
+            for w in workers:
+                if not inproc and w.is_alive():
+                    w.kill()
+            raise WorkerFailed(f"rank {rank} failed: {value[0]}: {value[1]}\n{value[2]}")
+        results[rank] = value if ok else value[:2]
+    for w in workers:
+        w.join(timeout=max(0.1, deadline - time.monotonic()))
+        if not inproc and w.is_alive():
+            w.kill()
+    missing = sorted(set(range(world)) - set(results))
+    if missing:
+        raise WorkerFailed(f"rank(s) {missing} did not finish within {timeout:g}s")
+    return [results[r] for r in range(world)]
+
+
+class RunningService:
+    """A service for a test: in-process threads or a real `aggnet serve`."""
+
+    def __init__(self, kind: str, shards: int = 2):
+        self.kind = kind
+        if kind == "inproc":
+            self._svc = service_mod.start(f"inproc://agg-{uuid.uuid4().hex[:8]}", shards)
+            self.address = self._svc.address
+        else:
+            # Unix socket paths are limited to 107 bytes: keep them short
+            listen = ("zmq+tcp://127.0.0.1:0" if kind == "zmq+tcp"
+                      else f"zmq+ipc://{tempfile.mkdtemp(prefix='agg-')}/agg.sock")
+            self._svc = ServiceProcess(listen, shards)
+            self.address = self._svc.address
+
+    def stats(self) -> dict:
+        from aggnet import wire
+        from aggnet.transport import connect
+
+        with connect([self.address]) as conn:
+            conn.send(0, wire.Header(wire.MsgType.STATS).pack())
+            msg = conn.recv(10.0)
+        assert msg is not None, f"no STATS answer from {self.address}"
+        return wire.parse_json(msg.payload)
+
+    def stop(self):
+        if self.kind == "inproc":
+            self._svc.stop()
+            return 0
+        return self._svc.stop()

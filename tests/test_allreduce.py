@@ -1,0 +1,362 @@
+"""All-reduce through aggregator services over every transport: exact sums,
+codecs, concurrent jobs, and every way a run can go wrong."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from aggnet import Client, wire
+from aggnet.errors import (
+    AggregationTimeout,
+    AggregatorUnreachable,
+    ClientClosed,
+    JobMismatch,
+    NonFiniteError,
+)
+from aggnet.kernels import quant_shift
+from aggnet.transport import connect
+from helpers import run_workers
+
+SIZES = [0, 1, 7, 1000, 4096, 70001]
+
+
+def float_data(rank: int, n: int, seed: int = 0) -> np.ndarray:
+    """Integer-valued floats: every sum of up to 4 of them is exact."""
+    rng = np.random.default_rng(1000 * seed + rank)
+    return rng.integers(-(2**20), 2**20, n).astype(np.float32)
+
+
+def int_data(rank: int, n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(5000 + 1000 * seed + rank)
+    return rng.integers(-(2**31), 2**31, n, dtype=np.int64).astype(np.int32)
+
+
+def wrapped_sum(arrays) -> np.ndarray:
+    total = np.zeros(arrays[0].shape, np.int64)
+    for a in arrays:
+        total += a
+    return ((total + 2**31) % 2**32 - 2**31).astype(np.int32)
+
+
+def _exact_worker(rank, address, world, job, chunk_bytes, seed):
+    with Client(address, job=job, rank=rank, world_size=world, chunk_bytes=chunk_bytes, timeout=20) as c:
+        out = []
+        for n in SIZES:
+            x = float_data(rank, n, seed)
+            y = int_data(rank, n, seed)
+            fx, fy = c.allreduce(x), c.allreduce(y)
+            assert fx.result(30) is x and fy.result(30) is y
+            out.append((x, y))
+        return out
+
+
+def _check_exact(results, world, seed):
+    for rank_out in results:
+        for n, (x, y) in zip(SIZES, rank_out):
+            want_x = sum(float_data(r, n, seed).astype(np.float64) for r in range(world)) if n else np.zeros(0)
+            np.testing.assert_array_equal(x, want_x.astype(np.float32))
+            want_y = wrapped_sum([int_data(r, n, seed) for r in range(world)]) if n else np.zeros(0, np.int32)
+            np.testing.assert_array_equal(y, want_y)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_sums_are_exact_on_every_transport(service, world):
+    job = f"exact-{uuid.uuid4().hex[:6]}"
+    results = run_workers(service.address, world, _exact_worker, service.address, world, job, 4096, world)
+    _check_exact(results, world, world)
+
+
+@pytest.mark.parametrize("kind", ["inproc", "zmq+ipc"])
+@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("chunk_bytes", [256, 65536, 1 << 20])
+def test_sums_identical_across_chunk_sizes_and_shard_counts(service_factory, kind, shards, chunk_bytes):
+    svc = service_factory(kind, shards)
+    job = f"grid-{uuid.uuid4().hex[:6]}"
+    results = run_workers(svc.address, 3, _exact_worker, svc.address, 3, job, chunk_bytes, 7)
+    _check_exact(results, 3, 7)
+
+
+def _codec_worker(rank, address, world, job, codec, op):
+    rng = np.random.default_rng(rank)
+    x = (rng.standard_normal(50000) * np.exp(rng.uniform(-8, 8, 50000))).astype(np.float32)
+    orig = x.copy()
+    with Client(address, job=job, rank=rank, world_size=world, chunk_bytes=8192, timeout=20) as c:
+        c.allreduce(x, op=op, codec=codec).result(30)
+    return orig, x
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("codec", [None, "int32", "fp16", "bf16"])
+def test_codecs_stay_within_their_bounds(service_factory, codec, op):
+    svc = service_factory("inproc")
+    world = 3
+    res = run_workers(svc.address, world, _codec_worker, svc.address, world, f"codec-{codec}-{op}", codec, op)
+    inputs = [o for o, _ in res]
+    exact = sum(i.astype(np.float64) for i in inputs)
+    if op == "avg":
+        exact = exact / world
+    got = res[0][1]
+    for _, other in res[1:]:
+        np.testing.assert_array_equal(other, got)  # every worker holds the same result
+    err = np.abs(got.astype(np.float64) - exact)
+    magnitude = sum(np.abs(i.astype(np.float64)) for i in inputs) / (world if op == "avg" else 1)
+    if codec is None:
+        # world-1 float32 additions, each off by at most half an ulp of the
+        # partial sum, plus the division for avg
+        assert np.all(err <= magnitude * (world - 1) * 2**-24 + np.abs(exact) * 2**-23)
+    elif codec == "int32":
+        # per 2048-element chunk: each worker's rounding is at most half a step
+        elems = 8192 // 4
+        for start in range(0, exact.size, elems):
+            block = slice(start, start + elems)
+            e = max(int(np.frexp(np.max(np.abs(i[block])))[1]) for i in inputs)
+            step = 2.0 ** -quant_shift(e, world)
+            bound = world * 0.5 * step * (1 / world if op == "avg" else 1) + np.abs(exact[block]) * 2**-23
+            assert np.all(err[block] <= bound), f"chunk at {start}"
+    else:
+        mant = 10 if codec == "fp16" else 7
+        # each input rounded once (and divided first for avg), the sum rounded once more
+        bound = magnitude * 2.0 ** -mant + np.abs(exact) * 2.0 ** -mant + 2.0 ** -24 * world
+        finite = np.isfinite(got)
+        assert np.all(err[finite] <= bound[finite])
+        if codec == "fp16":
+            assert np.all(finite[np.abs(exact) < 60000])
+
+
+def _two_jobs_worker(rank, address):
+    job, world, r = ("alpha", 2, rank) if rank < 2 else ("beta", 3, rank - 2)
+    with Client(address, job=job, rank=r, world_size=world, chunk_bytes=1024, timeout=20) as c:
+        outs = []
+        for i in range(5):
+            x = float_data(r, 20000, seed=100 * world + i)
+            c.allreduce(x).result(30)
+            outs.append(x)
+    return job, world, outs
+
+
+def test_two_jobs_concurrently_get_independent_exact_results(service):
+    results = run_workers(service.address, 5, _two_jobs_worker, service.address)
+    for job, world, outs in results:
+        for i, x in enumerate(outs):
+            want = sum(float_data(r, 20000, seed=100 * world + i) for r in range(world))
+            np.testing.assert_array_equal(x, want)
+    jobs = {name for s in service.stats()["shards"] for name in s["jobs"]}
+    assert not jobs & {"alpha", "beta"}, "finished jobs are removed once every worker left"
+
+
+def test_malformed_messages_are_dropped_counted_and_answered(service):
+    job = f"bad-{uuid.uuid4().hex[:6]}"
+    from aggnet.client import job_id_of
+
+    good = wire.Header(wire.MsgType.PUSH, job_id=job_id_of(job), round=1, index=0, sender=0,
+                       dtype=wire.DType.FLOAT32, count=4, flags=wire.Flag.LITTLE_ENDIAN)
+    with connect([service.address]) as ctl:
+        ctl.send(0, wire.Header(wire.MsgType.HELLO).pack())
+        msg = ctl.recv(10)
+        shards = wire.parse_json(msg.payload)["shards"]
+    bad_magic = bytearray(good.pack())
+    bad_magic[0] = 0
+    bad_version = bytearray(good.pack())
+    bad_version[2] = 99
+    truncated = good.pack()[:20]
+    garbage = [
+        (bytes(bad_magic), b"\0" * 16),
+        (bytes(bad_version), b"\0" * 16),
+        (truncated, None),
+        (good.pack(), b"\0" * 15),  # payload shorter than count says
+        (good.pack(), b"\0" * 16),  # well formed, but nobody joined this job
+    ]
+    with connect(shards) as raw:
+        for header, payload in garbage:
+            raw.send(0, header, payload)
+        errors = []
+        deadline = time.monotonic() + 10
+        while len(errors) < len(garbage) and time.monotonic() < deadline:
+            m = raw.recv(0.5)
+            if m is not None:
+                h = wire.unpack_header(m.header)
+                assert h.msg_type == wire.MsgType.ERROR
+                errors.append(wire.parse_error(m.payload))
+        # the service keeps serving real workers meanwhile
+        results = run_workers(service.address, 2, _exact_worker, service.address, 2, job, 4096, 3)
+        _check_exact(results, 2, 3)
+    codes = [c for c, _ in errors]
+    assert codes.count("malformed") == 4 and codes.count("not_joined") == 1, errors
+    assert any("bad magic" in m for _, m in errors)
+    assert any("version 99" in m for _, m in errors)
+    assert any("shorter than the 48-byte" in m for _, m in errors)
+    assert any("does not match count=4" in m for _, m in errors)
+    c = service.stats()["totals"]
+    assert c["dropped_malformed_magic"] == 1
+    assert c["dropped_malformed_version"] == 1
+    assert c["dropped_malformed_short"] == 1
+    assert c["dropped_malformed_length"] == 1
+    assert c["dropped_unknown_job"] == 1
+
+
+def test_unreachable_aggregator_fails_fast_with_the_address(tmp_path):
+    address = f"zmq+ipc://{tmp_path}/nobody.sock"
+    t0 = time.monotonic()
+    with pytest.raises(AggregatorUnreachable) as err:
+        Client(address, job="lonely", connect_timeout=1.5)
+    assert time.monotonic() - t0 < 5
+    assert "nobody.sock" in str(err.value) and "aggnet serve --listen" in str(err.value)
+
+
+def test_aggregator_that_dies_fails_the_allreduce_within_its_timeout(service_factory):
+    svc = service_factory("zmq+ipc")
+    c = Client(svc.address, job="orphan", rank=0, world_size=2, timeout=1.5)
+    try:
+        svc.stop()
+        fut = c.allreduce(np.ones(1000, np.float32))
+        t0 = time.monotonic()
+        with pytest.raises(AggregationTimeout) as err:
+            fut.result(timeout=10)
+        assert time.monotonic() - t0 < 6
+        msg = str(err.value)
+        assert "orphan" in msg and svc.address in msg and "no progress" in msg
+        with pytest.raises(ClientClosed):
+            c.allreduce(np.ones(4, np.float32))
+    finally:
+        c.close()
+
+
+def _stall_worker(rank, address, job):
+    with Client(address, job=job, rank=rank, world_size=3, timeout=1.5) as c:
+        if rank == 2:
+            time.sleep(3.5)  # joined, but never calls allreduce
+            return "idle"
+        t0 = time.monotonic()
+        try:
+            c.allreduce(np.ones(10000, np.float32)).result(20)
+        except AggregationTimeout as exc:
+            return str(exc), time.monotonic() - t0
+        return "no error", 0
+
+
+def test_a_silent_worker_is_named_by_the_others(service):
+    job = f"stall-{uuid.uuid4().hex[:6]}"
+    res = run_workers(service.address, 3, _stall_worker, service.address, job, timeout=40)
+    for text, waited in res[:2]:
+        assert "rank(s) [2]" in text and job in text, text
+        assert waited < 3
+    assert res[2] == "idle"
+
+
+def _world_worker(rank, address, job):
+    world = 2 if rank == 0 else 3
+    if rank == 1:
+        time.sleep(0.5)  # let rank 0 register the job first
+    try:
+        with Client(address, job=job, rank=rank, world_size=world, connect_timeout=5):
+            if rank == 0:
+                time.sleep(2)  # stay a member while rank 1 tries
+            return "joined"
+    except JobMismatch as exc:
+        return str(exc)
+
+
+def test_world_size_mismatch_is_refused_at_join(service):
+    job = f"world-{uuid.uuid4().hex[:6]}"
+    res = run_workers(service.address, 2, _world_worker, service.address, job)
+    assert res[0] == "joined"
+    assert "registered with world size 2" in res[1] and "world size 3" in res[1]
+
+
+def _size_worker(rank, address, job):
+    with Client(address, job=job, rank=rank, world_size=2, chunk_bytes=4096, timeout=10) as c:
+        try:
+            c.allreduce(np.ones(1000 * (rank + 1), np.float32)).result(20)
+        except JobMismatch as exc:
+            return str(exc)
+        return "no error"
+
+
+def test_buffer_size_mismatch_is_reported_to_both_workers(service):
+    job = f"size-{uuid.uuid4().hex[:6]}"
+    res = run_workers(service.address, 2, _size_worker, service.address, job)
+    for text in res:
+        assert "same buffers in the same order" in text, text
+
+
+def _nan_worker(rank, address, job):
+    x = np.ones(5000, np.float32)
+    if rank == 1:
+        x[1234] = np.nan
+        x[4000] = np.inf
+    with Client(address, job=job, rank=rank, world_size=2, chunk_bytes=4096, timeout=10) as c:
+        try:
+            c.allreduce(x, codec="int32").result(20)
+        except NonFiniteError as exc:
+            first = str(exc)
+        else:
+            first = "no error"
+        # the job carries on after a refused buffer
+        y = np.full(100, rank + 1, np.float32)
+        c.allreduce(y, codec="int32").result(20)
+        return first, y
+
+
+def test_nan_and_inf_are_reported_not_quantized(service):
+    job = f"nan-{uuid.uuid4().hex[:6]}"
+    (msg0, y0), (msg1, y1) = run_workers(service.address, 2, _nan_worker, service.address, job)
+    assert "rank 1" in msg1 and "2 NaN/Inf" in msg1
+    assert "another worker reported NaN/Inf" in msg0
+    np.testing.assert_array_equal(y0, np.full(100, 3, np.float32))
+    np.testing.assert_array_equal(y1, y0)
+
+
+def _embedded_worker(rank, job):
+    with Client(job=job, rank=rank, world_size=2, timeout=20) as c:
+        x = np.full(300000, rank + 1, np.float32)
+        c.allreduce(x).result(30)
+        return float(x.min()), float(x.max()), c.address
+
+
+def test_embedded_default_needs_no_service(monkeypatch):
+    monkeypatch.delenv("AGGNET_ADDRESS", raising=False)
+    job = f"embedded-{uuid.uuid4().hex[:6]}"
+    res = run_workers("zmq+ipc://embedded", 2, _embedded_worker, job)
+    assert [r[:2] for r in res] == [(3.0, 3.0), (3.0, 3.0)]
+    address = res[0][2]
+    # rank 0 stopped its aggregator on exit: nothing listens there any more
+    assert not os.path.exists(address.split("://", 1)[1])
+    with pytest.raises(AggregatorUnreachable):
+        Client(address, job="late", connect_timeout=1.0)
+
+
+def test_sigterm_stops_service_and_shards(service_factory):
+    svc = service_factory("zmq+tcp", shards=2)
+    pids = [s["pid"] for s in svc.stats()["shards"]]
+    assert len(pids) == 2
+    assert svc.stop() == 0
+    for pid in pids:
+        for _ in range(50):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"shard process {pid} outlived its service")
+
+
+def test_bad_settings_fail_with_the_bad_value(service):
+    with pytest.raises(ValueError, match="rank must be an integer in \\[0, 2\\), got 2"):
+        Client(service.address, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="chunk_bytes must be between 64 B and 1 GiB, got 10"):
+        Client(service.address, chunk_bytes=10)
+    with Client(service.address, job="settings") as c:
+        with pytest.raises(ValueError, match="float32, int32, float16 and bfloat16 buffers, not float64"):
+            c.allreduce(np.ones(3))
+        with pytest.raises(ValueError, match="C-contiguous"):
+            c.allreduce(np.ones((4, 4), np.float32)[:, 1])
+        with pytest.raises(ValueError, match="op='avg' needs a floating-point buffer"):
+            c.allreduce(np.ones(3, np.int32), op="avg")
+        with pytest.raises(ValueError, match="codec must be one of"):
+            c.allreduce(np.ones(3, np.float32), codec="int8")

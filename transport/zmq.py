@@ -1,0 +1,169 @@
+"""ZeroMQ transport: ROUTER listeners, one DEALER per endpoint on clients.
+
+A message is two frames, [header, payload] (one without payload); a ROUTER
+prefixes the peer identity. Payload frames are sent zero-copy (pyzmq copies
+frames below its copy threshold itself, where a copy is cheaper than
+tracking) and received zero-copy: the caller reads the payload straight out
+of ZeroMQ's message. Queues are bounded by high-water marks; a ROUTER is
+mandatory-routing so that a reply to a vanished peer is reported, not
+silently queued.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from typing import Sequence
+
+import zmq
+
+from ..address import Address
+from .base import Connection, Incoming, Listener, Transport, TransportError
+
+#: messages queued per socket before sends block (clients bound their
+#: in-flight chunks by a window far below this)
+HIGH_WATER_MARK = 4096
+_EMPTY = memoryview(b"")
+
+
+def zmq_endpoint(addr: Address) -> str:
+    if addr.scheme == "zmq+tcp":
+        host = f"[{addr.host}]" if ":" in addr.host else addr.host
+        return f"tcp://{host}:{addr.port}"
+    if addr.scheme in ("zmq+ipc", "shm"):
+        return f"ipc://{addr.path}"
+    raise TransportError(f"ZeroMQ cannot serve {addr}")
+
+
+def _context() -> zmq.Context:
+    return zmq.Context.instance()
+
+
+def _split(frames) -> tuple:
+    header = frames[0].buffer if frames else _EMPTY
+    if len(frames) == 1:
+        return header, _EMPTY
+    if len(frames) == 2:
+        return header, frames[1].buffer
+    # more frames than the format has: hand them on joined, so the length
+    # check rejects the message and counts it
+    return header, memoryview(b"".join(f.bytes for f in frames[1:]))
+
+
+class ZmqListener(Listener):
+    def __init__(self, addr: Address):
+        self._sock = _context().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
+        self._sock.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+        endpoint = zmq_endpoint(addr)
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self._sock.close()
+            raise TransportError(f"cannot listen on {addr}: {exc}") from None
+        bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if addr.scheme == "zmq+tcp":
+            self.address = addr.with_port(int(bound.rsplit(":", 1)[1]))
+        else:
+            self.address = addr
+
+    def recv(self, timeout: float) -> Incoming | None:
+        if not self._sock.poll(max(0, int(timeout * 1000))):
+            return None
+        frames = self._sock.recv_multipart(copy=False)
+        header, payload = _split(frames[1:])
+        return Incoming(frames[0].bytes, header, payload)
+
+    def send(self, peer, header: bytes, payload=None) -> bool:
+        frames = [peer, header] if payload is None else [peer, header, payload]
+        try:
+            self._sock.send_multipart(frames, copy=False)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False
+            raise TransportError(f"send from {self.address} failed: {exc}") from None
+        return True
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        if self.address.scheme in ("zmq+ipc", "shm"):
+            try:
+                os.unlink(self.address.path)
+            except OSError:
+                pass
+
+
+class ZmqConnection(Connection):
+    def __init__(self, addrs: Sequence[Address]):
+        self.addresses = list(addrs)
+        ctx = _context()
+        self._socks = []
+        self._poller = zmq.Poller()
+        self._index = {}
+        for i, addr in enumerate(self.addresses):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
+            s.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+            try:
+                s.connect(zmq_endpoint(addr))
+            except zmq.ZMQError as exc:
+                s.close()
+                self.close()
+                raise TransportError(f"cannot connect to {addr}: {exc}") from None
+            self._socks.append(s)
+            self._poller.register(s, zmq.POLLIN)
+            self._index[s] = i
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._poller.register(self._wake_fd, zmq.POLLIN)
+        self._ready: collections.deque[Incoming] = collections.deque()
+
+    def send(self, endpoint: int, header: bytes, payload=None) -> None:
+        frames = [header] if payload is None else [header, payload]
+        try:
+            self._socks[endpoint].send_multipart(frames, copy=False)
+        except zmq.ZMQError as exc:
+            raise TransportError(f"send to {self.addresses[endpoint]} failed: {exc}") from None
+
+    def recv(self, timeout: float) -> Incoming | None:
+        if self._ready:
+            return self._ready.popleft()
+        events = self._poller.poll(max(0, int(timeout * 1000)))
+        for sock, _ in events:
+            if sock == self._wake_fd:
+                try:
+                    os.eventfd_read(self._wake_fd)
+                except BlockingIOError:
+                    pass
+                continue
+            # drain what is there so one poll serves many messages
+            i = self._index[sock]
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                header, payload = _split(frames)
+                self._ready.append(Incoming(i, header, payload))
+        return self._ready.popleft() if self._ready else None
+
+    def wakeup(self) -> None:
+        os.eventfd_write(self._wake_fd, 1)
+
+    def close(self) -> None:
+        for s in self._socks:
+            s.close(linger=0)
+        self._socks = []
+        fd, self._wake_fd = getattr(self, "_wake_fd", -1), -1
+        if fd >= 0:
+            os.close(fd)
+
+
+class ZmqTransport(Transport):
+    def listen(self, address: Address, **options) -> Listener:
+        return ZmqListener(address)
+
+    def connect(self, addresses: Sequence[Address], **options) -> Connection:
+        return ZmqConnection(addresses)
