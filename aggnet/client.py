@@ -74,13 +74,18 @@ class _Request:
     chunks: list
     submitted: float
     remaining: int = 0
-    #: per shard: chunk indices not yet sent, in order
+    #: per shard: this request's chunks on it, in order
     queues: dict = field(default_factory=dict)
     #: int32 codec: shards whose exponent agreement is still open
     scale_pending: set = field(default_factory=set)
     exponents: np.ndarray | None = None  # agreed per chunk (int32 codec)
     local_nonfinite: int = 0
     failed: bool = False
+    #: shards whose chunks are not sent (their exponents held NaN/Inf): every
+    #: worker sees the same agreed exponents, so all skip the same chunks
+    skip_shards: set = field(default_factory=set)
+    #: the error the request ends with once its other chunks are done
+    error: Exception | None = None
 
 
 class Client:
@@ -120,7 +125,11 @@ class Client:
             from .embedded import local_aggregator
 
             self._embedded, address = local_aggregator(job, rank, self.config)
-        self.address = str(parse(address))
+        addr = parse(address)
+        self.address = str(addr)
+        #: same-host shared-memory payloads (shm:// addresses)
+        self._shm = addr.scheme == "shm"
+        self._segments: list = []
         self._conn = None
         self._lock = threading.Lock()
         self._submitted: collections.deque[_Request] = collections.deque()
@@ -133,6 +142,8 @@ class Client:
             self._join()
         except BaseException:
             self._close_transport()
+            for seg in self._segments:
+                seg.close()
             if self._embedded is not None:
                 self._embedded.stop()
             raise
@@ -194,8 +205,19 @@ class Client:
         h = Header(MsgType.JOIN, job_id=self.job_id, sender=self.rank, world=self.world_size)
         # the aggregator names silent workers before the client's own
         # deadline runs out, so the error says who is missing
-        payload = wire.json_payload({"name": self.job, "timeout": STALL_FRACTION * self.config.timeout})
+        request = {"name": self.job, "timeout": STALL_FRACTION * self.config.timeout}
+        if self._shm:
+            request["shm"] = {"window": self.config.window, "chunk_bytes": self.config.chunk_bytes}
+        payload = wire.json_payload(request)
         replies = self._request_reply(self._conn, list(range(len(self.shards))), h, payload, MsgType.JOIN_OK, deadline)
+        if self._shm:
+            from .shm import Segment
+
+            for i in range(len(self.shards)):
+                info = replies[i].get("shm")
+                if info is None:
+                    raise AggregationError(f"shard {self.shards[i]} did not offer shared memory to {self._context()}")
+                self._segments.append(Segment.open(info))
         log.info("%s joined %d shard(s) with world size %d", self._context(), len(replies), self.world_size)
 
     # -- public API ----------------------------------------------------------
@@ -245,6 +267,9 @@ class Client:
         if thread is not None:
             thread.join(timeout=5.0)
         self._close_transport(leave=True)
+        for seg in self._segments:
+            seg.close()
+        self._segments = []
         if self._embedded is not None:
             self._embedded.stop()
             self._embedded = None
@@ -274,6 +299,11 @@ class Client:
     def _io_loop(self) -> None:
         self._active: dict[int, _Request] = {}
         self._inflight = [0] * len(self.shards)
+        #: chunks sent to each shard so far: every worker sends a shard its
+        #: chunks in the same order, so this numbers them alike everywhere
+        self._seq = [0] * len(self.shards)
+        #: per shard: (request, chunk) still to send, in admission order
+        self._to_send = [collections.deque() for _ in self.shards]
         self._staging: list[np.ndarray] = []
         #: (round, chunk) -> staging buffer (or None) of every chunk whose
         #: result has not come back, failed rounds included
@@ -309,7 +339,8 @@ class Client:
         self._active[req.round] = req
         req.remaining = len(req.chunks)
         for c in req.chunks:
-            req.queues.setdefault(c.shard, collections.deque()).append(c)
+            req.queues.setdefault(c.shard, []).append(c)
+            self._to_send[c.shard].append((req, c))
         if req.enc.quantized:
             self._start_scale_agreement(req)
         if not self._active or len(self._active) == 1:
@@ -339,16 +370,21 @@ class Client:
         return np.empty(self.config.chunk_bytes // 4, np.int32)
 
     def _send_ready(self) -> None:
+        """Send what the windows allow, one chunk per shard in turn. Each
+        shard's chunks leave strictly in admission order: every worker then
+        numbers them alike, which the shared-memory rings rely on."""
         window = self.config.window
         progressed = True
         while progressed:
             progressed = False
-            for req in list(self._active.values()):
-                for shard, q in req.queues.items():
-                    if not q or self._inflight[shard] >= window or shard in req.scale_pending:
-                        continue
-                    self._send_chunk(req, q.popleft())
-                    progressed = True
+            for shard, q in enumerate(self._to_send):
+                while q and (q[0][0].failed or shard in q[0][0].skip_shards):
+                    q.popleft()
+                if not q or self._inflight[shard] >= window or shard in q[0][0].scale_pending:
+                    continue
+                req, c = q.popleft()
+                self._send_chunk(req, c)
+                progressed = True
 
     def _send_chunk(self, req: _Request, c: chunking.Chunk) -> None:
         enc = req.enc
@@ -359,15 +395,24 @@ class Client:
             exponent = int(req.exponents[c.index])
             shift = kernels.quant_shift(exponent, self.world_size)
         staging = None
-        if enc.zero_copy:
+        seq = self._seq[c.shard]
+        self._seq[c.shard] = (seq + 1) & 0xFFFFFFFF
+        flags = Flag.LITTLE_ENDIAN
+        if self._shm:
+            # the payload goes into this worker's input slot; only the header travels
+            slot = self._segments[c.shard].input_slot(self.rank, seq)
+            enc.encode_into(src, slot[: c.count * enc.wire_itemsize], shift)
+            payload = None
+            flags |= Flag.SHM
+        elif enc.zero_copy:
             payload = src
         else:
             staging = self._take_staging()
             payload = enc.encode(src, staging.view(enc.staging_dtype), shift)
         self._outstanding[(req.round, c.index)] = staging
         h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=c.index, sender=self.rank,
-                   flags=Flag.LITTLE_ENDIAN, dtype=enc.wire, count=c.count, exponent=exponent,
-                   world=self.world_size, offset=c.offset)
+                   flags=flags, dtype=enc.wire, count=c.count, exponent=exponent,
+                   world=self.world_size, ref=seq, offset=c.offset)
         self._conn.send(c.shard, h.pack(), payload)
         self._inflight[c.shard] += 1
         self.stats.chunks_sent += 1
@@ -411,6 +456,10 @@ class Client:
             ), poison=True)
             return
         shift = kernels.quant_shift(h.exponent, self.world_size) if req.enc.quantized else 0
+        if h.flags & Flag.SHM:
+            if not self._segments:
+                return
+            payload = self._segments[shard].result_slot(h.ref)[: h.payload_bytes]
         req.enc.decode(payload, req.buf[c.offset:c.offset + c.count], shift)
         self.stats.results += 1
         self.stats.bytes_received += len(payload)
@@ -442,7 +491,14 @@ class Client:
             else:
                 text = (f"job {self.job!r} round {req.round}: another worker reported NaN/Inf values in {where}; "
                         f"that worker's own error names it (rank {self.rank} saw none)")
-            self._fail(req, NonFiniteError(text), poison=False)
+            # the other shards' chunks still go, exactly as on every other
+            # worker, so that no shard is left waiting and sequences agree
+            req.error = req.error or NonFiniteError(text)
+            req.skip_shards.add(shard)
+            req.remaining -= len(q)
+            if req.remaining == 0:
+                del self._active[req.round]
+                self._complete(req)
 
     def _on_error(self, shard: int, h: Header, code: str, text: str) -> None:
         where = f"aggregator shard {shard} at {self._conn.addresses[shard]}"
@@ -473,6 +529,10 @@ class Client:
     # -- completion ------------------------------------------------------------
 
     def _complete(self, req: _Request) -> None:
+        if req.error is not None:
+            req.failed = True
+            req.future.set_exception(req.error)
+            return
         self.stats.allreduces += 1
         self.stats.seconds += time.monotonic() - req.submitted
         req.future.set_result(req.caller_buf)
@@ -482,8 +542,6 @@ class Client:
             return
         req.failed = True
         self._active.pop(req.round, None)
-        for q in req.queues.values():
-            q.clear()
         if poison:
             with self._lock:
                 self._failed = self._failed or exc

@@ -112,6 +112,14 @@ class Encoding:
             self.k.to_half(src, out, self.half_fmt, self.multiplier)
         return out
 
+    def encode_into(self, src: np.ndarray, out: np.ndarray, shift: int = 0) -> None:
+        """Encode chunk ``src`` into ``out`` (raw bytes, e.g. a shared-memory
+        slot), copying where the wire format is the buffer's own."""
+        if self.zero_copy:
+            np.copyto(out.view(src.dtype), src)
+        else:
+            self.encode(src, out.view(self.staging_dtype), shift)
+
     def decode(self, payload, dest: np.ndarray, shift: int = 0) -> None:
         """Write a result payload into ``dest`` (the chunk of the caller's
         buffer), undoing the encoding."""

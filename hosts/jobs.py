@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from aggnet.shm import Segment
 from aggnet.wire import DType
 
 #: how many finished (round, chunk) keys a job remembers, so that a late or
@@ -72,8 +73,9 @@ class Slot:
     offset: int
     exponent: int
     op_max: bool
-    buf: np.ndarray  # pool buffer behind acc
+    buf: np.ndarray | None  # pool buffer behind acc (None: acc lives in shared memory)
     acc: np.ndarray
+    ref: int = 0  #: the chunk's per-shard sequence number (shared-memory slots)
     first_seen: float = field(default_factory=time.monotonic)
     seen: int = 0  #: bitmap of ranks summed in
     nsum: int = 0
@@ -89,6 +91,9 @@ class Job:
     members: dict = field(default_factory=dict)  #: rank -> transport peer
     slots: dict = field(default_factory=dict)  #: (round, index, op) -> Slot
     done: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    #: shared-memory rings of the job on this shard, and the ranks using them
+    segment: "Segment | None" = None
+    shm_members: set = field(default_factory=set)
 
     def remember_done(self, key) -> None:
         self.done[key] = None

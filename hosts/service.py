@@ -86,9 +86,11 @@ def _shard_main(index: int, address: str, report, log_level: int) -> None:
         return
     report.send(("ready", str(listener.address)))
     report.close()
+    shard = Shard(listener, index)
     try:
-        Shard(listener, index).serve(stop.is_set)
+        shard.serve(stop.is_set)
     finally:
+        shard.close()
         listener.close()
 
 
@@ -263,4 +265,5 @@ def _serve_thread(shard: Shard, stop: threading.Event) -> None:
     try:
         shard.serve(stop.is_set)
     finally:
+        shard.close()
         shard.listener.close()

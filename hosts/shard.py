@@ -21,7 +21,7 @@ from aggnet import kernels, wire
 from aggnet.transport import Listener
 from aggnet.wire import ITEMSIZE, DType, ErrorCode, Flag, Header, MsgType
 
-from .jobs import ACC_DTYPE, BufferPool, Job, Slot
+from .jobs import ACC_DTYPE, BufferPool, Job, Segment, Slot
 
 log = logging.getLogger("aggnet.hosts.shard")
 
@@ -121,25 +121,69 @@ class Shard:
                        f"job {name!r} is registered with world size {job.world} but rank {h.sender} "
                        f"joined with world size {h.world}; all workers must agree", h)
             return
+        shm = info.get("shm")
+        if shm is not None and not self._join_shm(peer, h, job, shm):
+            return
         old = job.members.get(h.sender)
         if old is not None and old != peer:
             log.warning("shard %d: job %r rank %d re-joined from a new connection", self.index, name, h.sender)
         job.members[h.sender] = peer
         job.stall_timeout = min(job.stall_timeout, timeout)
         self.counters["joins"] += 1
+        details = {"job": name, "shard": self.index, "world": job.world}
+        if shm is not None:
+            details["shm"] = job.segment.describe()
         self._reply(peer, Header(MsgType.JOIN_OK, job_id=h.job_id, sender=h.sender, world=job.world),
-                    wire.json_payload({"job": name, "shard": self.index, "world": job.world}))
+                    wire.json_payload(details))
+
+    def _join_shm(self, peer, h: Header, job: Job, want: dict) -> bool:
+        """Give a same-host worker the job's shared-memory rings."""
+        try:
+            window, chunk_bytes = int(want["window"]), int(want["chunk_bytes"])
+        except (KeyError, TypeError, ValueError):
+            self._drop(peer, "malformed_json", ErrorCode.MALFORMED, f"bad shared-memory request {want!r}", h)
+            return False
+        if job.segment is None:
+            name = f"aggnet-{os.getpid()}-{job.job_id:08x}-{self.index}"
+            try:
+                job.segment = Segment(name, job.world, window, chunk_bytes, create=True)
+            except (OSError, ValueError) as exc:
+                self._drop(peer, "shm_unavailable", ErrorCode.REFUSED,
+                           f"shared memory is unavailable on the aggregator host ({exc}); use a zmq+ipc:// address", h)
+                return False
+        elif (job.segment.window, job.segment.chunk_bytes) != (window, chunk_bytes):
+            self._drop(peer, "shm_mismatch", ErrorCode.JOB_MISMATCH,
+                       f"job {job.name!r} shares memory in {job.segment.chunk_bytes}-byte chunks with window "
+                       f"{job.segment.window}, but rank {h.sender} asked for {chunk_bytes} and {window}; "
+                       f"all workers of a job must use the same chunk_bytes and window", h)
+            return False
+        job.shm_members.add(h.sender)
+        return True
 
     def _on_leave(self, peer, h: Header) -> None:
         job = self.jobs.get(h.job_id)
         if job is None or job.members.get(h.sender) != peer:
             return
         del job.members[h.sender]
+        job.shm_members.discard(h.sender)
         if not job.members:
-            for slot in job.slots.values():
-                self.pool.give(slot.buf)
-            del self.jobs[h.job_id]
+            self._drop_job(job)
             log.info("shard %d: job %r finished (every worker left)", self.index, job.name)
+
+    def _drop_job(self, job: Job) -> None:
+        for slot in job.slots.values():
+            if slot.buf is not None:
+                self.pool.give(slot.buf)
+        job.slots.clear()
+        if job.segment is not None:
+            job.segment.close()
+            job.segment = None
+        self.jobs.pop(job.job_id, None)
+
+    def close(self) -> None:
+        """Release every job's resources (shared memory above all)."""
+        for job in list(self.jobs.values()):
+            self._drop_job(job)
 
     # -- aggregation -----------------------------------------------------------------
 
@@ -153,9 +197,20 @@ class Shard:
             self._drop(peer, "not_member", ErrorCode.NOT_JOINED,
                        f"rank {h.sender} has not joined job {job.name!r} from this connection", h)
             return
-        if h.dtype not in ACC_DTYPE or h.flags & Flag.SHM:
+        if h.dtype not in ACC_DTYPE:
             self._drop(peer, "bad_dtype", ErrorCode.REFUSED, f"cannot sum {h.dtype.name} payloads", h)
             return
+        seg = job.segment
+        if h.flags & Flag.SHM:
+            if seg is None or h.sender not in job.shm_members:
+                self._drop(peer, "shm_not_joined", ErrorCode.NOT_JOINED,
+                           f"rank {h.sender} sent a shared-memory payload without joining job {job.name!r} over shm", h)
+                return
+            if h.payload_bytes > seg.chunk_bytes:
+                self._drop(peer, "shm_too_large", ErrorCode.MALFORMED,
+                           f"{h.payload_bytes}-byte payload exceeds the {seg.chunk_bytes}-byte shared-memory slot", h)
+                return
+            payload = seg.input_slot(h.sender, h.ref)[: h.payload_bytes]
         op_max = bool(h.flags & Flag.OP_MAX)
         key = (h.round, h.index, op_max)
         if key in job.done:
@@ -163,19 +218,27 @@ class Shard:
             return
         slot = job.slots.get(key)
         if slot is None:
-            nbytes = h.count * np.dtype(ACC_DTYPE[h.dtype]).itemsize
-            buf = self.pool.take(nbytes)
-            acc = buf[:nbytes].view(ACC_DTYPE[h.dtype])
-            slot = Slot(key, h.dtype, h.count, h.offset, h.exponent, op_max, buf, acc)
+            acc_dtype = ACC_DTYPE[h.dtype]
+            nbytes = h.count * np.dtype(acc_dtype).itemsize
+            if seg is not None and not op_max and nbytes <= seg.chunk_bytes and acc_dtype in (np.float32, np.int32):
+                # sum straight into the shared result slot the workers read
+                buf, acc = None, seg.result_slot(h.ref)[:nbytes].view(acc_dtype)
+            else:
+                buf = self.pool.take(nbytes)
+                acc = buf[:nbytes].view(acc_dtype)
+            slot = Slot(key, h.dtype, h.count, h.offset, h.exponent, op_max, buf, acc, ref=h.ref)
             job.slots[key] = slot
-        elif (h.dtype, h.count, h.offset, h.exponent) != (slot.dtype, slot.count, slot.offset, slot.exponent):
+        elif (h.dtype, h.count, h.offset, h.exponent, h.ref) != (slot.dtype, slot.count, slot.offset, slot.exponent, slot.ref):
             self._mismatch(job, slot, h)
             return
         bit = 1 << h.sender
         if slot.seen & bit:
             self.counters["dropped_duplicate"] += 1
             return
+        t0 = time.perf_counter()
         self._accumulate(slot, h, payload)
+        self.counters["sum_seconds"] += time.perf_counter() - t0
+        self.counters["sum_bytes"] += len(payload)
         slot.seen |= bit
         slot.nsum += 1
         slot.next_exponent = max(slot.next_exponent, h.next_exponent)
@@ -219,21 +282,41 @@ class Shard:
         h = Header(MsgType.RESULT, job_id=job.job_id, round=slot.key[0], index=slot.key[1],
                    flags=Flag.LITTLE_ENDIAN | (Flag.OP_MAX if slot.op_max else 0), dtype=slot.dtype,
                    count=slot.count, exponent=slot.exponent, next_exponent=slot.next_exponent,
-                   nsum=slot.nsum, world=job.world, offset=slot.offset)
+                   nsum=slot.nsum, world=job.world, ref=slot.ref, offset=slot.offset)
         out = slot.acc
         out_buf = None
+        in_shm = slot.buf is None  # summed in a shared result slot
+        seg = job.segment
         if slot.dtype in _HALF_FMT:
-            out_buf = self.pool.take(slot.count * 2)
-            out = out_buf[: slot.count * 2].view(np.uint16)
+            in_shm = seg is not None and slot.count * 2 <= seg.chunk_bytes
+            if in_shm:
+                out = seg.result_slot(slot.ref)[: slot.count * 2].view(np.uint16)
+            else:
+                out_buf = self.pool.take(slot.count * 2)
+                out = out_buf[: slot.count * 2].view(np.uint16)
             self.k.to_half(slot.acc, out, _HALF_FMT[slot.dtype])
+        inline = out
+        shm_header = None
+        if in_shm:
+            h.flags |= Flag.SHM
+            shm_header = h.pack()
+            h.flags &= ~Flag.SHM
+            # a socket peer must not read a slot that will be reused: copy
+            inline = bytes(out) if len(job.shm_members) < job.world else None
         header = h.pack()
         for rank in range(job.world):
-            if not self.listener.send(job.members[rank], header, out):
+            peer = job.members[rank]
+            if shm_header is not None and rank in job.shm_members:
+                sent = self.listener.send(peer, shm_header)
+            else:
+                sent = self.listener.send(peer, header, inline)
+            if not sent:
                 self.counters["send_unreachable"] += 1
         self.counters["results"] += 1
         self.counters["bytes_out"] += out.nbytes * job.world
-        del out
-        self.pool.give(slot.buf)
+        del out, inline
+        if slot.buf is not None:
+            self.pool.give(slot.buf)
         if out_buf is not None:
             self.pool.give(out_buf)
 
@@ -257,7 +340,8 @@ class Shard:
             if peer is not None:
                 err.sender = rank
                 self._reply(peer, err, payload)
-        self.pool.give(slot.buf)
+        if slot.buf is not None:
+            self.pool.give(slot.buf)
 
     def check_stalls(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now

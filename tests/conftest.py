@@ -4,7 +4,7 @@ import pytest
 
 from helpers import RunningService
 
-TRANSPORTS = ["inproc", "zmq+ipc", "zmq+tcp"]
+TRANSPORTS = ["inproc", "zmq+ipc", "zmq+tcp", "shm"]
 
 
 @pytest.fixture(params=TRANSPORTS)

@@ -78,7 +78,7 @@ class RunningService:
         else:
             # Unix socket paths are limited to 107 bytes: keep them short
             listen = ("zmq+tcp://127.0.0.1:0" if kind == "zmq+tcp"
-                      else f"zmq+ipc://{tempfile.mkdtemp(prefix='agg-')}/agg.sock")
+                      else f"{kind}://{tempfile.mkdtemp(prefix='agg-')}/agg.sock")
             self._svc = ServiceProcess(listen, shards)
             self.address = self._svc.address
 

@@ -71,7 +71,7 @@ def test_sums_are_exact_on_every_transport(service, world):
     _check_exact(results, world, world)
 
 
-@pytest.mark.parametrize("kind", ["inproc", "zmq+ipc"])
+@pytest.mark.parametrize("kind", ["inproc", "zmq+ipc", "shm"])
 @pytest.mark.parametrize("shards", [1, 3])
 @pytest.mark.parametrize("chunk_bytes", [256, 65536, 1 << 20])
 def test_sums_identical_across_chunk_sizes_and_shard_counts(service_factory, kind, shards, chunk_bytes):

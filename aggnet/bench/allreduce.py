@@ -1,6 +1,237 @@
-def add_arguments(p):
-    pass
+"""``aggnet bench``: aggnet all-reduce beside torch.distributed gloo and a
+memory copy, in one run, on the same buffers.
+
+N worker processes are started once per world size; for every system,
+transport, dtype and size they meet at a barrier, all-reduce, and report
+their time; a repetition's time is the slowest worker's (the collective is
+done when the last worker has its result). The table shows medians and the
+ratio gloo / aggnet (above 1: aggnet is faster); ``--json`` writes one record
+per measurement. The aggregator's own summation speed is read from its
+shards' counters and set beside the memory-copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+
+import numpy as np
+
+from aggnet.config import format_size, parse_size
+
+DEFAULT_SIZES = "1MiB,16MiB,100MiB"
 
 
-def main(args):
+def add_arguments(p) -> None:
+    p.add_argument("--workers", default="2,4", help="worker counts, comma-separated (default %(default)s)")
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help="buffer sizes (default %(default)s)")
+    p.add_argument("--transports", default="shm,ipc,tcp",
+                   help="aggnet transports: shm (shared-memory payloads), ipc, tcp (default %(default)s)")
+    p.add_argument("--dtypes", default="float32,int32", help="float32, int32, q-int32 (float32 quantized to int32)")
+    p.add_argument("--chunk-bytes", default=None, help="aggnet chunk sizes to compare (default: the default chunk)")
+    p.add_argument("--shards", type=int, default=None, help="aggregator shards (default: one per core)")
+    p.add_argument("--reps", type=int, default=7, help="timed repetitions per point (default %(default)s)")
+    p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
+    p.add_argument("--json", default=None, help="write the records to this file")
+
+
+def _system_info() -> dict:
+    return {"host": platform.node(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "machine": platform.machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def _timed(barrier, fn, reps: int) -> list[float]:
+    fn()  # warm-up: first-touch page faults, connection set-up, JIT
+    times = []
+    for _ in range(reps):
+        barrier.wait(120)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _fill(buf: np.ndarray, rank: int) -> None:
+    buf[...] = rank + 1
+
+
+def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_port: int | None, barrier, out) -> None:
+    from aggnet import Client
+
+    results = []
+    if gloo_port is not None:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world)
+    clients: dict = {}
+    try:
+        for point in plan:
+            system, transport, dtype, nbytes, chunk = (point[k] for k in ("system", "transport", "dtype", "bytes", "chunk_bytes"))
+            np_dtype = np.int32 if dtype == "int32" else np.float32
+            buf = np.empty(nbytes // 4, np_dtype)
+            _fill(buf, rank)
+            if system == "gloo":
+                import torch
+                import torch.distributed as dist
+
+                t = torch.from_numpy(buf)
+                times = _timed(barrier, lambda: dist.all_reduce(t), reps)
+            else:
+                key = (transport, chunk)
+                if key not in clients:
+                    clients[key] = Client(services[transport], job=f"bench-{world}-{transport}-{chunk}",
+                                          rank=rank, world_size=world, chunk_bytes=chunk, timeout=120)
+                c = clients[key]
+                codec = "int32" if dtype == "q-int32" else None
+                times = _timed(barrier, lambda: c.allreduce(buf, codec=codec).result(300), reps)
+                # the warm-up sums rank+1 over ranks; every repetition then
+                # all-reduces the previous result again
+                want = world * (world + 1) / 2 * world ** reps
+                if not np.isclose(float(buf[0]), want, rtol=1e-3) or not np.isclose(float(buf[-1]), want, rtol=1e-3):
+                    raise AssertionError(f"rank {rank}: {system}/{transport}/{dtype} gave {buf[0]} and {buf[-1]}, want {want}")
+            results.append(times)
+    finally:
+        for c in clients.values():
+            c.close()
+        if gloo_port is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    out.put((rank, results))
+
+
+def _memcpy_times(nbytes: int, reps: int) -> list[float]:
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _record(point: dict, workers: int, times: list[float]) -> dict:
+    return {**point, "workers": workers, "median_s": statistics.median(times), "min_s": min(times),
+            "max_s": max(times), "reps": len(times)}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _service_stats(address: str) -> dict:
+    from aggnet import wire
+    from aggnet.transport import connect
+
+    with connect([address]) as conn:
+        conn.send(0, wire.Header(wire.MsgType.STATS).pack())
+        msg = conn.recv(10)
+    return wire.parse_json(msg.payload) if msg else {}
+
+
+def main(args) -> int:
+    from aggnet.config import DEFAULT_CHUNK_BYTES
+    from aggnet.hosts.process import ServiceProcess
+
+    worlds = [int(w) for w in args.workers.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    chunks = [parse_size(c) for c in args.chunk_bytes.split(",")] if args.chunk_bytes else [DEFAULT_CHUNK_BYTES]
+    for t in transports:
+        if t not in ("shm", "ipc", "tcp"):
+            print(f"aggnet bench: unknown transport {t!r}; choose from shm, ipc, tcp", file=sys.stderr)
+            return 2
+    gloo = not args.no_gloo
+    if gloo:
+        try:
+            import torch.distributed  # noqa: F401
+        except ImportError:
+            print("aggnet bench: torch is not installed; running without gloo (pip install aggnet[torch])", file=sys.stderr)
+            gloo = False
+
+    services = {}
+    run_dir = f"/tmp/aggnet-bench-{uuid.uuid4().hex[:8]}"
+    os.makedirs(run_dir, exist_ok=True)
+    listen = {"shm": f"shm://{run_dir}/shm.sock", "ipc": f"zmq+ipc://{run_dir}/agg.sock",
+              "tcp": "zmq+tcp://127.0.0.1:0"}
+    procs = {t: ServiceProcess(listen[t], args.shards) for t in transports}
+    services = {t: p.address for t, p in procs.items()}
+    records: list[dict] = []
+    try:
+        for nbytes in sizes:
+            records.append(_record({"system": "memcpy", "transport": "memory", "dtype": "float32", "bytes": nbytes,
+                                    "chunk_bytes": None}, 1, _memcpy_times(nbytes, args.reps)))
+        for world in worlds:
+            plan = []
+            for nbytes in sizes:
+                if gloo:
+                    for dtype in [d for d in dtypes if d != "q-int32"]:
+                        plan.append({"system": "gloo", "transport": "tcp", "dtype": dtype, "bytes": nbytes, "chunk_bytes": None})
+                for t in transports:
+                    for dtype in dtypes:
+                        for chunk in chunks:
+                            plan.append({"system": "aggnet", "transport": t, "dtype": dtype, "bytes": nbytes, "chunk_bytes": chunk})
+            ctx = multiprocessing.get_context("spawn")
+            barrier = ctx.Barrier(world)
+            out = ctx.Queue()
+            port = _free_port() if gloo else None
+            ps = [ctx.Process(target=_worker, args=(r, world, plan, services, args.reps, port, barrier, out)) for r in range(world)]
+            for p in ps:
+                p.start()
+            per_rank = {}
+            for _ in ps:
+                rank, res = out.get(timeout=3600)
+                per_rank[rank] = res
+            for p in ps:
+                p.join(60)
+            for i, point in enumerate(plan):
+                slowest = [max(per_rank[r][i][k] for r in range(world)) for k in range(args.reps)]
+                records.append(_record(point, world, slowest))
+        sums = {t: _service_stats(a).get("totals", {}) for t, a in services.items()}
+    finally:
+        for p in procs.values():
+            p.stop()
+    _print_table(records)
+    memcpy_bw = max(r["bytes"] / r["median_s"] for r in records if r["system"] == "memcpy")
+    summary = {}
+    for t, totals in sums.items():
+        if totals.get("sum_seconds"):
+            bw = totals["sum_bytes"] / totals["sum_seconds"]
+            summary[t] = bw
+            print(f"aggregator summation ({t} service): {bw / 1e9:.2f} GB/s of contributions summed; "
+                  f"memory copy {memcpy_bw / 1e9:.2f} GB/s; ratio {bw / memcpy_bw:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"system_info": _system_info(), "records": records,
+                       "aggregator_sum_bytes_per_s": summary, "memcpy_bytes_per_s": memcpy_bw}, f, indent=1)
+        print(f"wrote {len(records)} records to {args.json}")
     return 0
+
+
+def _print_table(records: list[dict]) -> None:
+    gloo = {(r["workers"], r["bytes"], r["dtype"]): r["median_s"] for r in records if r["system"] == "gloo"}
+    gloo_f32 = {(w, b): t for (w, b, d), t in gloo.items() if d == "float32"}
+    print(f"{'N':>2} {'size':>7} {'system':>7} {'transport':>9} {'dtype':>8} {'chunk':>7} {'median ms':>10} "
+          f"{'min ms':>8} {'max ms':>8} {'GB/s':>6} {'gloo/this':>9}")
+    for r in sorted(records, key=lambda r: (r["workers"], r["bytes"], r["system"] != "memcpy", r["system"] != "gloo")):
+        ref = gloo.get((r["workers"], r["bytes"], r["dtype"]), gloo_f32.get((r["workers"], r["bytes"])))
+        ratio = f"{ref / r['median_s']:9.2f}" if ref and r["system"] == "aggnet" else f"{'':>9}"
+        chunk = format_size(r["chunk_bytes"]) if r.get("chunk_bytes") else "-"
+        print(f"{r['workers']:>2} {format_size(r['bytes']):>7} {r['system']:>7} {r['transport']:>9} {r['dtype']:>8} "
+              f"{chunk:>7} {r['median_s'] * 1e3:10.1f} {r['min_s'] * 1e3:8.1f} {r['max_s'] * 1e3:8.1f} "
+              f"{r['bytes'] / r['median_s'] / 1e9:6.2f} {ratio}")
