@@ -49,7 +49,19 @@ def _bench(args) -> int:
     return allreduce.main(args)
 
 
+def _bench_ddp(args) -> int:
+    from aggnet.bench import ddp
+
+    return ddp.main(args)
+
+
 def _demo(args) -> int:
+    from aggnet.bench import ddp
+
+    bd = sub.add_parser("bench-ddp", help="DDP step time with the aggnet hook beside gloo")
+    ddp.add_arguments(bd)
+    bd.set_defaults(func=_bench_ddp)
+
     from aggnet import demo
 
     return demo.main(args)
@@ -77,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="all-reduce benchmark: aggnet beside gloo and memory copy")
     allreduce.add_arguments(b)
     b.set_defaults(func=_bench)
+
+    from aggnet.bench import ddp
+
+    bd = sub.add_parser("bench-ddp", help="DDP step time with the aggnet hook beside gloo")
+    ddp.add_arguments(bd)
+    bd.set_defaults(func=_bench_ddp)
 
     from aggnet import demo
 

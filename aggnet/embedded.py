@@ -30,7 +30,8 @@ def runtime_dir() -> str:
 
 def embedded_address(job: str) -> str:
     tag = hashlib.sha1(job.encode()).hexdigest()[:12]
-    return f"zmq+ipc://{runtime_dir()}/job-{tag}.sock"
+    # workers on this host: payloads through shared memory, control over a Unix socket
+    return f"shm://{runtime_dir()}/job-{tag}.sock"
 
 
 class EmbeddedService:

@@ -26,17 +26,20 @@ def _call(fn, rank, args, out):
         out.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
 
 
-def run_workers(address: str, world: int, fn, *args, timeout: float = 60.0, expect_errors: bool = False):
+def run_workers(address: str, world: int, fn, *args, timeout: float = 60.0, expect_errors: bool = False,
+                start_method: str = "fork"):
     """Run ``fn(rank, *args)`` for every rank; return results by rank.
 
-    With ``expect_errors`` a failing worker's (type name, message) is
-    returned in its place instead of failing the test."""
+    Workers are threads for ``inproc://`` services, else processes
+    (``start_method="spawn"`` for workers that use torch). With
+    ``expect_errors`` a failing worker's (type name, message) is returned
+    in its place instead of failing the test."""
     inproc = address.startswith("inproc://")
     if inproc:
         out = queue.Queue()
         workers = [threading.Thread(target=_call, args=(fn, r, args, out), daemon=True) for r in range(world)]
     else:
-        ctx = multiprocessing.get_context("fork")
+        ctx = multiprocessing.get_context(start_method)
         out = ctx.Queue()
         workers = [ctx.Process(target=_call, args=(fn, r, args, out), daemon=True) for r in range(world)]
     for w in workers:

@@ -1,0 +1,110 @@
+"""``aggnet bench-ddp``: DDP step time of a communication-bound model with
+the aggnet hook (float32 and int32) beside PyTorch's default gloo
+all-reduce, in one run.
+
+The model is an MLP with tens of millions of parameters trained on small
+batches, so a step is dominated by gradient aggregation. The same worker
+processes time every system in turn on the same model and data; a step's
+time is the slowest worker's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import time
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--workers", default="2,4", help="worker counts (default %(default)s)")
+    p.add_argument("--width", type=int, default=4096, help="hidden width; parameters ~ 2*width*1024 + width**2")
+    p.add_argument("--batch", type=int, default=8, help="batch per worker (default %(default)s)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per system (default %(default)s)")
+    p.add_argument("--systems", default="gloo,aggnet-float32,aggnet-int32")
+    p.add_argument("--address", default=None, help="aggregator (default: embedded local aggregator)")
+    p.add_argument("--json", default=None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, args, systems: list, out) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from aggnet.torch import AggnetState, allreduce_hook
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    w = args.width
+    model = nn.Sequential(nn.Linear(1024, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, 1024))
+    params = sum(p.numel() for p in model.parameters())
+    x = torch.randn(args.batch, 1024)
+    y = torch.randn(args.batch, 1024)
+    results = {}
+    for system in systems:
+        ddp = DDP(model)
+        state = None
+        if system.startswith("aggnet"):
+            codec = system.split("-", 1)[1]
+            state = AggnetState(args.address, codec=codec)
+            ddp.register_comm_hook(state, allreduce_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-4, momentum=0.9)
+        times = []
+        for step in range(args.steps + 3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            if step >= 3:  # warm-up: connections, first-touch, JIT
+                times.append(time.perf_counter() - t0)
+        if state is not None:
+            state.close()
+        results[system] = times
+        del ddp
+    dist.destroy_process_group()
+    out.put((rank, params, results))
+
+
+def main(args) -> int:
+    import torch.multiprocessing as mp
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    records = []
+    for world in [int(w) for w in args.workers.split(",")]:
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        os.environ.setdefault("AGGNET_TIMEOUT", "120")
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world, port, args, systems, out)) for r in range(world)]
+        for p in procs:
+            p.start()
+        got = [out.get(timeout=3600) for _ in procs]
+        for p in procs:
+            p.join(60)
+        params = got[0][1]
+        for system in systems:
+            per_step = [max(g[2][system][i] for g in got) for i in range(args.steps)]
+            records.append({"system": system, "workers": world, "parameters": params, "batch": args.batch,
+                            "median_s": statistics.median(per_step), "min_s": min(per_step), "max_s": max(per_step),
+                            "steps": args.steps})
+    print(f"{'N':>2} {'system':>15} {'params':>11} {'step ms (median)':>17} {'min':>7} {'max':>7} {'gloo/this':>9}")
+    for r in records:
+        gloo = next((g["median_s"] for g in records if g["system"] == "gloo" and g["workers"] == r["workers"]), None)
+        ratio = f"{gloo / r['median_s']:9.2f}" if gloo else ""
+        print(f"{r['workers']:>2} {r['system']:>15} {r['parameters']:>11,} {r['median_s'] * 1e3:17.1f} "
+              f"{r['min_s'] * 1e3:7.1f} {r['max_s'] * 1e3:7.1f} {ratio}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {len(records)} records to {args.json}")
+    return 0

@@ -1,0 +1,261 @@
+"""PyTorch DDP communication hook: gradients aggregated through aggnet.
+
+One line in a torchrun script::
+
+    from aggnet.torch import AggnetState, allreduce_hook
+    ddp_model.register_comm_hook(AggnetState(codec="int32"), allreduce_hook)
+
+The hook streams each bucket's flat gradient buffer through an aggnet
+:class:`~aggnet.Client` and completes DDP's future once the aggregated
+bucket is back in place; it returns at once, so autograd keeps computing
+the next buckets while this one is on the wire.
+
+Sparse gradients (``nn.Embedding(sparse=True)``) get a bucket of their own
+whose buffer is a sparse COO tensor. They never go down aggnet's dense path:
+until aggnet's sparse parameter server exists, such buckets are all-reduced
+by torch.distributed on the DDP process group (gloo supports sparse
+all-reduce), averaged or summed as ``sparse_op`` says.
+"""
+
+import atexit
+import itertools
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import kernels
+from .client import Client
+from .config import ClientConfig
+from .errors import AggnetError, AggregatorUnreachable, NonFiniteError
+from .wire import DType
+
+__all__ = ["AggnetState", "allreduce_hook"]
+
+_CODECS = {None: None, "float32": None, "int32": "int32", "fp16": "fp16", "bf16": "bf16"}
+_OPS = ("avg", "sum")
+_ON_NONFINITE = ("raise", "propagate")
+_state_counter = itertools.count()
+_CPU_KERNELS = kernels.load("cpu")
+
+
+@dataclass
+class BucketStats:
+    calls: int = 0
+    elements: int = 0
+    wire_bytes: int = 0
+    seconds: float = 0.0  #: hook call to aggregated bucket, summed
+
+
+class AggnetState:
+    """Settings and connection of the aggnet DDP hook.
+
+    * ``address``: aggregator service (None: ``AGGNET_ADDRESS``, else an
+      embedded aggregator on rank 0's machine);
+    * ``codec``: ``"float32"`` (or None), ``"int32"`` (quantized with a
+      scale agreed per chunk), ``"fp16"`` or ``"bf16"``;
+    * ``op`` / ``sparse_op``: ``"avg"`` (DDP's own semantics) or ``"sum"``,
+      for dense and sparse buckets separately (Parallax lets users choose);
+    * ``check_finite``: look for NaN/Inf in every bucket and, with
+      ``on_nonfinite="raise"``, fail the step naming the bucket and the rank;
+      ``"propagate"`` passes them on (AMP's GradScaler then skips the step);
+    * ``job``: the aggregator job name; by default one is agreed over the
+      process group, distinct for every DDP model of the run.
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        process_group=None,
+        job: str | None = None,
+        codec: str | None = None,
+        op: str = "avg",
+        sparse_op: str = "avg",
+        check_finite: bool = True,
+        on_nonfinite: str = "raise",
+        config: ClientConfig | None = None,
+    ):
+        if codec not in _CODECS:
+            raise ValueError(f"codec must be one of {list(_CODECS)}, got {codec!r}")
+        if op not in _OPS:
+            raise ValueError(f"op must be one of {_OPS}, got {op!r}")
+        if sparse_op not in _OPS:
+            raise ValueError(f"sparse_op must be one of {_OPS}, got {sparse_op!r}")
+        if on_nonfinite not in _ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {_ON_NONFINITE}, got {on_nonfinite!r}")
+        if job is not None and (not isinstance(job, str) or not job):
+            raise ValueError(f"job must be a non-empty name, got {job!r}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "AggnetState needs torch.distributed initialized first: torchrun sets up env:// "
+                "rendezvous, then call dist.init_process_group('gloo') before creating the state"
+            )
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.codec = _CODECS[codec]
+        self.op = op
+        self.sparse_op = sparse_op
+        self.check_finite = check_finite
+        self.on_nonfinite = on_nonfinite
+        self.config = config or ClientConfig.from_env()
+        self.address = address if address is not None else self.config.address
+        self.job = job or self._agree_job_name()
+        self.buckets: dict[int, BucketStats] = {}
+        self._client: Client | None = None
+        self._lock = threading.Lock()
+        atexit.register(self.close)
+
+    def _agree_job_name(self) -> str:
+        """A name every rank agrees on: rank 0's random tag, broadcast over
+        the process group, plus a per-process counter of DDP models (ranks
+        build their models in the same order)."""
+        tag = [uuid.uuid4().hex[:10] if self.rank == 0 else None]
+        dist.broadcast_object_list(tag, src=dist.get_global_rank(self.process_group, 0) if self.process_group else 0,
+                                   group=self.process_group)
+        return f"ddp-{tag[0]}-{next(_state_counter)}"
+
+    @property
+    def client(self) -> Client:
+        """The aggnet client, connected on first use (the first bucket)."""
+        with self._lock:
+            if self._client is None:
+                try:
+                    self._client = Client(self.address, job=self.job, rank=self.rank,
+                                          world_size=self.world_size, config=self.config)
+                except AggregatorUnreachable as exc:
+                    hint = ("" if self.address else
+                            " (no AGGNET_ADDRESS is set: the embedded aggregator serves only the workers on "
+                            "rank 0's machine; for several machines start `aggnet serve` and set AGGNET_ADDRESS)")
+                    raise AggregatorUnreachable(f"aggnet DDP hook, rank {self.rank}: {exc}{hint}") from None
+            return self._client
+
+    def stats(self) -> dict:
+        """Totals over every bucket: calls, elements, wire bytes, seconds."""
+        total = BucketStats()
+        for b in self.buckets.values():
+            total.calls += b.calls
+            total.elements += b.elements
+            total.wire_bytes += b.wire_bytes
+            total.seconds += b.seconds
+        return {"total": total, "buckets": dict(self.buckets)}
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+        atexit.unregister(self.close)
+
+
+def _numpy_view(t: torch.Tensor):
+    """(NumPy view sharing ``t``'s memory, wire dtype hint)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16), DType.BFLOAT16
+    return t.numpy(), None
+
+
+def _count_nonfinite(t: torch.Tensor, arr) -> int:
+    """NaN/Inf count: one vectorized pass without temporaries for float32
+    (the common case), torch's own ops for 16-bit buffers."""
+    if t.dtype == torch.float32:
+        return _CPU_KERNELS.block_stats(arr)[1]
+    finite = torch.isfinite(t)
+    return 0 if bool(finite.all()) else int((~finite).sum())
+
+
+def _wire_itemsize(t: torch.Tensor, codec: str | None) -> int:
+    if codec in ("fp16", "bf16"):
+        return 2
+    return t.element_size() if codec is None else 4
+
+
+def allreduce_hook(state: AggnetState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: all-reduce ``bucket`` through aggnet."""
+    buf = bucket.buffer()
+    if buf.is_sparse:
+        return _sparse_allreduce(state, buf)
+    return _dense_allreduce(state, bucket.index(), buf, bucket)
+
+
+def _dense_allreduce(state: "AggnetState", index: int, buf: torch.Tensor, bucket) -> torch.futures.Future:
+    t0 = time.perf_counter()
+    host = buf if buf.device.type == "cpu" else buf.detach().to("cpu")
+    host = host.detach()
+    arr, hint = _numpy_view(host)
+    local_bad = _count_nonfinite(host, arr) if state.check_finite else 0
+    codec = state.codec if host.dtype == torch.float32 else None
+    fut = state.client.allreduce(arr, op=state.op, codec=codec, key=index, _wire_hint=hint)
+    # DDP reads the future's value in C++: an error must be raised inside a
+    # ``then`` callback to reach it as an error rather than as a value
+    out: torch.futures.Future = torch.futures.Future()
+    failure: list[BaseException] = []
+
+    def unwrap(f):
+        if failure:
+            raise failure[0]
+        return f.value()
+    stats = state.buckets.setdefault(index, BucketStats())
+    wire_bytes = host.numel() * _wire_itemsize(host, codec)
+
+    def done(f) -> None:
+        try:
+            try:
+                f.result()
+            except AggnetError as exc:
+                # say which bucket of which rank the client's error is about
+                raise type(exc)(f"aggnet DDP hook, bucket {index} on rank {state.rank}: {exc}") from None
+            if state.check_finite and state.on_nonfinite == "raise":
+                if local_bad:
+                    shapes = [tuple(p.shape) for p in bucket.parameters()]
+                    raise NonFiniteError(
+                        f"aggnet DDP hook: rank {state.rank}'s gradients in bucket {index} hold {local_bad} "
+                        f"NaN/Inf value(s) (parameters of shapes {shapes}); check the loss and inputs, or "
+                        f"use AggnetState(on_nonfinite='propagate') with AMP's GradScaler"
+                    )
+                if _count_nonfinite(host, arr):
+                    raise NonFiniteError(
+                        f"aggnet DDP hook: bucket {index} aggregated to NaN/Inf on rank {state.rank}: another "
+                        f"rank's gradients were not finite (that rank's error names it)"
+                    )
+            if host is not buf:
+                buf.copy_(host)
+            stats.calls += 1
+            stats.elements += host.numel()
+            stats.wire_bytes += wire_bytes
+            stats.seconds += time.perf_counter() - t0
+            out.set_result(buf)
+        except NonFiniteError as exc:
+            if state.on_nonfinite == "propagate":
+                # the int32 codec cannot carry NaN: mark the whole bucket so
+                # the optimizer (or GradScaler) sees it was not finite
+                buf.fill_(float("nan"))
+                out.set_result(buf)
+            else:
+                failure.append(exc)
+                out.set_result(buf)
+        except Exception as exc:  # the future must always complete
+            failure.append(exc)
+            out.set_result(buf)
+
+    fut.add_done_callback(done)
+    return out.then(unwrap)
+
+
+def _sparse_allreduce(state: AggnetState, buf: torch.Tensor) -> torch.futures.Future:
+    """Sparse COO buckets: torch.distributed on the DDP process group."""
+    world = state.world_size
+
+    def finish(f):
+        result = f.value()[0]
+        if state.sparse_op == "avg":
+            result = result / world
+        return result
+
+    work = dist.all_reduce(buf.coalesce(), group=state.process_group, async_op=True)
+    return work.get_future().then(finish)

@@ -1,0 +1,183 @@
+"""DDP training runs for the hook tests (imported by spawned workers)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+FEATURES, CLASSES, PER_RANK = 32, 5, 8
+
+
+class Net(nn.Module):
+    def __init__(self, sparse: bool = False, unused: bool = False):
+        super().__init__()
+        self.sparse = sparse
+        if sparse:
+            self.embed = nn.Embedding(200, FEATURES, sparse=True)
+        self.body = nn.Sequential(nn.Linear(FEATURES, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, CLASSES))
+        if unused:
+            self.unused = nn.Linear(FEATURES, 3)
+
+    def forward(self, x):
+        if self.sparse:
+            x = self.embed(x).mean(1)
+        return self.body(x)
+
+
+def make_model(seed: int, sparse=False, unused=False) -> Net:
+    torch.manual_seed(seed)
+    return Net(sparse, unused)
+
+
+def batch(step: int, n: int, sparse: bool):
+    g = torch.Generator().manual_seed(1000 + step)
+    if sparse:
+        x = torch.randint(0, 200, (n, 4), generator=g)
+    else:
+        x = torch.randn(n, FEATURES, generator=g)
+    y = torch.randint(0, CLASSES, (n,), generator=g)
+    return x, y
+
+
+def optimizer(model, sparse: bool):
+    # SGD's momentum does not take sparse gradients
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0 if sparse else 0.9)
+
+
+def train(model, steps: int, world: int, rank: int, sparse: bool, clip: float | None, ddp=None):
+    opt = optimizer(model, sparse)
+    net = ddp or model
+    for step in range(steps):
+        x, y = batch(step, PER_RANK * world, sparse)
+        if ddp is not None:
+            x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        if clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def single_process(world: int, steps: int, sparse=False, unused=False, clip=None):
+    torch.set_num_threads(1)
+    model = make_model(0, sparse, unused)
+    return train(model, steps, world, 0, sparse, clip)
+
+
+def ddp_run(rank: int, world: int, port: int, mode: str, options: dict):
+    """Train with DDP; mode is 'gloo' (PyTorch's own all-reduce) or
+    'aggnet'. Returns the final parameters (every model's, when several)."""
+    torch.set_num_threads(1)
+    os.environ.pop("AGGNET_ADDRESS", None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from aggnet.torch import AggnetState, allreduce_hook
+
+        out = []
+        states = []
+        for m in range(options.get("models", 1)):
+            model = make_model(m, options.get("sparse", False), options.get("unused", False))
+            ddp = DDP(model, gradient_as_bucket_view=options.get("bucket_view", False),
+                      static_graph=options.get("static_graph", False),
+                      find_unused_parameters=options.get("unused", False), bucket_cap_mb=options.get("bucket_mb", 25))
+            if mode == "aggnet":
+                state = AggnetState(options.get("address"), codec=options.get("codec"))
+                states.append(state)
+                ddp.register_comm_hook(state, allreduce_hook)
+            out.append(train(model, options.get("steps", 20), world, rank, options.get("sparse", False),
+                             options.get("clip"), ddp=ddp))
+        jobs = [s.job for s in states]
+        stats = [s.stats()["total"].calls for s in states]
+        for s in states:
+            s.close()
+        return {"params": out, "jobs": jobs, "calls": stats}
+    finally:
+        dist.destroy_process_group()
+
+
+def max_grad_magnitudes(world: int, steps: int):
+    """max |averaged gradient| per step of the single-process run (for the
+    int32 error bound)."""
+    torch.set_num_threads(1)
+    model = make_model(0)
+    opt = optimizer(model, False)
+    mags = []
+    for step in range(steps):
+        x, y = batch(step, PER_RANK * world, False)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        mags.append(max(float(p.grad.abs().max()) for p in model.parameters()))
+        opt.step()
+    return mags
+
+
+def nan_run(rank: int, world: int, port: int, address: str, codec, on_nonfinite: str):
+    """One step where rank 1's gradients are NaN; returns the error text."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from aggnet.torch import AggnetState, allreduce_hook
+
+        model = make_model(0)
+        ddp = DDP(model)
+        state = AggnetState(address, codec=codec, on_nonfinite=on_nonfinite)
+        ddp.register_comm_hook(state, allreduce_hook)
+        x, y = batch(0, PER_RANK, False)
+        if rank == 1:
+            x[0, 0] = float("nan")
+        try:
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            result = "ok", bool(all(torch.isnan(p.grad).all() for p in model.parameters()))
+        except Exception as exc:
+            result = "error", str(exc)
+        state.close()
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def unreachable_run(rank: int, world: int, port: int, address: str):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from aggnet.config import ClientConfig
+        from aggnet.torch import AggnetState, allreduce_hook
+
+        ddp = DDP(make_model(0))
+        state = AggnetState(address, config=ClientConfig(connect_timeout=1.5))
+        ddp.register_comm_hook(state, allreduce_hook)
+        x, y = batch(0, PER_RANK, False)
+        try:
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        except Exception as exc:
+            return str(exc)
+        return "no error"
+    finally:
+        dist.destroy_process_group()
+
+
+def world_mismatch_run(rank: int, world: int, port: int, address: str):
+    """DDP of 2 ranks whose aggregator job was registered with world 3."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from aggnet.torch import AggnetState, allreduce_hook
+
+        ddp = DDP(make_model(0))
+        state = AggnetState(address, job="shared-job")
+        ddp.register_comm_hook(state, allreduce_hook)
+        x, y = batch(0, PER_RANK, False)
+        try:
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        except Exception as exc:
+            return str(exc)
+        return "no error"
+    finally:
+        dist.destroy_process_group()
