@@ -56,12 +56,6 @@ def _bench_ddp(args) -> int:
 
 
 def _demo(args) -> int:
-    from aggnet.bench import ddp
-
-    bd = sub.add_parser("bench-ddp", help="DDP step time with the aggnet hook beside gloo")
-    ddp.add_arguments(bd)
-    bd.set_defaults(func=_bench_ddp)
-
     from aggnet import demo
 
     return demo.main(args)
