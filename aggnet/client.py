@@ -1,14 +1,18 @@
 """The aggnet client: one per worker process, all-reducing through a service.
 
 ``Client.allreduce(buf)`` returns a future at once; a background I/O thread
-cuts the buffer into chunks, keeps a window of chunks in flight to every
-aggregator shard, and writes each result into the caller's buffer in place
-as it arrives. All-reduces are collective: every worker of the job calls
-them in the same order with buffers of the same size and dtype.
+moves the buffer to the aggregators and writes each result into the
+caller's buffer in place as it arrives. All-reduces are collective: every
+worker of the job calls them in the same order with buffers of the same
+size and dtype.
 
-Every wait is bounded: an all-reduce that makes no progress for
-``timeout`` seconds fails naming the job, the round and the shards it is
-waiting on; a shard that waits on a silent worker names that worker.
+``Client(address)`` picks the protocol from the address: aggregator
+services (``zmq+tcp``, ``zmq+ipc``, ``shm``, ``inproc``) get chunks over
+messages (:mod:`aggnet.chunk_client`); switches and aggregator hosts in
+switch mode (``udp``) get the in-network aggregation protocol
+(:mod:`aggnet.switch_client`). Every wait is bounded: an all-reduce that
+makes no progress for ``timeout`` seconds fails naming the job, the round
+and what it is waiting on.
 """
 
 from __future__ import annotations
@@ -20,29 +24,18 @@ import threading
 import time
 import zlib
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from . import chunking, kernels, wire
 from .address import parse
 from .codec import Encoding
 from .config import ClientConfig
-from .errors import (
-    AggregationError,
-    AggregationTimeout,
-    AggregatorUnreachable,
-    ClientClosed,
-    JobMismatch,
-    NonFiniteError,
-)
-from .transport import TransportError, connect
-from .wire import DType, Flag, Header, MsgType
+from .errors import ClientClosed
+from .wire import DType
 
 log = logging.getLogger("aggnet.client")
 
-#: how often the I/O thread looks at deadlines while idle
-_TICK = 0.05
 #: fraction of the client's timeout after which its aggregator reports the
 #: workers a slot is still waiting for
 STALL_FRACTION = 0.8
@@ -57,44 +50,55 @@ def job_id_of(name: str) -> int:
 @dataclass
 class ClientStats:
     allreduces: int = 0
-    chunks_sent: int = 0
+    chunks_sent: int = 0  #: chunks (or packets) sent, retransmissions included
     bytes_sent: int = 0
     bytes_received: int = 0
     results: int = 0
+    retransmissions: int = 0
     seconds: float = 0.0  #: wall time from submission to completion, summed
 
 
 @dataclass(eq=False)
-class _Request:
+class Request:
+    """One all-reduce in flight."""
+
     round: int
-    buf: np.ndarray  # flat view of the caller's buffer
-    caller_buf: object  # what the future resolves to
+    buf: np.ndarray  #: flat view of the caller's buffer
+    caller_buf: object  #: what the future resolves to
     enc: Encoding
     future: Future
-    chunks: list
+    key: int | None
     submitted: float
-    remaining: int = 0
-    #: per shard: this request's chunks on it, in order
-    queues: dict = field(default_factory=dict)
-    #: int32 codec: shards whose exponent agreement is still open
-    scale_pending: set = field(default_factory=set)
-    exponents: np.ndarray | None = None  # agreed per chunk (int32 codec)
-    local_nonfinite: int = 0
     failed: bool = False
-    #: shards whose chunks are not sent (their exponents held NaN/Inf): every
-    #: worker sees the same agreed exponents, so all skip the same chunks
-    skip_shards: set = field(default_factory=set)
-    #: the error the request ends with once its other chunks are done
+    #: the error the request ends with once its outstanding work is done
     error: Exception | None = None
 
 
-class Client:
-    """A worker's connection to an aggregator service for one job.
+def _client_class(address, config: ClientConfig | None):
+    if address is None:
+        address = (config or ClientConfig.from_env()).address
+    if address is not None and parse(address).scheme == "udp":
+        from .switch_client import SwitchClient
 
-    ``address`` names the service (``zmq+tcp://host:port``,
-    ``zmq+ipc:///path``, ``inproc://name``); None uses ``AGGNET_ADDRESS``, or
-    an embedded aggregator on this machine that rank 0 starts and stops.
+        return SwitchClient
+    from .chunk_client import ChunkClient
+
+    return ChunkClient
+
+
+class Client:
+    """A worker's connection to aggregators for one job.
+
+    ``address`` names them (``zmq+tcp://host:port``, ``zmq+ipc:///path``,
+    ``shm:///path``, ``udp://host:port``, ``inproc://name``); None uses
+    ``AGGNET_ADDRESS``, or an embedded aggregator on this machine that
+    rank 0 starts and stops.
     """
+
+    def __new__(cls, address: str | None = None, **kwargs):
+        if cls is Client:
+            cls = _client_class(address, kwargs.get("config"))
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -125,100 +129,45 @@ class Client:
             from .embedded import local_aggregator
 
             self._embedded, address = local_aggregator(job, rank, self.config)
-        addr = parse(address)
-        self.address = str(addr)
-        #: same-host shared-memory payloads (shm:// addresses)
-        self._shm = addr.scheme == "shm"
-        self._segments: list = []
-        self._conn = None
+        self.address = str(parse(address))
         self._lock = threading.Lock()
-        self._submitted: collections.deque[_Request] = collections.deque()
+        self._submitted: collections.deque[Request] = collections.deque()
+        self._active: dict[int, Request] = {}
         self._rounds = itertools.count(1)
         self._failed: BaseException | None = None
         self._closing = False
         try:
-            self.shards = self._discover()
-            self._conn = connect(self.shards)
-            self._join()
+            self._connect()
         except BaseException:
-            self._close_transport()
-            for seg in self._segments:
-                seg.close()
+            self._disconnect(leave=False)
             if self._embedded is not None:
                 self._embedded.stop()
             raise
-        self._thread = threading.Thread(target=self._io_loop, name=f"aggnet-io-{job}-{rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"aggnet-io-{job}-{rank}", daemon=True)
         self._thread.start()
-
-    # -- setup ---------------------------------------------------------------
 
     def _context(self) -> str:
         return f"job {self.job!r} rank {self.rank} at {self.address}"
 
-    def _request_reply(self, conn, endpoints, header: Header, payload, want: MsgType, deadline: float) -> dict:
-        """Send ``header`` to each endpoint and wait for each one's ``want``
-        reply (resending now and then: a datagram-like transport may lose the
-        first while the service starts)."""
-        replies: dict[int, dict] = {}
-        packed = header.pack() if payload is None else header.pack_for(payload)
-        next_send = 0.0
-        while len(replies) < len(endpoints):
-            now = time.monotonic()
-            if now >= deadline:
-                missing = [str(conn.addresses[e]) for e in endpoints if e not in replies]
-                raise AggregatorUnreachable(
-                    f"no aggregator answered at {', '.join(missing)} within {self.config.connect_timeout:g}s "
-                    f"({self._context()}): start one with `aggnet serve --listen {self.address}`, "
-                    f"or leave the address unset to use an embedded local aggregator"
-                )
-            if now >= next_send:
-                for e in endpoints:
-                    if e not in replies:
-                        conn.send(e, packed, payload)
-                next_send = now + 0.5
-            msg = conn.recv(min(0.5, deadline - now))
-            if msg is None:
-                continue
-            try:
-                h = wire.unpack_header(msg.header)
-            except wire.WireError:
-                continue
-            if h.msg_type == MsgType.ERROR:
-                code, text = wire.parse_error(msg.payload)
-                exc = JobMismatch if code == wire.ErrorCode.JOB_MISMATCH else AggregationError
-                raise exc(f"aggregator {conn.addresses[msg.peer]} refused {self._context()}: {text}")
-            if h.msg_type == want and msg.peer in endpoints:
-                replies[msg.peer] = wire.parse_json(msg.payload)
-        return replies
+    # -- what each protocol provides ---------------------------------------------
 
-    def _discover(self) -> list[str]:
-        deadline = time.monotonic() + self.config.connect_timeout
-        with connect([self.address]) as ctl:
-            reply = self._request_reply(ctl, [0], Header(MsgType.HELLO), None, MsgType.HELLO_OK, deadline)[0]
-        shards = reply.get("shards")
-        if not shards or not isinstance(shards, list):
-            raise AggregationError(f"service at {self.address} answered without a shard list: {reply}")
-        return shards
+    def _connect(self) -> None:
+        """Reach the aggregators and join the job (raises naming why not)."""
+        raise NotImplementedError
 
-    def _join(self) -> None:
-        deadline = time.monotonic() + self.config.connect_timeout
-        h = Header(MsgType.JOIN, job_id=self.job_id, sender=self.rank, world=self.world_size)
-        # the aggregator names silent workers before the client's own
-        # deadline runs out, so the error says who is missing
-        request = {"name": self.job, "timeout": STALL_FRACTION * self.config.timeout}
-        if self._shm:
-            request["shm"] = {"window": self.config.window, "chunk_bytes": self.config.chunk_bytes}
-        payload = wire.json_payload(request)
-        replies = self._request_reply(self._conn, list(range(len(self.shards))), h, payload, MsgType.JOIN_OK, deadline)
-        if self._shm:
-            from .shm import Segment
+    def _disconnect(self, leave: bool) -> None:
+        """Leave the job (if ``leave``) and release sockets and memory."""
+        raise NotImplementedError
 
-            for i in range(len(self.shards)):
-                info = replies[i].get("shm")
-                if info is None:
-                    raise AggregationError(f"shard {self.shards[i]} did not offer shared memory to {self._context()}")
-                self._segments.append(Segment.open(info))
-        log.info("%s joined %d shard(s) with world size %d", self._context(), len(replies), self.world_size)
+    def _wakeup(self) -> None:
+        """Make the I/O thread look at new requests now."""
+        raise NotImplementedError
+
+    def _check(self, enc: Encoding) -> None:
+        """Refuse what this protocol cannot carry (before queueing)."""
+
+    def _io_loop(self) -> None:
+        raise NotImplementedError
 
     # -- public API ----------------------------------------------------------
 
@@ -229,31 +178,30 @@ class Client:
         Returns a :class:`concurrent.futures.Future` that resolves to ``buf``
         once every element holds the result. ``codec`` compresses float32
         buffers on the wire (``"int32"``, ``"fp16"``, ``"bf16"``). ``key``
-        names the buffer for shard placement (e.g. a DDP bucket index). The
-        buffer must not be touched until the future is done.
+        names the buffer for placement on aggregator shards (e.g. a DDP
+        bucket index). The buffer must not be touched until the future is
+        done.
         """
         if not isinstance(buf, np.ndarray):
             raise TypeError(f"allreduce takes a NumPy array, got {type(buf).__name__}")
         if not buf.flags.c_contiguous or not buf.flags.writeable:
             raise ValueError("allreduce needs a C-contiguous, writable buffer (results are written in place)")
         enc = Encoding(buf, codec, op, self.world_size, _wire_hint)
-        if self.config.chunk_bytes % enc.wire_itemsize:
-            raise ValueError(f"chunk_bytes={self.config.chunk_bytes} is not a multiple of the wire element size")
+        self._check(enc)
         flat = buf.reshape(-1)
         with self._lock:
             if self._failed is not None:
                 raise ClientClosed(f"{self._context()} failed earlier and cannot continue: {self._failed}")
             if self._closing:
                 raise ClientClosed(f"{self._context()} is closed")
-            rnd = next(self._rounds) & 0xFFFFFFFF
-            rotation = rnd if key is None else key
-            chunks = chunking.plan(flat.size, self.config.chunk_bytes // enc.wire_itemsize, len(self.shards), rotation)
             fut: Future = Future()
             fut.set_running_or_notify_cancel()
-            req = _Request(rnd, flat, buf, enc, fut, chunks, time.monotonic())
+            req = self._request_class(next(self._rounds) & 0xFFFFFFFF, flat, buf, enc, fut, key, time.monotonic())
             self._submitted.append(req)
-        self._conn.wakeup()
+        self._wakeup()
         return fut
+
+    _request_class = Request
 
     def close(self) -> None:
         """Leave the job and stop the I/O thread (waits at most a few seconds)."""
@@ -261,15 +209,11 @@ class Client:
             if self._closing:
                 return
             self._closing = True
-        if self._conn is not None:
-            self._conn.wakeup()
+        self._wakeup()
         thread = getattr(self, "_thread", None)
         if thread is not None:
             thread.join(timeout=5.0)
-        self._close_transport(leave=True)
-        for seg in self._segments:
-            seg.close()
-        self._segments = []
+        self._disconnect(leave=True)
         if self._embedded is not None:
             self._embedded.stop()
             self._embedded = None
@@ -280,255 +224,26 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-    def _close_transport(self, leave: bool = False) -> None:
-        conn, self._conn = self._conn, None
-        if conn is None:
-            return
-        if leave:
-            h = Header(MsgType.LEAVE, job_id=self.job_id, sender=self.rank, world=self.world_size).pack()
-            for i in range(len(conn.addresses)):
-                try:
-                    conn.send(i, h)
-                except TransportError:
-                    pass
-            time.sleep(0.01)  # let the LEAVE leave before the socket closes
-        conn.close()
+    # -- the I/O thread ------------------------------------------------------------
 
-    # -- the I/O thread --------------------------------------------------------
-
-    def _io_loop(self) -> None:
-        self._active: dict[int, _Request] = {}
-        self._inflight = [0] * len(self.shards)
-        #: chunks sent to each shard so far: every worker sends a shard its
-        #: chunks in the same order, so this numbers them alike everywhere
-        self._seq = [0] * len(self.shards)
-        #: per shard: (request, chunk) still to send, in admission order
-        self._to_send = [collections.deque() for _ in self.shards]
-        self._staging: list[np.ndarray] = []
-        #: (round, chunk) -> staging buffer (or None) of every chunk whose
-        #: result has not come back, failed rounds included
-        self._outstanding: dict[tuple[int, int], np.ndarray | None] = {}
-        self._last_progress = time.monotonic()
+    def _run(self) -> None:
         try:
-            while True:
-                with self._lock:
-                    closing = self._closing
-                    while self._submitted:
-                        self._admit(self._submitted.popleft())
-                if closing:
-                    break
-                self._send_ready()
-                msg = self._conn.recv(_TICK if self._active else 0.5)
-                while msg is not None:
-                    self._on_message(msg)
-                    msg = self._conn.recv(0)
-                    if msg is None:
-                        self._send_ready()
-                        msg = self._conn.recv(0)
-                self._check_progress()
+            self._io_loop()
         except BaseException as exc:  # the thread must never die silently
             log.exception("aggnet I/O thread failed")
             self._fail_all(exc if isinstance(exc, Exception) else ClientClosed(str(exc)), poison=True)
             return
         self._fail_all(ClientClosed(f"{self._context()} was closed with the all-reduce pending"), poison=False)
 
-    def _admit(self, req: _Request) -> None:
-        if not req.chunks:
-            self._complete(req)
-            return
-        self._active[req.round] = req
-        req.remaining = len(req.chunks)
-        for c in req.chunks:
-            req.queues.setdefault(c.shard, []).append(c)
-            self._to_send[c.shard].append((req, c))
-        if req.enc.quantized:
-            self._start_scale_agreement(req)
-        if not self._active or len(self._active) == 1:
-            self._last_progress = time.monotonic()
+    def _take_submitted(self) -> tuple[list, bool]:
+        """(new requests, whether the client is closing)."""
+        with self._lock:
+            new = list(self._submitted)
+            self._submitted.clear()
+            return new, self._closing
 
-    def _start_scale_agreement(self, req: _Request) -> None:
-        k = req.enc.k
-        exps = np.empty(len(req.chunks), np.int16)
-        for c in req.chunks:
-            bits, nonfinite = k.block_stats(req.buf[c.offset:c.offset + c.count])
-            req.local_nonfinite += nonfinite
-            exps[c.index] = kernels.exponent_of(bits, nonfinite)
-        req.exponents = exps
-        for shard, q in req.queues.items():
-            mine = np.ascontiguousarray(exps[[c.index for c in q]])
-            h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=wire.SCALE_INDEX,
-                       sender=self.rank, flags=Flag.OP_MAX | Flag.LITTLE_ENDIAN, dtype=DType.INT16,
-                       count=mine.size, world=self.world_size)
-            self._conn.send(shard, h.pack(), mine)
-            req.scale_pending.add(shard)
-
-    def _take_staging(self) -> np.ndarray:
-        # at most shards * window buffers ever exist: allocated on first use,
-        # then reused for the client's life
-        if self._staging:
-            return self._staging.pop()
-        return np.empty(self.config.chunk_bytes // 4, np.int32)
-
-    def _send_ready(self) -> None:
-        """Send what the windows allow, one chunk per shard in turn. Each
-        shard's chunks leave strictly in admission order: every worker then
-        numbers them alike, which the shared-memory rings rely on."""
-        window = self.config.window
-        progressed = True
-        while progressed:
-            progressed = False
-            for shard, q in enumerate(self._to_send):
-                while q and (q[0][0].failed or shard in q[0][0].skip_shards):
-                    q.popleft()
-                if not q or self._inflight[shard] >= window or shard in q[0][0].scale_pending:
-                    continue
-                req, c = q.popleft()
-                self._send_chunk(req, c)
-                progressed = True
-
-    def _send_chunk(self, req: _Request, c: chunking.Chunk) -> None:
-        enc = req.enc
-        src = req.buf[c.offset:c.offset + c.count]
-        exponent = 0
-        shift = 0
-        if enc.quantized:
-            exponent = int(req.exponents[c.index])
-            shift = kernels.quant_shift(exponent, self.world_size)
-        staging = None
-        seq = self._seq[c.shard]
-        self._seq[c.shard] = (seq + 1) & 0xFFFFFFFF
-        flags = Flag.LITTLE_ENDIAN
-        if self._shm:
-            # the payload goes into this worker's input slot; only the header travels
-            slot = self._segments[c.shard].input_slot(self.rank, seq)
-            enc.encode_into(src, slot[: c.count * enc.wire_itemsize], shift)
-            payload = None
-            flags |= Flag.SHM
-        elif enc.zero_copy:
-            payload = src
-        else:
-            staging = self._take_staging()
-            payload = enc.encode(src, staging.view(enc.staging_dtype), shift)
-        self._outstanding[(req.round, c.index)] = staging
-        h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=c.index, sender=self.rank,
-                   flags=flags, dtype=enc.wire, count=c.count, exponent=exponent,
-                   world=self.world_size, ref=seq, offset=c.offset)
-        self._conn.send(c.shard, h.pack(), payload)
-        self._inflight[c.shard] += 1
-        self.stats.chunks_sent += 1
-        self.stats.bytes_sent += c.count * enc.wire_itemsize
-
-    def _on_message(self, msg) -> None:
-        try:
-            h = wire.unpack_header(msg.header)
-            wire.check_payload(h, len(msg.payload))
-        except wire.WireError as exc:
-            log.warning("dropped a malformed message from %s: %s", self._conn.addresses[msg.peer], exc)
-            return
-        if h.job_id != self.job_id:
-            return
-        if h.msg_type == MsgType.RESULT:
-            self._on_result(msg.peer, h, msg.payload)
-        elif h.msg_type == MsgType.ERROR:
-            self._on_error(msg.peer, h, *wire.parse_error(msg.payload))
-
-    def _on_result(self, shard: int, h: Header, payload) -> None:
-        if h.index != wire.SCALE_INDEX:
-            key = (h.round, h.index)
-            if key not in self._outstanding:
-                return  # not ours, or a duplicate
-            staging = self._outstanding.pop(key)
-            self._inflight[shard] -= 1
-            if staging is not None:
-                self._staging.append(staging)
-        req = self._active.get(h.round)
-        if req is None:
-            return  # a late result of a failed round
-        self._last_progress = time.monotonic()
-        if h.index == wire.SCALE_INDEX:
-            self._on_scale(req, shard, h, payload)
-            return
-        c = req.chunks[h.index]
-        if h.count != c.count or h.offset != c.offset:
-            self._fail(req, JobMismatch(
-                f"{self._context()}: round {req.round} chunk {c.index} came back with {h.count} elements at "
-                f"offset {h.offset}, sent {c.count} at {c.offset}; all workers must all-reduce the same sizes in the same order"
-            ), poison=True)
-            return
-        shift = kernels.quant_shift(h.exponent, self.world_size) if req.enc.quantized else 0
-        if h.flags & Flag.SHM:
-            if not self._segments:
-                return
-            payload = self._segments[shard].result_slot(h.ref)[: h.payload_bytes]
-        req.enc.decode(payload, req.buf[c.offset:c.offset + c.count], shift)
-        self.stats.results += 1
-        self.stats.bytes_received += len(payload)
-        req.remaining -= 1
-        if req.remaining == 0:
-            del self._active[req.round]
-            self._complete(req)
-
-    def _on_scale(self, req: _Request, shard: int, h: Header, payload) -> None:
-        if shard not in req.scale_pending:
-            return
-        req.scale_pending.discard(shard)
-        agreed = np.frombuffer(payload, np.int16, h.count)
-        q = req.queues.get(shard, ())
-        if agreed.size != len(q):
-            self._fail(req, JobMismatch(
-                f"{self._context()}: round {req.round} has {len(q)} chunks on shard {shard} here but "
-                f"{agreed.size} at the aggregator; all workers must all-reduce the same sizes in the same order"
-            ), poison=True)
-            return
-        for c, e in zip(q, agreed):
-            req.exponents[c.index] = e
-        if np.any(agreed == wire.EXPONENT_NONFINITE):
-            bad = [c for c, e in zip(q, agreed) if e == wire.EXPONENT_NONFINITE]
-            where = ", ".join(f"chunk {c.index} (elements {c.offset}..{c.offset + c.count - 1})" for c in bad[:4])
-            if req.local_nonfinite:
-                text = (f"rank {self.rank} of job {self.job!r}: round {req.round} buffer holds "
-                        f"{req.local_nonfinite} NaN/Inf value(s) ({where}); the int32 codec cannot quantize them")
-            else:
-                text = (f"job {self.job!r} round {req.round}: another worker reported NaN/Inf values in {where}; "
-                        f"that worker's own error names it (rank {self.rank} saw none)")
-            # the other shards' chunks still go, exactly as on every other
-            # worker, so that no shard is left waiting and sequences agree
-            req.error = req.error or NonFiniteError(text)
-            req.skip_shards.add(shard)
-            req.remaining -= len(q)
-            if req.remaining == 0:
-                del self._active[req.round]
-                self._complete(req)
-
-    def _on_error(self, shard: int, h: Header, code: str, text: str) -> None:
-        where = f"aggregator shard {shard} at {self._conn.addresses[shard]}"
-        kind = {wire.ErrorCode.STALL.value: AggregationTimeout,
-                wire.ErrorCode.JOB_MISMATCH.value: JobMismatch}.get(code, AggregationError)
-        exc = kind(f"{self._context()}: {where}: {text}")
-        req = self._active.get(h.round)
-        if req is not None:
-            self._fail(req, exc, poison=True)
-        else:
-            self._fail_all(exc, poison=True)
-
-    def _check_progress(self) -> None:
-        if not self._active:
-            return
-        idle = time.monotonic() - self._last_progress
-        if idle < self.config.timeout:
-            return
-        waiting = sorted({c_shard for r in self._active.values() for c_shard in
-                          ([s for s in range(len(self.shards)) if self._inflight[s]] + list(r.scale_pending))})
-        where = ", ".join(f"shard {s} at {self.shards[s]}" for s in waiting) or "no shard"
-        rounds = sorted(self._active)
-        self._fail_all(AggregationTimeout(
-            f"{self._context()}: no progress for {idle:.1f}s on round(s) {rounds}, waiting on {where}; "
-            f"is the aggregator running and are all {self.world_size} workers calling allreduce?"
-        ), poison=True)
-
-    # -- completion ------------------------------------------------------------
-
-    def _complete(self, req: _Request) -> None:
+    def _complete(self, req: Request) -> None:
+        self._active.pop(req.round, None)
         if req.error is not None:
             req.failed = True
             req.future.set_exception(req.error)
@@ -537,29 +252,22 @@ class Client:
         self.stats.seconds += time.monotonic() - req.submitted
         req.future.set_result(req.caller_buf)
 
-    def _fail(self, req: _Request, exc: Exception, poison: bool) -> None:
+    def _fail(self, req: Request, exc: Exception, poison: bool) -> None:
         if req.failed:
             return
         req.failed = True
         self._active.pop(req.round, None)
-        if poison:
-            with self._lock:
-                self._failed = self._failed or exc
         req.future.set_exception(exc)
         if poison:
             self._fail_all(exc, poison=True)
 
     def _fail_all(self, exc: Exception, poison: bool) -> None:
-        if poison:
-            with self._lock:
+        with self._lock:
+            if poison:
                 self._failed = self._failed or exc
-                pending = list(self._submitted)
-                self._submitted.clear()
-        else:
-            with self._lock:
-                pending = list(self._submitted)
-                self._submitted.clear()
-        reqs = list(getattr(self, "_active", {}).values()) + pending
+            pending = list(self._submitted)
+            self._submitted.clear()
+        reqs = list(self._active.values()) + pending
         self._active = {}
         for r in reqs:
             if not r.failed:

@@ -119,6 +119,8 @@ class MsgType(enum.IntEnum):
     HELLO_OK = 8  #: JSON shard map
     STATS = 9  #: ask for counters
     STATS_OK = 10  #: JSON counters
+    PROBE = 11  #: switch protocol: ask a slot's state (who is missing)
+    PROBE_OK = 12  #: ``nsum`` = count, ``ref`` = seen bitmap, ``world``
 
 
 class Flag(enum.IntFlag):

@@ -258,3 +258,21 @@ def test_quant_shift_rejects_bad_world():
     assert kernels.quant_shift(0, 4) == 28
     assert kernels.quant_shift(0, 5) == 27
     assert math.isclose(2.0 ** kernels.quant_shift(-3, 32), 2.0 ** (30 + 3 - 5))
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("block", [1, 64, 1000])
+def test_block_exponents(dev, n, block):
+    x = edge_floats()[:n].copy()
+    if n > 70:
+        x[65] = np.nan
+    blocks = -(-n // block)
+    want = np.empty(blocks, np.int16)
+    ref.block_exponents(x, block, want)
+    got = dev.empty(blocks, np.int16)
+    dev.k.block_exponents(dev.put(x), block, got)
+    np.testing.assert_array_equal(dev.get(got), want)
+    for j in range(blocks):
+        part = x[j * block:(j + 1) * block]
+        bits, bad = ref.block_stats(part)
+        assert want[j] == kernels.exponent_of(bits, bad)

@@ -25,6 +25,7 @@ KERNEL_API = (
     "to_half",
     "from_half",
     "accumulate_half",
+    "block_exponents",
 )
 
 #: headroom bits kept free in an int32 sum: values are scaled so that

@@ -229,3 +229,37 @@ def accumulate_half(acc: np.ndarray, src: np.ndarray, fmt: str) -> None:
         _accumulate_f16(acc, src.view(np.uint16))
     else:
         _accumulate_bf16(acc, src.view(np.uint16))
+
+
+@_jit
+def _block_exponents(bits, block, out):
+    n = bits.size
+    for j in range(out.size):
+        best = np.uint32(0)
+        bad = False
+        for i in range(j * block, min((j + 1) * block, n)):
+            a = bits[i] & _ABS_MASK
+            if a >= _INF_BITS:
+                bad = True
+            elif a > best:
+                best = a
+        if bad:
+            out[j] = 32767
+        elif best == 0:
+            out[j] = -150
+        else:
+            e = np.int32(best >> np.uint32(23))
+            if e == 0:
+                # subnormal: 2**-149 * m, frexp exponent -148 + bit length - 1
+                m = best
+                length = 0
+                while m:
+                    m >>= np.uint32(1)
+                    length += 1
+                out[j] = -149 + length
+            else:
+                out[j] = e - 126
+
+
+def block_exponents(x: np.ndarray, block: int, out: np.ndarray) -> None:
+    _block_exponents(x.view(np.uint32), block, out)

@@ -121,3 +121,16 @@ def accumulate_half(acc, src, fmt: str) -> None:
         _acc_f16(src.view(cp.float16), acc)
     else:
         _acc_bf16(src.view(cp.uint16), acc)
+
+
+def block_exponents(x, block: int, out) -> None:
+    n = x.size
+    blocks = out.size
+    padded = cp.zeros(blocks * block, cp.uint32)
+    padded[:n] = x.view(cp.uint32) & cp.uint32(0x7FFFFFFF)
+    rows = padded.reshape(blocks, block)
+    bad = (rows >= cp.uint32(0x7F800000)).any(axis=1)
+    best = cp.where(rows >= cp.uint32(0x7F800000), cp.uint32(0), rows).max(axis=1)
+    _, e = cp.frexp(best.view(cp.float32))
+    e = cp.where(best == 0, -150, e)
+    out[...] = cp.where(bad, 32767, e).astype(cp.int16)

@@ -85,3 +85,17 @@ def accumulate_half(acc: np.ndarray, src: np.ndarray, fmt: str) -> None:
     tmp = np.empty(src.shape, np.float32)
     from_half(src, tmp, fmt)
     acc += tmp
+
+
+def block_exponents(x: np.ndarray, block: int, out: np.ndarray) -> None:
+    """Exponent E of every ``block``-element run of ``x`` (the last may be
+    shorter): each |x| < 2**E; -150 for all zeros, 32767 for NaN/Inf."""
+    for j in range(out.size):
+        part = x[j * block:(j + 1) * block]
+        bits, nonfinite = block_stats(part)
+        if nonfinite:
+            out[j] = 32767
+        elif bits == 0:
+            out[j] = -150
+        else:
+            out[j] = int(np.frexp(np.array([bits], np.uint32).view(np.float32)[0])[1])

@@ -1,0 +1,380 @@
+"""The client side of aggregator services: chunks over messages.
+
+The buffer is cut into chunks (:mod:`aggnet.chunking`), each owned by one
+aggregator shard; a window of chunks is kept in flight to every shard, and
+each result is written into the caller's buffer as it arrives. Over
+``shm://`` the payloads go through shared-memory rings (:mod:`aggnet.shm`)
+and only headers cross the socket. The int32 codec first agrees every
+chunk's exponent with a MAX over workers (one small message per shard).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import chunking, kernels, wire
+from .address import parse
+from .client import STALL_FRACTION, Client, Request
+from .codec import Encoding
+from .errors import AggregationError, AggregationTimeout, AggregatorUnreachable, JobMismatch, NonFiniteError
+from .transport import TransportError, connect
+from .wire import DType, Flag, Header, MsgType
+
+log = logging.getLogger("aggnet.client")
+
+#: how often the I/O thread looks at deadlines while idle
+_TICK = 0.05
+
+
+@dataclass(eq=False)
+class ChunkRequest(Request):
+    chunks: list = field(default_factory=list)
+    remaining: int = 0
+    #: per shard: this request's chunks on it, in order
+    queues: dict = field(default_factory=dict)
+    #: int32 codec: shards whose exponent agreement is still open
+    scale_pending: set = field(default_factory=set)
+    exponents: np.ndarray | None = None  # agreed per chunk (int32 codec)
+    local_nonfinite: int = 0
+    #: shards whose chunks are not sent (their exponents held NaN/Inf): every
+    #: worker sees the same agreed exponents, so all skip the same chunks
+    skip_shards: set = field(default_factory=set)
+
+
+class ChunkClient(Client):
+    """Client of an aggregator service (zmq+tcp, zmq+ipc, shm, inproc)."""
+
+    _request_class = ChunkRequest
+
+    def _connect(self) -> None:
+        #: same-host shared-memory payloads (shm:// addresses)
+        self._shm = parse(self.address).scheme == "shm"
+        self._segments: list = []
+        self._conn = None
+        self.shards = self._discover()
+        self._conn = connect(self.shards)
+        self._join()
+
+    def _wakeup(self) -> None:
+        if self._conn is not None:
+            self._conn.wakeup()
+
+    def _check(self, enc: Encoding) -> None:
+        if self.config.chunk_bytes % enc.wire_itemsize:
+            raise ValueError(f"chunk_bytes={self.config.chunk_bytes} is not a multiple of the wire element size")
+
+    def _disconnect(self, leave: bool) -> None:
+        self._close_transport(leave)
+        for seg in getattr(self, "_segments", ()):
+            seg.close()
+        self._segments = []
+
+    def _request_reply(self, conn, endpoints, header: Header, payload, want: MsgType, deadline: float) -> dict:
+        """Send ``header`` to each endpoint and wait for each one's ``want``
+        reply (resending now and then: a datagram-like transport may lose the
+        first while the service starts)."""
+        replies: dict[int, dict] = {}
+        packed = header.pack() if payload is None else header.pack_for(payload)
+        next_send = 0.0
+        while len(replies) < len(endpoints):
+            now = time.monotonic()
+            if now >= deadline:
+                missing = [str(conn.addresses[e]) for e in endpoints if e not in replies]
+                raise AggregatorUnreachable(
+                    f"no aggregator answered at {', '.join(missing)} within {self.config.connect_timeout:g}s "
+                    f"({self._context()}): start one with `aggnet serve --listen {self.address}`, "
+                    f"or leave the address unset to use an embedded local aggregator"
+                )
+            if now >= next_send:
+                for e in endpoints:
+                    if e not in replies:
+                        conn.send(e, packed, payload)
+                next_send = now + 0.5
+            msg = conn.recv(min(0.5, deadline - now))
+            if msg is None:
+                continue
+            try:
+                h = wire.unpack_header(msg.header)
+            except wire.WireError:
+                continue
+            if h.msg_type == MsgType.ERROR:
+                code, text = wire.parse_error(msg.payload)
+                exc = JobMismatch if code == wire.ErrorCode.JOB_MISMATCH else AggregationError
+                raise exc(f"aggregator {conn.addresses[msg.peer]} refused {self._context()}: {text}")
+            if h.msg_type == want and msg.peer in endpoints:
+                replies[msg.peer] = wire.parse_json(msg.payload)
+        return replies
+
+    def _discover(self) -> list[str]:
+        deadline = time.monotonic() + self.config.connect_timeout
+        with connect([self.address]) as ctl:
+            reply = self._request_reply(ctl, [0], Header(MsgType.HELLO), None, MsgType.HELLO_OK, deadline)[0]
+        shards = reply.get("shards")
+        if not shards or not isinstance(shards, list):
+            raise AggregationError(f"service at {self.address} answered without a shard list: {reply}")
+        return shards
+
+    def _join(self) -> None:
+        deadline = time.monotonic() + self.config.connect_timeout
+        h = Header(MsgType.JOIN, job_id=self.job_id, sender=self.rank, world=self.world_size)
+        # the aggregator names silent workers before the client's own
+        # deadline runs out, so the error says who is missing
+        request = {"name": self.job, "timeout": STALL_FRACTION * self.config.timeout}
+        if self._shm:
+            request["shm"] = {"window": self.config.window, "chunk_bytes": self.config.chunk_bytes}
+        payload = wire.json_payload(request)
+        replies = self._request_reply(self._conn, list(range(len(self.shards))), h, payload, MsgType.JOIN_OK, deadline)
+        if self._shm:
+            from .shm import Segment
+
+            for i in range(len(self.shards)):
+                info = replies[i].get("shm")
+                if info is None:
+                    raise AggregationError(f"shard {self.shards[i]} did not offer shared memory to {self._context()}")
+                self._segments.append(Segment.open(info))
+        log.info("%s joined %d shard(s) with world size %d", self._context(), len(replies), self.world_size)
+
+    def _close_transport(self, leave: bool = False) -> None:
+        conn, self._conn = getattr(self, "_conn", None), None
+        if conn is None:
+            return
+        if leave:
+            h = Header(MsgType.LEAVE, job_id=self.job_id, sender=self.rank, world=self.world_size).pack()
+            for i in range(len(conn.addresses)):
+                try:
+                    conn.send(i, h)
+                except TransportError:
+                    pass
+            time.sleep(0.01)  # let the LEAVE leave before the socket closes
+        conn.close()
+
+    # -- the I/O thread --------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        self._inflight = [0] * len(self.shards)
+        #: chunks sent to each shard so far: every worker sends a shard its
+        #: chunks in the same order, so this numbers them alike everywhere
+        self._seq = [0] * len(self.shards)
+        #: per shard: (request, chunk) still to send, in admission order
+        self._to_send = [collections.deque() for _ in self.shards]
+        self._staging: list[np.ndarray] = []
+        #: (round, chunk) -> staging buffer (or None) of every chunk whose
+        #: result has not come back, failed rounds included
+        self._outstanding: dict[tuple[int, int], np.ndarray | None] = {}
+        self._last_progress = time.monotonic()
+        while True:
+            new, closing = self._take_submitted()
+            for req in new:
+                self._admit(req)
+            if closing:
+                return
+            self._send_ready()
+            msg = self._conn.recv(_TICK if self._active else 0.5)
+            while msg is not None:
+                self._on_message(msg)
+                msg = self._conn.recv(0)
+                if msg is None:
+                    self._send_ready()
+                    msg = self._conn.recv(0)
+            self._check_progress()
+
+    def _admit(self, req: ChunkRequest) -> None:
+        rotation = req.round if req.key is None else req.key
+        req.chunks = chunking.plan(req.buf.size, self.config.chunk_bytes // req.enc.wire_itemsize,
+                                   len(self.shards), rotation)
+        if not req.chunks:
+            self._complete(req)
+            return
+        self._active[req.round] = req
+        req.remaining = len(req.chunks)
+        for c in req.chunks:
+            req.queues.setdefault(c.shard, []).append(c)
+            self._to_send[c.shard].append((req, c))
+        if req.enc.quantized:
+            self._start_scale_agreement(req)
+        if not self._active or len(self._active) == 1:
+            self._last_progress = time.monotonic()
+
+    def _start_scale_agreement(self, req: ChunkRequest) -> None:
+        k = req.enc.k
+        exps = np.empty(len(req.chunks), np.int16)
+        for c in req.chunks:
+            bits, nonfinite = k.block_stats(req.buf[c.offset:c.offset + c.count])
+            req.local_nonfinite += nonfinite
+            exps[c.index] = kernels.exponent_of(bits, nonfinite)
+        req.exponents = exps
+        for shard, q in req.queues.items():
+            mine = np.ascontiguousarray(exps[[c.index for c in q]])
+            h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=wire.SCALE_INDEX,
+                       sender=self.rank, flags=Flag.OP_MAX | Flag.LITTLE_ENDIAN, dtype=DType.INT16,
+                       count=mine.size, world=self.world_size)
+            self._conn.send(shard, h.pack(), mine)
+            req.scale_pending.add(shard)
+
+    def _take_staging(self) -> np.ndarray:
+        # at most shards * window buffers ever exist: allocated on first use,
+        # then reused for the client's life
+        if self._staging:
+            return self._staging.pop()
+        return np.empty(self.config.chunk_bytes // 4, np.int32)
+
+    def _send_ready(self) -> None:
+        """Send what the windows allow, one chunk per shard in turn. Each
+        shard's chunks leave strictly in admission order: every worker then
+        numbers them alike, which the shared-memory rings rely on."""
+        window = self.config.window
+        progressed = True
+        while progressed:
+            progressed = False
+            for shard, q in enumerate(self._to_send):
+                while q and (q[0][0].failed or shard in q[0][0].skip_shards):
+                    q.popleft()
+                if not q or self._inflight[shard] >= window or shard in q[0][0].scale_pending:
+                    continue
+                req, c = q.popleft()
+                self._send_chunk(req, c)
+                progressed = True
+
+    def _send_chunk(self, req: ChunkRequest, c: chunking.Chunk) -> None:
+        enc = req.enc
+        src = req.buf[c.offset:c.offset + c.count]
+        exponent = 0
+        shift = 0
+        if enc.quantized:
+            exponent = int(req.exponents[c.index])
+            shift = kernels.quant_shift(exponent, self.world_size)
+        staging = None
+        seq = self._seq[c.shard]
+        self._seq[c.shard] = (seq + 1) & 0xFFFFFFFF
+        flags = Flag.LITTLE_ENDIAN
+        if self._shm:
+            # the payload goes into this worker's input slot; only the header travels
+            slot = self._segments[c.shard].input_slot(self.rank, seq)
+            enc.encode_into(src, slot[: c.count * enc.wire_itemsize], shift)
+            payload = None
+            flags |= Flag.SHM
+        elif enc.zero_copy:
+            payload = src
+        else:
+            staging = self._take_staging()
+            payload = enc.encode(src, staging.view(enc.staging_dtype), shift)
+        self._outstanding[(req.round, c.index)] = staging
+        h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=c.index, sender=self.rank,
+                   flags=flags, dtype=enc.wire, count=c.count, exponent=exponent,
+                   world=self.world_size, ref=seq, offset=c.offset)
+        self._conn.send(c.shard, h.pack(), payload)
+        self._inflight[c.shard] += 1
+        self.stats.chunks_sent += 1
+        self.stats.bytes_sent += c.count * enc.wire_itemsize
+
+    def _on_message(self, msg) -> None:
+        try:
+            h = wire.unpack_header(msg.header)
+            wire.check_payload(h, len(msg.payload))
+        except wire.WireError as exc:
+            log.warning("dropped a malformed message from %s: %s", self._conn.addresses[msg.peer], exc)
+            return
+        if h.job_id != self.job_id:
+            return
+        if h.msg_type == MsgType.RESULT:
+            self._on_result(msg.peer, h, msg.payload)
+        elif h.msg_type == MsgType.ERROR:
+            self._on_error(msg.peer, h, *wire.parse_error(msg.payload))
+
+    def _on_result(self, shard: int, h: Header, payload) -> None:
+        if h.index != wire.SCALE_INDEX:
+            key = (h.round, h.index)
+            if key not in self._outstanding:
+                return  # not ours, or a duplicate
+            staging = self._outstanding.pop(key)
+            self._inflight[shard] -= 1
+            if staging is not None:
+                self._staging.append(staging)
+        req = self._active.get(h.round)
+        if req is None:
+            return  # a late result of a failed round
+        self._last_progress = time.monotonic()
+        if h.index == wire.SCALE_INDEX:
+            self._on_scale(req, shard, h, payload)
+            return
+        c = req.chunks[h.index]
+        if h.count != c.count or h.offset != c.offset:
+            self._fail(req, JobMismatch(
+                f"{self._context()}: round {req.round} chunk {c.index} came back with {h.count} elements at "
+                f"offset {h.offset}, sent {c.count} at {c.offset}; all workers must all-reduce the same sizes in the same order"
+            ), poison=True)
+            return
+        shift = kernels.quant_shift(h.exponent, self.world_size) if req.enc.quantized else 0
+        if h.flags & Flag.SHM:
+            if not self._segments:
+                return
+            payload = self._segments[shard].result_slot(h.ref)[: h.payload_bytes]
+        req.enc.decode(payload, req.buf[c.offset:c.offset + c.count], shift)
+        self.stats.results += 1
+        self.stats.bytes_received += len(payload)
+        req.remaining -= 1
+        if req.remaining == 0:
+            self._complete(req)
+
+    def _on_scale(self, req: ChunkRequest, shard: int, h: Header, payload) -> None:
+        if shard not in req.scale_pending:
+            return
+        req.scale_pending.discard(shard)
+        agreed = np.frombuffer(payload, np.int16, h.count)
+        q = req.queues.get(shard, ())
+        if agreed.size != len(q):
+            self._fail(req, JobMismatch(
+                f"{self._context()}: round {req.round} has {len(q)} chunks on shard {shard} here but "
+                f"{agreed.size} at the aggregator; all workers must all-reduce the same sizes in the same order"
+            ), poison=True)
+            return
+        for c, e in zip(q, agreed):
+            req.exponents[c.index] = e
+        if np.any(agreed == wire.EXPONENT_NONFINITE):
+            bad = [c for c, e in zip(q, agreed) if e == wire.EXPONENT_NONFINITE]
+            where = ", ".join(f"chunk {c.index} (elements {c.offset}..{c.offset + c.count - 1})" for c in bad[:4])
+            if req.local_nonfinite:
+                text = (f"rank {self.rank} of job {self.job!r}: round {req.round} buffer holds "
+                        f"{req.local_nonfinite} NaN/Inf value(s) ({where}); the int32 codec cannot quantize them")
+            else:
+                text = (f"job {self.job!r} round {req.round}: another worker reported NaN/Inf values in {where}; "
+                        f"that worker's own error names it (rank {self.rank} saw none)")
+            # the other shards' chunks still go, exactly as on every other
+            # worker, so that no shard is left waiting and sequences agree
+            req.error = req.error or NonFiniteError(text)
+            req.skip_shards.add(shard)
+            req.remaining -= len(q)
+            if req.remaining == 0:
+                self._complete(req)
+
+    def _on_error(self, shard: int, h: Header, code: str, text: str) -> None:
+        where = f"aggregator shard {shard} at {self._conn.addresses[shard]}"
+        kind = {wire.ErrorCode.STALL.value: AggregationTimeout,
+                wire.ErrorCode.JOB_MISMATCH.value: JobMismatch}.get(code, AggregationError)
+        exc = kind(f"{self._context()}: {where}: {text}")
+        req = self._active.get(h.round)
+        if req is not None:
+            self._fail(req, exc, poison=True)
+        else:
+            self._fail_all(exc, poison=True)
+
+    def _check_progress(self) -> None:
+        if not self._active:
+            return
+        idle = time.monotonic() - self._last_progress
+        if idle < self.config.timeout:
+            return
+        waiting = sorted({c_shard for r in self._active.values() for c_shard in
+                          ([s for s in range(len(self.shards)) if self._inflight[s]] + list(r.scale_pending))})
+        where = ", ".join(f"shard {s} at {self.shards[s]}" for s in waiting) or "no shard"
+        rounds = sorted(self._active)
+        self._fail_all(AggregationTimeout(
+            f"{self._context()}: no progress for {idle:.1f}s on round(s) {rounds}, waiting on {where}; "
+            f"is the aggregator running and are all {self.world_size} workers calling allreduce?"
+        ), poison=True)
+
