@@ -64,9 +64,11 @@ class ChunkClient(Client):
         if self._conn is not None:
             self._conn.wakeup()
 
-    def _check(self, enc: Encoding) -> None:
+    def _encoding(self, buf, codec, op, wire_hint) -> Encoding:
+        enc = Encoding(buf, codec, op, self.world_size, wire_hint)
         if self.config.chunk_bytes % enc.wire_itemsize:
             raise ValueError(f"chunk_bytes={self.config.chunk_bytes} is not a multiple of the wire element size")
+        return enc
 
     def _disconnect(self, leave: bool) -> None:
         self._close_transport(leave)

@@ -14,6 +14,8 @@ def _serve(args) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
                         format="%(asctime)s aggnet %(levelname)s %(message)s")
+    if args.mode == "switch":
+        return _serve_switch(args)
     try:
         svc = service.start(args.listen, args.shards, getattr(logging, args.log_level))
     except Exception as exc:
@@ -28,10 +30,57 @@ def _serve(args) -> int:
     return 0
 
 
+def _serve_switch(args) -> int:
+    import os
+    import threading
+
+    from aggnet.hosts.switch import SwitchService
+
+    listen = args.listen if args.listen.startswith("udp://") else "udp://0.0.0.0:42606"
+    try:
+        svc = SwitchService(listen, pool=args.pool, elements=args.elements, parent=args.parent,
+                            rack_id=args.rack_id, racks=args.racks)
+    except Exception as exc:
+        print(f"aggnet serve: {exc}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    logging.getLogger("aggnet").info(
+        "aggnet switch-mode aggregator at %s: pool %d slots, %d elements per packet%s", svc.address, args.pool,
+        args.elements, f", rack {args.rack_id} of {args.racks} under {args.parent}" if args.parent else "")
+    print(f"aggnet serving {svc.address} shards=1 pid={os.getpid()}", flush=True)
+    parent_pid = args.parent_pid
+
+    def should_stop() -> bool:
+        if parent_pid is not None:
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                return True
+        return stop.is_set()
+
+    try:
+        svc.serve(should_stop)
+    finally:
+        svc.close()
+    logging.getLogger("aggnet").info("aggnet switch-mode aggregator stopped")
+    return 0
+
+
 def _stats(args) -> int:
     from aggnet import wire
     from aggnet.transport import connect
 
+    if args.address.startswith("udp://"):
+        from aggnet.switch_client import query_stats
+
+        try:
+            print(json.dumps(query_stats(args.address, args.timeout), indent=2))
+        except Exception as exc:
+            print(f"aggnet stats: {exc}", file=sys.stderr)
+            return 1
+        return 0
     h = wire.Header(wire.MsgType.STATS).pack()
     with connect([args.address]) as conn:
         conn.send(0, h)
@@ -67,7 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run an aggregator service")
     s.add_argument("--listen", default="zmq+tcp://0.0.0.0:5555",
-                   help="control address (zmq+tcp://host:port, zmq+ipc:///path); default %(default)s")
+                   help="control address (zmq+tcp://host:port, zmq+ipc:///path, shm:///path; "
+                        "udp://host:port with --mode switch); default %(default)s")
+    s.add_argument("--mode", choices=["service", "switch"], default="service",
+                   help="service: sharded aggregator (chunks over messages); switch: the switch protocol "
+                        "over UDP, standing in for a ToR switch or serving as a parent (docs/protocol.md)")
+    s.add_argument("--pool", type=int, default=1024, help="switch mode: slots in the pool")
+    s.add_argument("--elements", type=int, default=64, help="switch mode: int32 elements per packet")
+    s.add_argument("--parent", default=None, help="switch mode: parent aggregator (udp://host:port) for racks")
+    s.add_argument("--rack-id", type=int, default=0, help="switch mode: this rack's id at its parent")
+    s.add_argument("--racks", type=int, default=1, help="switch mode: racks under the parent")
     s.add_argument("--shards", type=int, default=None, help="shard processes (default: one per core)")
     s.add_argument("--parent-pid", type=int, default=None, help="stop when this process is gone")
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])

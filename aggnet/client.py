@@ -92,7 +92,9 @@ class Client:
     ``address`` names them (``zmq+tcp://host:port``, ``zmq+ipc:///path``,
     ``shm:///path``, ``udp://host:port``, ``inproc://name``); None uses
     ``AGGNET_ADDRESS``, or an embedded aggregator on this machine that
-    rank 0 starts and stops.
+    rank 0 starts and stops. In a hierarchy of switch-protocol aggregators,
+    ``member_rank``/``members`` place the worker among the workers of its
+    own rack (``rank``/``world_size`` stay those of the whole job).
     """
 
     def __new__(cls, address: str | None = None, **kwargs):
@@ -108,6 +110,8 @@ class Client:
         rank: int = 0,
         world_size: int = 1,
         config: ClientConfig | None = None,
+        member_rank: int | None = None,
+        members: int | None = None,
         **settings,
     ):
         if not isinstance(world_size, int) or world_size < 1 or world_size > 65535:
@@ -117,6 +121,14 @@ class Client:
         if not job or not isinstance(job, str):
             raise ValueError(f"job must be a non-empty name, got {job!r}")
         self.config = config.replace(**settings) if config else ClientConfig.from_env(**settings)
+        #: this worker's place among the workers of its own aggregator (a
+        #: rack of a hierarchy); the whole job by default
+        self.members = world_size if members is None else members
+        self.member_rank = rank if member_rank is None else member_rank
+        if not isinstance(self.members, int) or not 1 <= self.members <= world_size:
+            raise ValueError(f"members must be an integer from 1 to world_size={world_size}, got {members!r}")
+        if not isinstance(self.member_rank, int) or not 0 <= self.member_rank < self.members:
+            raise ValueError(f"member_rank must be an integer in [0, {self.members}), got {member_rank!r}")
         if address is None:
             address = self.config.address
         self.job = job
@@ -163,8 +175,9 @@ class Client:
         """Make the I/O thread look at new requests now."""
         raise NotImplementedError
 
-    def _check(self, enc: Encoding) -> None:
-        """Refuse what this protocol cannot carry (before queueing)."""
+    def _encoding(self, buf, codec, op, wire_hint) -> Encoding:
+        """How ``buf`` travels; refuses what this protocol cannot carry."""
+        return Encoding(buf, codec, op, self.world_size, wire_hint)
 
     def _io_loop(self) -> None:
         raise NotImplementedError
@@ -186,8 +199,7 @@ class Client:
             raise TypeError(f"allreduce takes a NumPy array, got {type(buf).__name__}")
         if not buf.flags.c_contiguous or not buf.flags.writeable:
             raise ValueError("allreduce needs a C-contiguous, writable buffer (results are written in place)")
-        enc = Encoding(buf, codec, op, self.world_size, _wire_hint)
-        self._check(enc)
+        enc = self._encoding(buf, codec, op, _wire_hint)
         flat = buf.reshape(-1)
         with self._lock:
             if self._failed is not None:

@@ -13,6 +13,8 @@ Environment variables:
 ``AGGNET_CHUNK_BYTES`` wire bytes per chunk (``1MiB``, ``262144``)
 ``AGGNET_WINDOW``      chunks in flight per aggregator shard
 ``AGGNET_SHARDS``      shards of an embedded aggregator (default: cores)
+``AGGNET_SLOTS``       switch protocol: slots of the pool a job asks for
+``AGGNET_ELEMENTS``    switch protocol: int32 elements per packet
 =====================  ====================================================
 """
 
@@ -21,6 +23,8 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, fields, replace
+
+from .protocol import DEFAULT_ELEMENTS, DEFAULT_JOB_SLOTS, MAX_ELEMENTS
 
 #: wire bytes per chunk. Measured with `aggnet bench --chunk-sweep` on the
 #: reference 2-core machine (docs/benchmarks.md): over ZeroMQ each message
@@ -66,6 +70,10 @@ class ClientConfig:
     window: int = DEFAULT_WINDOW
     #: shards of an embedded aggregator (None: one per core)
     embedded_shards: int | None = None
+    #: switch protocol: the job's slice of the pool (the window, in packets)
+    slots: int = DEFAULT_JOB_SLOTS
+    #: switch protocol: int32 elements per packet (the switch's K)
+    elements: int = DEFAULT_ELEMENTS
 
     def __post_init__(self):
         if self.timeout <= 0:
@@ -80,6 +88,10 @@ class ClientConfig:
             raise ValueError(f"window must be between 1 and 1024 chunks, got {self.window!r}")
         if self.embedded_shards is not None and self.embedded_shards < 1:
             raise ValueError(f"embedded_shards must be >= 1, got {self.embedded_shards!r}")
+        if not (1 <= self.slots <= 65536):
+            raise ValueError(f"slots must be between 1 and 65536, got {self.slots!r}")
+        if not (1 <= self.elements <= MAX_ELEMENTS):
+            raise ValueError(f"elements must be between 1 and {MAX_ELEMENTS}, got {self.elements!r}")
 
     @classmethod
     def from_env(cls, environ=None, **overrides) -> "ClientConfig":
@@ -92,6 +104,8 @@ class ClientConfig:
             ("chunk_bytes", "AGGNET_CHUNK_BYTES", parse_size),
             ("window", "AGGNET_WINDOW", int),
             ("embedded_shards", "AGGNET_SHARDS", int),
+            ("slots", "AGGNET_SLOTS", int),
+            ("elements", "AGGNET_ELEMENTS", int),
         ):
             if env.get(name):
                 try:

@@ -16,9 +16,10 @@ MAX_WORKERS = 32
 #: slots in an aggregator's pool, and a job's default slice of it
 DEFAULT_POOL = 1024
 DEFAULT_JOB_SLOTS = 128
-#: retransmission timeout: first wait, and the cap of its doubling
-RTO_MIN = 0.001
-RTO_MAX = 0.064
+#: retransmission timeout: the floor of the adaptive estimate (smoothed
+#: round trip + 4 deviations) and the cap of its doubling per retry
+RTO_MIN = 0.002
+RTO_MAX = 0.256
 
 
 def packet_bytes(elements: int) -> int:

@@ -20,8 +20,11 @@ from aggnet.errors import AggregatorUnreachable
 
 class ServiceProcess:
     def __init__(self, listen: str, shards: int | None = None, *, parent_pid: int | None = None,
-                 start_timeout: float = 60.0, log_level: str = "WARNING", env: dict | None = None):
-        cmd = [sys.executable, "-m", "aggnet", "serve", "--listen", listen, "--log-level", log_level]
+                 start_timeout: float = 60.0, log_level: str = "WARNING", env: dict | None = None,
+                 args: list[str] = (), prefix: list[str] = ()):
+        """``args`` go to ``aggnet serve`` (e.g. ``--mode switch``); ``prefix``
+        runs it under another command (``ip netns exec NAME``)."""
+        cmd = [*prefix, sys.executable, "-m", "aggnet", "serve", "--listen", listen, "--log-level", log_level, *args]
         if shards:
             cmd += ["--shards", str(shards)]
         if parent_pid is not None:

@@ -186,6 +186,8 @@ def process_batch(pkts, lens, srcs, n, k, values, count, seen, tag, expo, maxexp
             _put16(p, 28, count[v, s])
             _put32(p, 32, seen[v, s])
             _put16(p, 30, world)
+            _put32(p, 40, 0)
+            _put32(p, 44, tag[v, s])
             actions[i] = A_UNICAST
             counters[21] += 1
             job_counters[j, 21] += 1

@@ -1,0 +1,252 @@
+"""The switch protocol (docs/protocol.md) between real worker processes and
+an aggregator host in switch mode, over UDP: exact under loss, duplication
+and reorder, jobs kept apart, silent workers named, bad packets counted,
+and a two-level hierarchy."""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from aggnet import Client, wire
+from aggnet.client import job_id_of
+from aggnet.emulation.lossy_relay import LossyRelay
+from aggnet.errors import AggregationTimeout, NonFiniteError
+from aggnet.hosts.process import ServiceProcess
+from aggnet.kernels import quant_shift
+from aggnet.switch_client import query_stats
+from aggnet.wire import DType, Flag, Header, MsgType
+from helpers import run_workers
+
+K = 64
+
+
+def switch(*extra) -> ServiceProcess:
+    return ServiceProcess("udp://127.0.0.1:0", args=["--mode", "switch", "--pool", "512", "--elements", str(K), *extra])
+
+
+@pytest.fixture
+def aggregator():
+    svc = switch()
+    yield svc
+    svc.stop()
+
+
+def data(rank: int, seed: int, n: int = 20011):
+    rng = np.random.default_rng(seed * 100 + rank)
+    x = (rng.standard_normal(n) * np.exp(rng.uniform(-6, 6, n))).astype(np.float32)
+    y = rng.integers(-(2**31), 2**31, n, dtype=np.int64).astype(np.int32)
+    return x, y
+
+
+def _worker(rank, address, world, job, seed, opts):
+    opts = dict(opts)
+    member_rank, members = opts.pop("member", (None, None))
+    x, y = data(rank, seed)
+    with Client(address, job=job, rank=rank, world_size=world, timeout=30, elements=K,
+                member_rank=member_rank, members=members, **opts) as c:
+        c.allreduce(x).result(120)
+        c.allreduce(y).result(120)
+        small = np.full(5, rank + 1, np.float32)  # fewer blocks than slots
+        c.allreduce(small, op="avg").result(120)
+        return x, y, small, c.stats.retransmissions
+
+
+def run(addresses, world, seed, job=None, **opts):
+    job = job or f"sw-{uuid.uuid4().hex[:6]}"
+    if isinstance(addresses, str):
+        addresses = [addresses] * world
+    return run_workers("udp://", world, lambda r, *a: _worker(r, addresses[r], *a), world, job, seed, opts,
+                       timeout=180)
+
+
+def check_exact(results, world, seed):
+    inputs = [data(r, seed) for r in range(world)]
+    want_y = np.zeros(inputs[0][1].size, np.int64)
+    for _, y in inputs:
+        want_y += y
+    want_y = ((want_y + 2**31) % 2**32 - 2**31).astype(np.int32)
+    exact_x = sum(x.astype(np.float64) for x, _ in inputs)
+    for x, y, small, _ in results:
+        np.testing.assert_array_equal(y, want_y)
+        np.testing.assert_array_equal(x, results[0][0])  # every worker holds the same sum
+        np.testing.assert_allclose(small, np.full(5, (world + 1) / 2), rtol=1e-6)
+    # quantization error bound per block of K: world * half a step
+    got = results[0][0].astype(np.float64)
+    for b in range(0, exact_x.size, K):
+        block = slice(b, b + K)
+        e = max(int(np.frexp(np.max(np.abs(x[block])))[1]) for x, _ in inputs)
+        step = 2.0 ** -quant_shift(e, world)
+        assert np.all(np.abs(got[block] - exact_x[block]) <= world * step / 2 + np.abs(exact_x[block]) * 2**-23)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_lossless_sums_are_exact(aggregator, world):
+    check_exact(run(aggregator.address, world, seed=world), world, world)
+
+
+@pytest.mark.parametrize(
+    "impair",
+    [{"drop": 0.01}, {"drop": 0.10}, {"duplicate": 0.10}, {"reorder": 0.20}, {"drop": 0.05, "duplicate": 0.05, "reorder": 0.1}],
+    ids=["drop1%", "drop10%", "dup10%", "reorder20%", "all"],
+)
+def test_results_under_impairment_equal_the_lossless_run(aggregator, impair):
+    world, seed = 3, 42
+    clean = run(aggregator.address, world, seed)
+    host, port = aggregator.address[len("udp://"):].rsplit(":", 1)
+    with LossyRelay((host, int(port)), world, seed=7, **impair) as relay:
+        lossy = run(relay.addresses, world, seed)
+        counters = dict(relay.counters)
+    for (x0, y0, s0, _), (x1, y1, s1, _) in zip(clean, lossy):
+        np.testing.assert_array_equal(x1, x0)
+        np.testing.assert_array_equal(y1, y0)
+        np.testing.assert_array_equal(s1, s0)
+    for kind in impair:
+        assert counters[{"drop": "dropped", "duplicate": "duplicated", "reorder": "reordered"}[kind]] > 0
+    if "drop" in impair:
+        assert sum(r[3] for r in lossy) > 0  # recovered by retransmission
+        assert query_stats(aggregator.address)["totals"].get("results_resent", 0) > 0
+
+
+def test_two_jobs_use_distinct_pool_slices(aggregator):
+    def both(rank):
+        job, world, r = ("one", 2, rank) if rank < 2 else ("two", 3, rank - 2)
+        return job, _worker(r, aggregator.address, world, job, 9 + world, {})
+
+    results = run_workers("udp://", 5, both, timeout=180)
+    check_exact([res for job, res in results if job == "one"], 2, 11)
+    check_exact([res for job, res in results if job == "two"], 3, 12)
+
+
+def test_jobs_get_disjoint_slices_while_both_are_joined(aggregator):
+    a = Client(aggregator.address, job="slice-a", rank=0, world_size=2, elements=K, slots=100)
+    b = Client(aggregator.address, job="slice-b", rank=0, world_size=2, elements=K, slots=100)
+    try:
+        jobs = query_stats(aggregator.address)["jobs"]
+        ra = range(jobs["slice-a"]["base"], jobs["slice-a"]["base"] + 100)
+        rb = range(jobs["slice-b"]["base"], jobs["slice-b"]["base"] + 100)
+        assert not set(ra) & set(rb)
+    finally:
+        a.close()
+        b.close()
+
+
+def _stall(rank, address, job):
+    with Client(address, job=job, rank=rank, world_size=3, timeout=1.5, elements=K) as c:
+        if rank == 2:
+            time.sleep(4)
+            return "idle"
+        t0 = time.monotonic()
+        try:
+            c.allreduce(np.ones(1000, np.float32)).result(30)
+        except AggregationTimeout as exc:
+            return str(exc), time.monotonic() - t0
+        return "no error", 0
+
+
+def test_a_silent_worker_is_named_by_the_others(aggregator):
+    job = f"stall-{uuid.uuid4().hex[:6]}"
+    res = run_workers("udp://", 3, _stall, aggregator.address, job, timeout=60)
+    for text, waited in res[:2]:
+        assert "[2] never sent theirs" in text and job in text and "slot" in text, text
+        assert waited < 4
+    assert res[2] == "idle"
+
+
+def _nan(rank, address, job):
+    x = np.ones(3000, np.float32)
+    if rank == 1:
+        x[100] = np.inf
+    with Client(address, job=job, rank=rank, world_size=2, timeout=10, elements=K) as c:
+        try:
+            c.allreduce(x).result(30)
+        except NonFiniteError as exc:
+            first = str(exc)
+        y = np.full(10, rank + 1, np.float32)
+        c.allreduce(y).result(30)  # the job goes on
+        return first, y
+
+
+def test_nan_stops_every_worker_and_names_the_one_that_had_it(aggregator):
+    (m0, y0), (m1, y1) = run_workers("udp://", 2, _nan, aggregator.address, "nan-job", timeout=60)
+    assert "rank 1" in m1 and "NaN/Inf" in m1
+    assert "another worker reported NaN/Inf" in m0
+    np.testing.assert_array_equal(y0, np.full(10, 3, np.float32))
+
+
+def test_bad_packets_are_dropped_and_counted(aggregator):
+    host, port = aggregator.address[len("udp://"):].rsplit(":", 1)
+    dest = (host, int(port))
+    job = "guarded"
+    c = Client(aggregator.address, job=job, rank=0, world_size=2, elements=K)
+    good = Header(MsgType.PUSH, job_id=job_id_of(job), index=0, sender=0, dtype=DType.INT32, count=K,
+                  world=2, ref=1, flags=Flag.VERSION)
+    payload = b"\0" * (4 * K)
+    bad_version = bytearray(good.pack() + payload)
+    bad_version[2] = 7
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(good.pack() + payload, dest)  # claims rank 0 from another address
+            other = Header(MsgType.PUSH, job_id=12345, index=0, sender=0, dtype=DType.INT32, count=K, ref=1)
+            s.sendto(other.pack() + payload, dest)  # a job nobody installed
+            s.sendto(bytes(bad_version), dest)
+            s.sendto(good.pack() + payload[:-4], dest)  # truncated payload
+            s.sendto(good.pack()[:30], dest)  # truncated header
+            far = Header(MsgType.PUSH, job_id=job_id_of(job), index=100000, sender=0, dtype=DType.INT32, count=K, ref=1)
+            s.sendto(far.pack() + payload, dest)  # outside the job's slice
+            time.sleep(0.3)
+        totals = query_stats(aggregator.address)["totals"]
+        assert totals["dropped_not_admitted"] == 1
+        assert totals["dropped_unknown_job"] == 1
+        assert totals["dropped_version"] == 1
+        assert totals["dropped_length"] == 1
+        assert totals["dropped_short"] == 1
+        assert totals["dropped_index"] == 1
+        assert "summed" not in totals  # nothing of it touched a slot
+    finally:
+        c.close()
+    # the aggregator still serves
+    check_exact(run(aggregator.address, 2, seed=5), 2, 5)
+
+
+def _hier_run(addresses, seed, job):
+    # ranks 0,1 on rack 0 and ranks 2,3 on rack 1: each is member r % 2 of 2
+    return run_workers("udp://", 4, lambda r: _worker(r, addresses[r // 2], 4, job, seed, {"member": (r % 2, 2)}),
+                       timeout=180)
+
+
+def test_two_racks_under_a_parent_sum_like_one_aggregator(aggregator):
+    parent = switch()
+    racks = [switch("--parent", parent.address, "--rack-id", str(i), "--racks", "2") for i in range(2)]
+    try:
+        res = _hier_run([r.address for r in racks], 21, "hier")
+        check_exact(res, 4, 21)
+        flat = run(aggregator.address, 4, 21)
+        for (x0, y0, _, _), (x1, y1, _, _) in zip(flat, res):
+            np.testing.assert_array_equal(x1, x0)
+            np.testing.assert_array_equal(y1, y0)
+        assert query_stats(parent.address)["totals"]["completed"] > 0
+        assert query_stats(racks[0].address)["totals"]["uplink_sent"] > 0
+    finally:
+        for s in racks + [parent]:
+            s.stop()
+
+
+def test_lost_uplink_packets_are_recovered_through_the_workers(aggregator):
+    parent = switch()
+    host, port = parent.address[len("udp://"):].rsplit(":", 1)
+    with LossyRelay((host, int(port)), 2, drop=0.1, seed=3) as relay:
+        racks = [switch("--parent", relay.addresses[i], "--rack-id", str(i), "--racks", "2") for i in range(2)]
+        try:
+            res = _hier_run([r.address for r in racks], 22, "hier-lossy")
+            check_exact(res, 4, 22)
+            assert relay.counters["dropped"] > 0
+            assert sum(query_stats(r.address)["totals"].get("uplink_resent", 0) for r in racks) > 0
+        finally:
+            for s in racks:
+                s.stop()
+    parent.stop()
