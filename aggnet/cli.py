@@ -104,6 +104,12 @@ def _bench_ddp(args) -> int:
     return ddp.main(args)
 
 
+def _emulate(args) -> int:
+    from aggnet.emulation import cli as emulation_cli
+
+    return emulation_cli.main(args)
+
+
 def _demo(args) -> int:
     from aggnet import demo
 
@@ -147,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     bd = sub.add_parser("bench-ddp", help="DDP step time with the aggnet hook beside gloo")
     ddp.add_arguments(bd)
     bd.set_defaults(func=_bench_ddp)
+
+    from aggnet.emulation import cli as emulation_cli
+
+    e = sub.add_parser("emulate", help="run inside an emulated rack (network namespaces; needs root)")
+    emulation_cli.add_arguments(e)
+    e.set_defaults(func=_emulate)
 
     from aggnet import demo
 

@@ -55,6 +55,7 @@ class ClientStats:
     bytes_received: int = 0
     results: int = 0
     retransmissions: int = 0
+    fast_retransmissions: int = 0  #: of which sent early, on later results
     seconds: float = 0.0  #: wall time from submission to completion, summed
 
 

@@ -27,7 +27,7 @@ from .address import parse
 from .client import Client, Request
 from .codec import Encoding
 from .errors import AggregationError, AggregationTimeout, AggregatorUnreachable, JobMismatch, NonFiniteError
-from .protocol import MAX_WORKERS, RTO_MAX, RTO_MIN
+from .protocol import MAX_WORKERS, RTO_INITIAL, RTO_MAX, RTO_MIN
 from .transport.udp import PacketBatch, open_udp
 from .wire import EXPONENT_NONFINITE, EXPONENT_ZERO, HEADER_SIZE, DType, Flag, Header, MsgType
 
@@ -35,6 +35,8 @@ log = logging.getLogger("aggnet.client")
 
 #: seconds to wait for a probe's answer before blaming the aggregator
 PROBE_WAIT = 1.0
+#: later uses answered while one is not, before that one is resent
+FAST_RETRANSMIT = 3
 _IDLE, _PRIMING, _DATA = 0, 1, 2
 # the fields a result is matched and decoded by: type, flags, job, index,
 # exponent, next_exponent, ref
@@ -77,9 +79,15 @@ class SwitchClient(Client):
         self.rto = np.full(s, RTO_MIN)
         #: whether the slot's use went out once only (Karn: only those time the RTT)
         self.first_try = np.zeros(s, np.bool_)
+        #: fast retransmission: results received in all, and per slot the
+        #: count when its use went out and how many older uses were waiting
+        self.results_seen = 0
+        self.results_at_send = np.zeros(s, np.int64)
+        self.older_at_send = np.zeros(s, np.int64)
+        self.fast_done = np.zeros(s, np.bool_)
         self.srtt: float | None = None
         self.rttvar = 0.0
-        self.base_rto = RTO_MIN
+        self.base_rto = RTO_INITIAL
         self.batch = PacketBatch(256, max(self.packet_bytes, 4096) + 64)
         self._header = Header(MsgType.PUSH, job_id=self.job_id, sender=self.member_rank, dtype=DType.INT32,
                               count=k, world=self.members)
@@ -100,7 +108,10 @@ class SwitchClient(Client):
                     f"({self._context()}): start one with `aggnet serve --mode switch --listen {self.address}`, "
                     f"or check that the switch's control plane installed the job")
             if now >= next_send:
-                self.sock.sendto(packed, self.aggregator)
+                try:
+                    self.sock.sendto(packed, self.aggregator)
+                except OSError:
+                    pass  # a local filter or a full buffer: the next try may pass
                 next_send = now + 0.5
             r, _, _ = select.select([self.sock], [], [], min(0.5, deadline - now))
             if not r:
@@ -245,10 +256,14 @@ class SwitchClient(Client):
             if n < k:
                 payload[n:] = 0
         wire.pack_into(self.packets[slot], h)
-        self.kind[slot] = kind
+        self.kind[slot] = _IDLE
         self.block[slot] = block
         self.rto[slot] = self.base_rto
         self.first_try[slot] = True
+        self.fast_done[slot] = False
+        self.results_at_send[slot] = self.results_seen
+        self.older_at_send[slot] = int(np.count_nonzero(self.kind != _IDLE))
+        self.kind[slot] = kind  # counted above before marking this one busy
         self._transmit(slot)
 
     def _transmit(self, slot: int) -> None:
@@ -261,11 +276,27 @@ class SwitchClient(Client):
         self.stats.bytes_sent += self.packet_bytes
 
     def _retransmit(self) -> None:
+        """Resend a use whose timeout expired, or at once when more than
+        FAST_RETRANSMIT later uses came back while it did not (a loss, as
+        TCP's duplicate acknowledgements tell; every worker sees it, so the
+        one whose packet was lost resends it)."""
         now = time.monotonic()
-        due = np.flatnonzero((self.kind != _IDLE) & (self.sent_at + self.rto <= now))
+        busy = self.kind != _IDLE
+        later = self.results_seen - self.results_at_send - self.older_at_send
+        fast = busy & ~self.fast_done & (later > FAST_RETRANSMIT)
+        due = np.flatnonzero((busy & (self.sent_at + self.rto <= now)) | fast)
+        if due.size and not fast[due].all():
+            # a timer fired: keep the backed-off timeout for new uses too
+            # until a clean round trip is measured (RFC 6298, 5.7), or an
+            # estimate that is too short would never see a clean sample
+            self.base_rto = min(RTO_MAX, self.base_rto * 2)
         for slot in due:
             self.packets[slot, 4] |= Flag.RETRANSMIT
-            self.rto[slot] = min(RTO_MAX, self.rto[slot] * 2)
+            if fast[slot]:
+                self.fast_done[slot] = True
+                self.stats.fast_retransmissions += 1
+            else:
+                self.rto[slot] = min(RTO_MAX, self.rto[slot] * 2)
             self.first_try[slot] = False
             self.stats.retransmissions += 1
             self._transmit(slot)
@@ -285,6 +316,7 @@ class SwitchClient(Client):
         now = time.monotonic()
         self._last_progress = now
         self._probing = None
+        self.results_seen += 1
         if self.first_try[index]:
             self._sample_rtt(now - self.sent_at[index])
         req = self._req
@@ -314,7 +346,9 @@ class SwitchClient(Client):
         else:
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
             self.srtt = 0.875 * self.srtt + 0.125 * rtt
-        self.base_rto = min(RTO_MAX, max(RTO_MIN, self.srtt + 4 * self.rttvar))
+        # samples of a self-clocked window are correlated, so the deviation
+        # understates the jitter: never time out before 1.5 round trips
+        self.base_rto = min(RTO_MAX, max(RTO_MIN, 1.5 * self.srtt, self.srtt + 4 * self.rttvar))
 
     def _decode(self, req: SwitchRequest, block: int, data, exponent: int) -> None:
         k = self.elements

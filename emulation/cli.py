@@ -1,0 +1,87 @@
+"""``aggnet emulate``: all-reduce, benchmark or DDP demo inside an emulated
+rack (network namespaces, shaped links, optional loss), torn down after."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+from aggnet.config import format_size, parse_size
+
+from . import rack_runs
+from .netns import EmulationError, Rack
+
+
+def add_arguments(p) -> None:
+    p.add_argument("what", choices=["allreduce", "bench", "demo"],
+                   help="allreduce: one all-reduce, checked; bench: aggnet beside gloo, bytes and times; "
+                        "demo: DDP training, one worker per namespace")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--rate", type=float, default=100.0, help="Mbit/s of every worker link (0: unshaped)")
+    p.add_argument("--size", default="16MiB", help="all-reduce size (allreduce, bench)")
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--drop", type=float, default=0.0, help="random drop probability of aggregation datagrams")
+    p.add_argument("--duplicate", type=float, default=0.0, help="random duplication probability")
+    p.add_argument("--epochs", type=int, default=3, help="demo epochs")
+    p.add_argument("--codec", default="float32", choices=["float32", "int32"], help="demo codec")
+    p.add_argument("--json", default=None, help="bench: write the records here")
+
+
+def main(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s aggnet %(levelname)s %(message)s", stream=sys.stderr)
+    nbytes = parse_size(args.size)
+    try:
+        with Rack(args.workers, rate_mbit=args.rate or None) as rack:
+            rack.wait_reachable()
+            agg = rack_runs.start_aggregator(rack)
+            try:
+                if args.drop or args.duplicate:
+                    rack.impair(drop=args.drop, duplicate=args.duplicate)
+                if args.what == "demo":
+                    for line in rack_runs.run_demo(rack, args.epochs, args.codec):
+                        print(line)
+                    return 0
+                systems = ["aggnet"] + (["gloo"] if args.what == "bench" else [])
+                results = [rack_runs.run_system(rack, s, nbytes, args.reps) for s in systems]
+                impaired = rack.impairment_counts() if (args.drop or args.duplicate) else None
+            finally:
+                agg.stop()
+    except EmulationError as exc:
+        print(f"aggnet emulate: {exc}", file=sys.stderr)
+        return 1
+    _report(args, nbytes, results, impaired)
+    return 0
+
+
+def _report(args, nbytes: int, results: list[dict], impaired) -> None:
+    n = args.workers
+    print(f"rack: {n} workers, links {args.rate:g} Mbit/s each way (aggregator host: {n * args.rate:g}), "
+          f"{format_size(nbytes)} float32 all-reduce, {args.reps} repetition(s)")
+    if impaired:
+        print(f"impairments: {impaired['dropped']} datagrams dropped, {impaired['duplicated']} duplicated")
+    # every worker of a system holds the same result; systems differ by
+    # gloo's float rounding and aggnet's quantization only
+    same_everywhere = all(len({tuple(c) for c in r["checksums"]}) == 1 for r in results)
+    sums = [r["checksums"][0][0] for r in results]
+    spread = (max(sums) - min(sums)) / max(1.0, max(abs(x) for x in sums))
+    print(f"{'system':>7} {'median s':>9} {'sent/worker':>12} {'recv/worker':>12} {'x S up':>7} {'x S down':>9}")
+    for r in results:
+        tx = sum(v["tx_bytes"] for v in r["per_worker"].values()) / n
+        rx = sum(v["rx_bytes"] for v in r["per_worker"].values()) / n
+        print(f"{r['system']:>7} {r['median_s']:9.3f} {tx / 2**20:9.1f}MiB {rx / 2**20:9.1f}MiB "
+              f"{tx / nbytes:7.3f} {rx / nbytes:9.3f}")
+    ring = 2 * (n - 1) / n
+    print(f"gloo ring moves 2S(N-1)/N = {ring:.3f} S each way; aggnet S each way plus headers")
+    if len(results) == 2:
+        ratio = results[0]["median_s"] / results[1]["median_s"]
+        print(f"aggnet time / gloo time = {ratio:.3f} (bandwidth-bound limit N/(2(N-1)) = {n / (2 * (n - 1)):.3f})")
+    named = ", ".join(f"{r['system']} {x:.6g}" for r, x in zip(results, sums))
+    print(f"every worker holds the same result: {'yes' if same_everywhere else 'NO'}; "
+          f"sum of the result: {named} (relative spread {spread:.1e})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"workers": n, "rate_mbit": args.rate, "bytes": nbytes, "time": time.strftime("%FT%T"),
+                       "records": [{k: v for k, v in r.items() if k != "client_stats"} for r in results],
+                       "impairments": impaired}, f, indent=1)

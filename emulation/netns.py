@@ -1,0 +1,247 @@
+"""An emulated rack in network namespaces: N workers, a top-of-rack switch,
+an aggregator.
+
+Each worker is a namespace with one interface, cabled by a veth pair to a
+port of the ToR: a Linux bridge in the ToR's namespace (or, for the P4
+program, BMv2 attached to the same port interfaces). Every worker link is
+shaped to the same rate in both directions (tc tbf on both veth ends, as a
+switch port is), and the aggregator host's link to N times that rate (a
+PBox with N NICs), so it is never the single-link bottleneck. Random drop
+and duplication of the aggregation protocol's datagrams come from iptables
+``statistic`` (and ``TEE``) inside the worker namespaces; netem is absent
+from this kernel.
+
+Everything is torn down on exit, on error and on SIGTERM; a crashed run's
+leftovers (namespaces with this rack's prefix) are removed when the next
+one starts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+
+from aggnet.protocol import SWITCH_PORT
+
+log = logging.getLogger("aggnet.emulation")
+
+SUBNET = "10.77.0"
+AGG_HOST = 254
+
+
+class EmulationError(RuntimeError):
+    pass
+
+
+def can_emulate() -> tuple[bool, str]:
+    """Whether namespaces can be made here, and if not, why."""
+    if os.geteuid() != 0:
+        return False, "network namespaces need root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return False, f"`{tool}` (iproute2) is not installed"
+    probe = f"aggnet-probe-{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return False, f"cannot create a network namespace: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return True, ""
+
+
+def sh(*cmd: str, check: bool = True, ns: str | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+    full = (["ip", "netns", "exec", ns] if ns else []) + list(cmd)
+    r = subprocess.run(full, capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise EmulationError(f"`{' '.join(full)}` failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}")
+    return r
+
+
+@dataclass
+class Host:
+    name: str  #: namespace
+    ip: str
+    dev: str  #: its interface inside the namespace
+    port: str  #: the ToR-side end of its cable
+
+
+class Rack:
+    """The rack; use as a context manager (``with Rack(4, rate_mbit=100) as rack``)."""
+
+    def __init__(self, workers: int, rate_mbit: float | None = None, *, mtu: int = 9000, prefix: str = "agn",
+                 aggregator: bool = True, queue_bytes: int = 4 << 20):
+        if not 1 <= workers <= 32:
+            raise ValueError(f"a rack holds 1 to 32 workers, got {workers}")
+        self.prefix = prefix
+        self.rate_mbit = rate_mbit
+        self.mtu = mtu
+        self.queue_bytes = queue_bytes
+        self.tor = f"{prefix}-tor"
+        self.workers = [Host(f"{prefix}-w{i}", f"{SUBNET}.{i + 1}", "eth0", f"p{i}") for i in range(workers)]
+        self.aggregator = Host(f"{prefix}-agg", f"{SUBNET}.{AGG_HOST}", "eth0", "pagg") if aggregator else None
+        self._up = False
+        self._procs: list[subprocess.Popen] = []
+
+    @property
+    def hosts(self) -> list[Host]:
+        return self.workers + ([self.aggregator] if self.aggregator else [])
+
+    # -- build and tear down ------------------------------------------------------
+
+    def __enter__(self) -> "Rack":
+        ok, why = can_emulate()
+        if not ok:
+            raise EmulationError(f"cannot emulate a rack here: {why}")
+        self.teardown(stale=True)
+        atexit.register(self.teardown)
+        self._old_term = signal.signal(signal.SIGTERM, self._on_term)
+        try:
+            self._build()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def _on_term(self, *_):
+        self.teardown()
+        raise SystemExit(143)
+
+    def _build(self) -> None:
+        self._up = True
+        sh("ip", "netns", "add", self.tor)
+        sh("ip", "link", "set", "lo", "up", ns=self.tor)
+        sh("ip", "link", "add", "br0", "type", "bridge", ns=self.tor)
+        sh("ip", "link", "set", "br0", "mtu", str(self.mtu), ns=self.tor)
+        for i, h in enumerate(self.hosts):
+            sh("ip", "netns", "add", h.name)
+            sh("ip", "link", "set", "lo", "up", ns=h.name)
+            # both ends are created in the ToR namespace, then one moves
+            sh("ip", "link", "add", h.port, "mtu", str(self.mtu), "type", "veth", "peer", "name", f"tmp{i}",
+               "mtu", str(self.mtu), ns=self.tor)
+            sh("ip", "link", "set", f"tmp{i}", "netns", h.name, ns=self.tor)
+            sh("ip", "link", "set", f"tmp{i}", "name", h.dev, ns=h.name)
+            sh("ip", "addr", "add", f"{h.ip}/24", "dev", h.dev, ns=h.name)
+            sh("ip", "link", "set", h.dev, "up", ns=h.name)
+            sh("ip", "link", "set", h.port, "master", "br0", ns=self.tor)
+            sh("ip", "link", "set", h.port, "up", ns=self.tor)
+            if self.rate_mbit:
+                rate = self.rate_mbit * (len(self.workers) if h is self.aggregator else 1)
+                self._shape(h.name, h.dev, rate)
+                self._shape(self.tor, h.port, rate)
+        sh("ip", "link", "set", "br0", "up", ns=self.tor)
+        log.info("rack %s: %d workers%s, links %s", self.prefix, len(self.workers),
+                 " + aggregator host" if self.aggregator else "",
+                 f"{self.rate_mbit:g} Mbit/s" if self.rate_mbit else "unshaped")
+
+    def _shape(self, ns: str, dev: str, rate_mbit: float) -> None:
+        # tbf: the rate, a burst of a few jumbo frames, and a queue deep
+        # enough for a window of in-flight packets (a switch port's buffer)
+        burst = max(64 * 1024, 4 * self.mtu)
+        sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst),
+           "limit", str(self.queue_bytes), ns=ns)
+
+    def teardown(self, stale: bool = False) -> None:
+        """Stop what runs in the rack and delete its namespaces."""
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+        self._procs = []
+        names = sh("ip", "netns", "list", check=False).stdout.split()
+        mine = [n for n in names if n.startswith(f"{self.prefix}-")]
+        if not mine:
+            self._up = False
+            return
+        if stale and mine:
+            log.info("removing namespaces left by an earlier run: %s", mine)
+        for n in mine:
+            pids = sh("ip", "netns", "pids", n, check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+        for n in mine:
+            sh("ip", "netns", "del", n, check=False)
+        self._up = False
+        if not stale:
+            try:
+                atexit.unregister(self.teardown)
+            except Exception:
+                pass
+
+    # -- running things inside -------------------------------------------------------
+
+    def popen(self, host: Host | str, cmd: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
+        ns = host.name if isinstance(host, Host) else host
+        p = subprocess.Popen(["ip", "netns", "exec", ns, *cmd], env={**os.environ, **(env or {})}, **kw)
+        self._procs.append(p)
+        return p
+
+    def run(self, host: Host | str, cmd: list[str], timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+        ns = host.name if isinstance(host, Host) else host
+        return sh(*cmd, ns=ns, timeout=timeout, **kw)
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Bytes and packets each worker's interface sent and received."""
+        out = {}
+        for h in self.workers:
+            vals = {}
+            for key in ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets"):
+                vals[key] = int(sh("cat", f"/sys/class/net/{h.dev}/statistics/{key}", ns=h.name).stdout)
+            out[h.name] = vals
+        return out
+
+    # -- impairments ------------------------------------------------------------------
+
+    def impair(self, drop: float = 0.0, duplicate: float = 0.0, port: int = SWITCH_PORT) -> None:
+        """Drop (both directions) and duplicate (worker to aggregator) the
+        aggregation protocol's datagrams at random, in every worker."""
+        if (drop or duplicate) and shutil.which("iptables") is None:
+            raise EmulationError("impairments need iptables (apt-get install iptables)")
+        for h in self.workers:
+            if drop:
+                for chain, direction in (("OUTPUT", "--dport"), ("INPUT", "--sport")):
+                    sh("iptables", "-A", chain, "-p", "udp", direction, str(port), "-m", "statistic", "--mode",
+                       "random", "--probability", f"{drop:.6f}", "-j", "DROP", ns=h.name)
+            if duplicate and self.aggregator is not None:
+                sh("iptables", "-t", "mangle", "-A", "OUTPUT", "-p", "udp", "--dport", str(port), "-m", "statistic",
+                   "--mode", "random", "--probability", f"{duplicate:.6f}", "-j", "TEE", "--gateway",
+                   self.aggregator.ip, ns=h.name)
+
+    def impairment_counts(self) -> dict[str, int]:
+        """Datagrams the iptables rules dropped and duplicated, summed."""
+        dropped = duplicated = 0
+        for h in self.workers:
+            for table in ("filter", "mangle"):
+                out = sh("iptables", "-t", table, "-L", "-v", "-n", "-x", ns=h.name, check=False).stdout
+                for line in out.splitlines():
+                    parts = line.split()
+                    if len(parts) > 3 and parts[2] in ("DROP", "TEE"):
+                        if parts[2] == "DROP":
+                            dropped += int(parts[0])
+                        else:
+                            duplicated += int(parts[0])
+        return {"dropped": dropped, "duplicated": duplicated}
+
+    def wait_reachable(self, timeout: float = 10) -> None:
+        """ARP and links settle: ping the aggregator from every worker (the
+        protocol's own retries cover this too, so without ping it is skipped)."""
+        if shutil.which("ping") is None:
+            return
+        target = self.aggregator.ip if self.aggregator else self.workers[0].ip
+        deadline = time.monotonic() + timeout
+        for h in self.workers:
+            while True:
+                r = sh("ping", "-c", "1", "-W", "1", target, ns=h.name, check=False)
+                if r.returncode == 0:
+                    break
+                if time.monotonic() > deadline:
+                    raise EmulationError(f"{h.name} cannot reach {target}: {r.stdout.strip()} {r.stderr.strip()}")

@@ -1,0 +1,99 @@
+"""What runs in an emulated rack: all-reduces through the aggregator (host
+in switch mode, or BMv2 in the ToR's place) beside gloo's ring over the
+same links, and the DDP demo. ``aggnet emulate ...`` calls these."""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import time
+
+from aggnet.hosts.process import ServiceProcess
+from aggnet.protocol import SWITCH_PORT
+
+from .netns import EmulationError, Rack
+
+log = logging.getLogger("aggnet.emulation")
+
+#: packets of 4 KiB payload: headers cost 2% on 9000-byte links, and the
+#: host aggregator's per-packet Python cost is amortized
+RACK_ELEMENTS = 1024
+RACK_SLOTS = 64
+
+
+def start_aggregator(rack: Rack, elements: int = RACK_ELEMENTS, pool: int = 1024) -> ServiceProcess:
+    if rack.aggregator is None:
+        raise EmulationError("this rack has no aggregator host")
+    return ServiceProcess(f"udp://{rack.aggregator.ip}:{SWITCH_PORT}", prefix=["ip", "netns", "exec", rack.aggregator.name],
+                          args=["--mode", "switch", "--elements", str(elements), "--pool", str(pool)])
+
+
+def aggregator_address(rack: Rack) -> str:
+    return f"udp://{rack.aggregator.ip}:{SWITCH_PORT}"
+
+
+def run_system(rack: Rack, system: str, nbytes: int, reps: int, address: str | None = None,
+               elements: int = RACK_ELEMENTS, slots: int = RACK_SLOTS, timeout: float = 1800) -> dict:
+    """Run one all-reduce system on every worker of the rack; return the
+    per-repetition time (slowest worker), the results' checksums and the
+    bytes each worker's interface moved per all-reduce."""
+    world = len(rack.workers)
+    env = {"AGGNET_ADDRESS": address or aggregator_address(rack), "AGGNET_ELEMENTS": str(elements),
+           "AGGNET_SLOTS": str(slots), "AGGNET_TIMEOUT": "120", "GLOO_SOCKET_IFNAME": "eth0",
+           "OMP_NUM_THREADS": "1"}
+    before = rack.counters()
+    procs = []
+    for rank, h in enumerate(rack.workers):
+        cmd = [sys.executable, "-m", "aggnet.emulation.worker", system, "--rank", str(rank), "--world", str(world),
+               "--bytes", str(nbytes), "--reps", str(reps), "--master", f"{rack.workers[0].ip}:29500",
+               "--job", f"rack-{int(time.time())}"]
+        procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise EmulationError(f"{system} all-reduce in the rack did not finish within {timeout:g}s")
+        if p.returncode != 0:
+            for q in procs:
+                q.kill()
+            raise EmulationError(f"{system} worker failed ({p.returncode}): {err.strip()[-2000:]}")
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    after = rack.counters()
+    times = [max(o["times"][i] for o in outs) for i in range(reps)]
+    per_worker = {h: {k: (after[h][k] - before[h][k]) / reps for k in after[h]} for h in after}
+    return {"system": system, "workers": world, "bytes": nbytes, "times": times,
+            "median_s": statistics.median(times), "checksums": [o["checksums"] for o in outs],
+            "per_worker": per_worker, "client_stats": [o["stats"] for o in outs]}
+
+
+def run_demo(rack: Rack, epochs: int, codec: str, address: str | None = None, timeout: float = 1800) -> list[str]:
+    """The DDP demo with one worker per namespace (torchrun's environment,
+    gloo rendezvous at worker 0); returns rank 0's output lines."""
+    world = len(rack.workers)
+    procs = []
+    for rank, h in enumerate(rack.workers):
+        env = {"AGGNET_ADDRESS": address or aggregator_address(rack), "AGGNET_ELEMENTS": str(RACK_ELEMENTS),
+               "AGGNET_SLOTS": str(RACK_SLOTS), "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": rack.workers[0].ip, "MASTER_PORT": "29501",
+               "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "aggnet.demo", "--epochs", str(epochs), "--codec", codec]
+        procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise EmulationError(f"the DDP demo in the rack did not finish within {timeout:g}s")
+        if p.returncode != 0:
+            raise EmulationError(f"a DDP demo worker failed ({p.returncode}):\n{out[-3000:]}")
+        outputs.append(out)
+    return outputs[0].splitlines()

@@ -1,0 +1,74 @@
+"""One worker of an emulated rack: ``python -m aggnet.emulation.worker``.
+
+Runs inside a worker's namespace, all-reduces a buffer through aggnet (the
+address in AGGNET_ADDRESS) or through torch.distributed gloo, and prints
+one JSON line: times per repetition, a checksum of the result, and the
+client's counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def _data(rank: int, n: int) -> np.ndarray:
+    rng = np.random.default_rng(rank)
+    return rng.standard_normal(n).astype(np.float32)
+
+
+def _barrier_aggnet(client) -> None:
+    client.allreduce(np.zeros(1, np.int32)).result(300)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("system", choices=["aggnet", "gloo"])
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--bytes", type=int, required=True)
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--master", default="10.77.0.1:29500", help="gloo rendezvous (rank 0's address)")
+    p.add_argument("--job", default="rack")
+    args = p.parse_args(argv)
+    n = args.bytes // 4
+    times, sums = [], []
+    stats = {}
+    if args.system == "aggnet":
+        from aggnet import Client
+
+        with Client(job=args.job, rank=args.rank, world_size=args.world) as c:
+            for _ in range(args.reps):
+                x = _data(args.rank, n)
+                _barrier_aggnet(c)
+                t0 = time.perf_counter()
+                c.allreduce(x).result(3600)
+                times.append(time.perf_counter() - t0)
+                sums.append(float(np.sum(x, dtype=np.float64)))
+            stats = c.stats.__dict__
+    else:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world)
+        for _ in range(args.reps):
+            x = torch.from_numpy(_data(args.rank, n))
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            times.append(time.perf_counter() - t0)
+            sums.append(float(x.double().sum()))
+        dist.destroy_process_group()
+    print(json.dumps({"rank": args.rank, "times": times, "checksums": sums, "stats": stats,
+                      "pid": os.getpid()}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
