@@ -18,7 +18,7 @@ DEFAULT_POOL = 1024
 DEFAULT_JOB_SLOTS = 128
 #: retransmission timeout: the floor of the adaptive estimate (smoothed
 #: round trip + 4 deviations) and the cap of its doubling per retry
-RTO_MIN = 0.01
+RTO_MIN = 0.02
 RTO_MAX = 0.256
 #: the timeout before any round trip has been measured: the first window
 #: may sit in a switch queue for tens of milliseconds on a slow link

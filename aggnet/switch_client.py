@@ -158,11 +158,13 @@ class SwitchClient(Client):
         if sock is None:
             return
         if leave:
+            # datagrams get lost: say it three times (LEAVE is idempotent)
             h = Header(MsgType.LEAVE, job_id=self.job_id, sender=self.member_rank, world=self.members).pack()
-            try:
-                sock.sendto(h, self.aggregator)
-            except OSError:
-                pass
+            for _ in range(3):
+                try:
+                    sock.sendto(h, self.aggregator)
+                except OSError:
+                    pass
         sock.close()
         self.sock = None
         for fd in (self._wake_r, self._wake_w):
@@ -347,8 +349,8 @@ class SwitchClient(Client):
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
             self.srtt = 0.875 * self.srtt + 0.125 * rtt
         # samples of a self-clocked window are correlated, so the deviation
-        # understates the jitter: never time out before 1.5 round trips
-        self.base_rto = min(RTO_MAX, max(RTO_MIN, 1.5 * self.srtt, self.srtt + 4 * self.rttvar))
+        # understates the jitter: never time out before 2 round trips
+        self.base_rto = min(RTO_MAX, max(RTO_MIN, 2 * self.srtt, self.srtt + 4 * self.rttvar))
 
     def _decode(self, req: SwitchRequest, block: int, data, exponent: int) -> None:
         k = self.elements

@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 
 from aggnet.hosts.process import ServiceProcess
 from aggnet.protocol import SWITCH_PORT
@@ -44,12 +45,13 @@ def run_system(rack: Rack, system: str, nbytes: int, reps: int, address: str | N
     env = {"AGGNET_ADDRESS": address or aggregator_address(rack), "AGGNET_ELEMENTS": str(elements),
            "AGGNET_SLOTS": str(slots), "AGGNET_TIMEOUT": "120", "GLOO_SOCKET_IFNAME": "eth0",
            "OMP_NUM_THREADS": "1"}
+    job = f"rack-{uuid.uuid4().hex[:8]}"
     before = rack.counters()
     procs = []
     for rank, h in enumerate(rack.workers):
         cmd = [sys.executable, "-m", "aggnet.emulation.worker", system, "--rank", str(rank), "--world", str(world),
                "--bytes", str(nbytes), "--reps", str(reps), "--master", f"{rack.workers[0].ip}:29500",
-               "--job", f"rack-{int(time.time())}"]
+               "--job", job]
         procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = []
     deadline = time.monotonic() + timeout
