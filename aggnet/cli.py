@@ -104,6 +104,12 @@ def _bench_ddp(args) -> int:
     return ddp.main(args)
 
 
+def _bench_udp(args) -> int:
+    from aggnet.bench import udp
+
+    return udp.main(args)
+
+
 def _emulate(args) -> int:
     from aggnet.emulation import cli as emulation_cli
 
@@ -153,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     bd = sub.add_parser("bench-ddp", help="DDP step time with the aggnet hook beside gloo")
     ddp.add_arguments(bd)
     bd.set_defaults(func=_bench_ddp)
+
+    from aggnet.bench import udp
+
+    bu = sub.add_parser("bench-udp", help="switch-protocol client datagram rate beside a raw Python UDP loop")
+    udp.add_arguments(bu)
+    bu.set_defaults(func=_bench_udp)
 
     from aggnet.emulation import cli as emulation_cli
 
