@@ -128,9 +128,12 @@ class SwitchClient(Client):
                 kind = JobMismatch if code == wire.ErrorCode.JOB_MISMATCH.value else AggregationError
                 raise kind(f"aggregator {self.address} refused {self._context()}: {text}")
             if reply.msg_type == MsgType.JOIN_OK:
-                info = wire.parse_json(memoryview(data)[HEADER_SIZE:])
-                self.elements = int(info["elements"])
-                self.slots = int(info["slots"])
+                # answered in the header: slots in index, K in nsum
+                self.slots = reply.index
+                self.elements = reply.nsum
+                if not (1 <= self.slots <= 65536 and 1 <= self.elements):
+                    raise AggregationError(f"aggregator {self.address} answered the JOIN with {self.slots} slots "
+                                           f"of {self.elements} elements")
                 log.info("%s joined: %d slots of %d elements", self._context(), self.slots, self.elements)
                 return
 

@@ -428,7 +428,7 @@ class SwitchService:
             self.control_counters[f"dropped_malformed_{exc.reason}"] += 1
             return
         if h.msg_type == MsgType.JOIN:
-            self._join(h, payload, src)
+            self._join(h, payload, src, raw)
         elif h.msg_type == MsgType.LEAVE:
             self._leave(h, src)
         elif h.msg_type == MsgType.JOIN_OK and self.parent is not None and src == self.parent:
@@ -454,7 +454,7 @@ class SwitchService:
         self._reply(dest, MsgType.ERROR, wire.error_payload(code, text),
                     Header(MsgType.ERROR, job_id=h.job_id, sender=h.sender))
 
-    def _join(self, h: Header, payload, src) -> None:
+    def _join(self, h: Header, payload, src, raw) -> None:
         try:
             info = wire.parse_json(payload)
         except wire.WireError as exc:
@@ -492,13 +492,15 @@ class SwitchService:
         job.members[h.sender] = src
         self.regs.members[job.index, h.sender] = addr_key(src)
         self._multicast[job.index] = [job.members[r] for r in sorted(job.members)]
-        reply = Header(MsgType.JOIN_OK, job_id=h.job_id, sender=h.sender, world=world)
-        details = wire.json_payload({"job": name, "slots": job.slots, "elements": self.regs.elements,
-                                     "base": job.base, "uplink": self.parent is not None})
+        # the reply is the JOIN itself, answered in its header (slots in
+        # index, K in nsum, base in offset, world), as the P4 program does
+        h.msg_type, h.index, h.nsum, h.offset, h.world = MsgType.JOIN_OK, job.slots, self.regs.elements, job.base, world
+        reply = bytearray(raw)
+        wire.pack_into(reply, h)
         if job.uplink_ready:
-            self._reply(src, MsgType.JOIN_OK, details, reply)
+            self._send(reply, src)
         else:
-            job.pending_joins.append((src, details, reply))
+            job.pending_joins.append((src, bytes(reply), h))
             self._ask_parent(job)
 
     def _install(self, job_id: int, name: str, world: int, slots: int, src, h: Header) -> SwitchJob | None:
@@ -538,8 +540,8 @@ class SwitchService:
             return
         job.uplink_ready = True
         log.info("switch: parent %s accepted job %r from rack %d", self.parent, job.name, self.rack_id)
-        for src, details, reply in job.pending_joins:
-            self._reply(src, MsgType.JOIN_OK, details, reply)
+        for src, reply, _ in job.pending_joins:
+            self._send(reply, src)
         job.pending_joins.clear()
 
     def _parent_refused(self, h: Header, payload) -> None:

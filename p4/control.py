@@ -1,0 +1,309 @@
+"""The switch program's control plane, over P4Runtime (p4runtime-shell).
+
+It loads the pipeline into simple_switch_grpc, installs and removes jobs
+(pool slice, admission entries, multicast group and replica addresses,
+uplink), sets up ordinary forwarding, resets a job's registers and reads
+the counters. Tables, actions and counters are looked up by name through
+the P4Info, never by numeric id. Registers cannot be written through
+P4Runtime on BMv2 (PI lacks register writes), so a slice is cleared through
+BMv2's runtime CLI (Thrift), the one place this module goes around
+P4Runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aggnet.client import job_id_of
+
+from .compile import BMV2_JSON, P4INFO
+
+log = logging.getLogger("aggnet.p4.control")
+
+POOL = 1024
+MAX_JOBS = 64
+FLOOD_GROUP = 1000
+P = "AggIngress.aggregate."
+#: drop reasons and events: the indices of the program's counters (types.p4)
+DROP_REASONS = ("short", "magic", "version", "reserved", "dtype", "length", "unknown_job", "not_admitted",
+                "index", "stale", "duplicate", "early", "exponent", "final", "type")
+EVENTS = ("received", "summed", "completed", "results_resent", "uplink_sent", "uplink_resent", "finals", "probes",
+          "joins")
+_SLOT_REGISTERS = ("tag", "count", "seen", "exponent", "max_exponent")
+
+
+class SwitchControlError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Member:
+    """A worker as the switch sees it: its address and its switch port."""
+
+    ip: str
+    mac: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Uplink:
+    """Where a rack's partial sums go: the parent aggregator."""
+
+    parent_ip: str
+    parent_mac: str
+    port: int
+    rack_id: int
+
+
+@dataclass
+class InstalledJob:
+    name: str
+    job_id: int
+    row: int
+    base: int
+    slots: int
+    world: int
+    members: list = field(default_factory=list)
+
+    @property
+    def group(self) -> int:
+        return self.row + 1
+
+    @property
+    def rid_base(self) -> int:
+        return self.row * 32 + 1
+
+
+def _mac(text: str) -> int:
+    return int(text.replace(":", ""), 16)
+
+
+class SwitchControl:
+    """A connection to one switch; a context manager."""
+
+    def __init__(self, grpc_addr: str = "127.0.0.1:9559", device_id: int = 0, *, switch_ip: str = "10.77.0.253",
+                 switch_mac: str = "02:a6:6e:00:00:fe", thrift_port: int = 9090, netns: str | None = None,
+                 election_id: tuple[int, int] = (0, 1)):
+        self.grpc_addr = grpc_addr
+        self.device_id = device_id
+        self.switch_ip = switch_ip
+        self.switch_mac = switch_mac
+        self.thrift_port = thrift_port
+        self.netns = netns
+        self.election_id = election_id
+        self._sh = None
+
+    # -- connection ------------------------------------------------------------------
+
+    def connect(self, load_pipeline: bool = False, p4info: Path = P4INFO, bmv2_json: Path = BMV2_JSON) -> "SwitchControl":
+        try:
+            import p4runtime_sh.shell as sh
+        except ImportError as exc:
+            raise SwitchControlError("the switch control plane needs p4runtime-shell: pip install 'aggnet[p4]'") from exc
+        config = sh.FwdPipeConfig(str(p4info), str(bmv2_json)) if load_pipeline else None
+        try:
+            sh.setup(device_id=self.device_id, grpc_addr=self.grpc_addr, election_id=self.election_id,
+                     config=config, verbose=False)
+        except SystemExit:
+            # p4runtime-shell exits on errors it has already logged
+            raise SwitchControlError(f"could not {'load the pipeline into' if load_pipeline else 'connect to'} the "
+                                     f"switch at {self.grpc_addr} (is simple_switch_grpc running?)") from None
+        except Exception as exc:
+            raise SwitchControlError(f"cannot reach the switch's P4Runtime server at {self.grpc_addr}: {exc}") from None
+        self._sh = sh
+        if load_pipeline:
+            log.info("pipeline loaded into %s from %s", self.grpc_addr, bmv2_json)
+        return self
+
+    def close(self) -> None:
+        if self._sh is not None:
+            try:
+                self._sh.teardown()
+            finally:
+                self._sh = None
+
+    def __enter__(self) -> "SwitchControl":
+        return self if self._sh is not None else self.connect()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def sh(self):
+        if self._sh is None:
+            raise SwitchControlError("not connected: call connect() first")
+        return self._sh
+
+    # -- ordinary forwarding ------------------------------------------------------------
+
+    def add_host(self, mac: str, port: int) -> None:
+        """Frames to ``mac`` leave on ``port``."""
+        te = self.sh.TableEntry("AggIngress.forward.l2")(action="AggIngress.forward.to_port")
+        te.match["hdr.eth.dst"] = mac
+        te.action["port"] = str(port)
+        te.insert()
+
+    def set_flood(self, ports: list[int]) -> None:
+        """Broadcasts (and unknown destinations) go to every port in ``ports``."""
+        g = self.sh.MulticastGroupEntry(FLOOD_GROUP)
+        for p in ports:
+            g.add(p, 0)
+        g.insert()
+
+    # -- jobs -----------------------------------------------------------------------------
+
+    def jobs(self) -> list[InstalledJob]:
+        """The jobs installed on the switch, read back from its tables."""
+        found = []
+
+        def collect(te):
+            job_id = _match_int(te, "hdr.agg.job_id")
+            found.append(InstalledJob(name=f"{job_id:08x}", job_id=job_id, row=_param_int(te, "row"),
+                                      base=_param_int(te, "base"), slots=_param_int(te, "slots"),
+                                      world=_param_int(te, "world")))
+
+        self.sh.TableEntry(P + "jobs").read(function=collect)
+        return found
+
+    def install_job(self, name: str, members: list[Member], slots: int = 128, *, base: int | None = None,
+                    uplink: Uplink | None = None) -> InstalledJob:
+        """Install a job: its slice of the pool (cleared), the admission of
+        each member as its bit (its index in ``members``), the multicast
+        group of its results with per-member rewrites, and its uplink."""
+        world = len(members)
+        if not 1 <= world <= 32:
+            raise ValueError(f"a switch job takes 1 to 32 members, got {world}")
+        if not 1 <= slots <= POOL:
+            raise ValueError(f"slots must be 1..{POOL}, got {slots}")
+        job_id = job_id_of(name)
+        existing = self.jobs()
+        if any(j.job_id == job_id for j in existing):
+            raise SwitchControlError(f"job {name!r} (id {job_id:08x}) is installed already; remove it first")
+        rows = {j.row for j in existing}
+        row = next((r for r in range(MAX_JOBS) if r not in rows), None)
+        if row is None:
+            raise SwitchControlError(f"the switch holds {MAX_JOBS} jobs already")
+        if base is None:
+            base = _first_fit([(j.base, j.slots) for j in existing], slots)
+            if base is None:
+                raise SwitchControlError(f"no free run of {slots} slots in the pool of {POOL}")
+        job = InstalledJob(name, job_id, row, base, slots, world, list(members))
+        self.reset_slice(base, slots)
+        sh = self.sh
+        te = sh.TableEntry(P + "jobs")(action=P + "job")
+        te.match["hdr.agg.job_id"] = str(job_id)
+        params = {"row": row, "base": base, "slots": slots, "world": world, "group": job.group,
+                  "rid_base": job.rid_base, "uplink": 1 if uplink else 0, "rack_id": uplink.rack_id if uplink else 0,
+                  "parent_ip": uplink.parent_ip if uplink else "0.0.0.0",
+                  "parent_mac": uplink.parent_mac if uplink else "00:00:00:00:00:00",
+                  "parent_port": uplink.port if uplink else 0,
+                  "switch_ip": self.switch_ip, "switch_mac": self.switch_mac}
+        for k, v in params.items():
+            te.action[k] = str(v)
+        te.insert()
+        group = sh.MulticastGroupEntry(job.group)
+        for bit, m in enumerate(members):
+            adm = sh.TableEntry(P + "admission")(action=P + "admit")
+            adm.match["hdr.agg.job_id"] = str(job_id)
+            adm.match["hdr.agg.sender"] = str(bit)
+            adm.match["hdr.ipv4.src"] = m.ip
+            adm.insert()
+            rep = sh.TableEntry("AggEgress.replicas")(action="AggEgress.to_member")
+            rep.match["sm.egress_rid"] = str(job.rid_base + bit)
+            rep.action["mac"] = m.mac
+            rep.action["ip"] = m.ip
+            rep.insert()
+            group.add(m.port, job.rid_base + bit)
+        group.insert()
+        log.info("job %r (id %08x) installed: row %d, slots %d..%d, %d members%s", name, job_id, row, base,
+                 base + slots - 1, world, f", uplink to {uplink.parent_ip} as rack {uplink.rack_id}" if uplink else "")
+        return job
+
+    def remove_job(self, name: str) -> None:
+        job_id = job_id_of(name)
+        job = next((j for j in self.jobs() if j.job_id == job_id), None)
+        if job is None:
+            raise SwitchControlError(f"job {name!r} is not installed")
+        sh = self.sh
+        sh.TableEntry(P + "admission").read(
+            function=lambda te: te.delete() if _match_int(te, "hdr.agg.job_id") == job_id else None)
+        for bit in range(job.world):
+            rep = sh.TableEntry("AggEgress.replicas")
+            rep.match["sm.egress_rid"] = str(job.rid_base + bit)
+            try:
+                rep.delete()
+            except Exception:
+                pass
+        sh.MulticastGroupEntry(job.group).delete()
+        te = sh.TableEntry(P + "jobs")
+        te.match["hdr.agg.job_id"] = str(job_id)
+        te.delete()
+        log.info("job %r removed", name)
+
+    # -- registers and counters -----------------------------------------------------------
+
+    def reset_slice(self, base: int, slots: int) -> None:
+        """Clear a slice's slot registers (both versions) so a new job
+        starts from empty slots, through BMv2's runtime CLI."""
+        lines = []
+        for name in _SLOT_REGISTERS:
+            for version in (0, 1):
+                for s in range(base, base + slots):
+                    lines.append(f"register_write {P}{name} {version * POOL + s} 0")
+        self._cli("\n".join(lines) + "\n")
+
+    def _cli(self, commands: str) -> str:
+        cmd = ["simple_switch_CLI", "--thrift-port", str(self.thrift_port)]
+        for candidate in ("simple_switch_CLI", "/opt/p4/bin/simple_switch_CLI"):
+            import shutil
+
+            path = shutil.which(candidate)
+            if path:
+                cmd[0] = path
+                break
+        if self.netns:
+            cmd = ["ip", "netns", "exec", self.netns, *cmd]
+        r = subprocess.run(cmd, input=commands, capture_output=True, text=True, timeout=120)
+        if r.returncode != 0 or "Error" in r.stdout:
+            raise SwitchControlError(f"BMv2 runtime CLI failed: {(r.stderr or r.stdout).strip()[-500:]}")
+        return r.stdout
+
+    def counters(self) -> dict:
+        """Drops by reason, events, and completions per job row."""
+        sh = self.sh
+        out: dict = {"drops": {}, "events": {}, "completions": {}}
+
+        def reader(target: dict, names):
+            def read(ce):
+                i = ce.index
+                n = ce.data.packet_count
+                if n:
+                    target[names[i] if names and i < len(names) else i] = n
+            return read
+
+        sh.CounterEntry(P + "drops").read(function=reader(out["drops"], DROP_REASONS))
+        sh.CounterEntry(P + "events").read(function=reader(out["events"], EVENTS))
+        sh.CounterEntry(P + "completions").read(function=reader(out["completions"], None))
+        return out
+
+
+def _first_fit(used: list[tuple[int, int]], slots: int) -> int | None:
+    start = 0
+    for b, s in sorted(used):
+        if b - start >= slots:
+            return start
+        start = max(start, b + s)
+    return start if POOL - start >= slots else None
+
+
+def _match_int(te, field_name: str) -> int:
+    """An exact match field of a table entry read back from the switch."""
+    return int.from_bytes(te.match[field_name].exact.value, "big")
+
+
+def _param_int(te, name: str) -> int:
+    """An action parameter of a table entry read back from the switch."""
+    return int.from_bytes(te.action[name].value, "big")
