@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import re
 import shutil
 import subprocess
 import sys
@@ -59,7 +60,12 @@ def compile_to(out: Path, p4c: str) -> tuple[Path, Path]:
     r = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"p4c failed:\n{r.stdout}{r.stderr}")
-    return out / "main.json", out / "aggnet.p4info.txtpb"
+    json_path = out / "main.json"
+    # p4c records where it wrote its preprocessed input; keep the artifact
+    # independent of the build directory
+    text = re.sub(r'"program" : "[^"]*"', '"program" : "aggnet/main.p4"', json_path.read_text())
+    json_path.write_text(text)
+    return json_path, out / "aggnet.p4info.txtpb"
 
 
 def p4c_version(p4c: str) -> str:
