@@ -110,6 +110,12 @@ def _bench_udp(args) -> int:
     return udp.main(args)
 
 
+def _switch(args) -> int:
+    from aggnet.p4 import cli as switch_cli
+
+    return switch_cli.main(args)
+
+
 def _emulate(args) -> int:
     from aggnet.emulation import cli as emulation_cli
 
@@ -165,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     bu = sub.add_parser("bench-udp", help="switch-protocol client datagram rate beside a raw Python UDP loop")
     udp.add_arguments(bu)
     bu.set_defaults(func=_bench_udp)
+
+    from aggnet.p4 import cli as switch_cli
+
+    sw = sub.add_parser("switch", help="the P4 switch's control plane (P4Runtime; needs aggnet[p4])")
+    switch_cli.add_arguments(sw)
+    sw.set_defaults(func=_switch)
 
     from aggnet.emulation import cli as emulation_cli
 

@@ -27,38 +27,57 @@ def add_arguments(p) -> None:
     p.add_argument("--epochs", type=int, default=3, help="demo epochs")
     p.add_argument("--codec", default="float32", choices=["float32", "int32"], help="demo codec")
     p.add_argument("--json", default=None, help="bench: write the records here")
+    p.add_argument("--switch", choices=["host", "bmv2"], default="host",
+                   help="host: a Linux bridge ToR and an aggregator host in switch mode (link N x rate); "
+                        "bmv2: the P4 program on BMv2 in the ToR's place")
+    p.add_argument("--hidden", type=int, default=None, help="demo: hidden width (BMv2 is slow: try 32)")
 
 
 def main(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s aggnet %(levelname)s %(message)s", stream=sys.stderr)
     nbytes = parse_size(args.size)
+    bmv2 = args.switch == "bmv2"
+    switch_stats = None
     try:
-        with Rack(args.workers, rate_mbit=args.rate or None) as rack:
+        with Rack(args.workers, rate_mbit=args.rate or None, aggregator=not bmv2, bridge=not bmv2) as rack:
+            agg = rack_runs.RackSwitch(rack) if bmv2 else rack_runs.start_aggregator(rack)
             rack.wait_reachable()
-            agg = rack_runs.start_aggregator(rack)
+            switch = agg if bmv2 else None
+            extra = {"elements": 64} if bmv2 else {}
             try:
                 if args.drop or args.duplicate:
                     rack.impair(drop=args.drop, duplicate=args.duplicate)
                 if args.what == "demo":
-                    for line in rack_runs.run_demo(rack, args.epochs, args.codec):
+                    more = ["--hidden", str(args.hidden)] if args.hidden else []
+                    for line in rack_runs.run_demo(rack, args.epochs, args.codec, switch=switch, extra=more):
                         print(line)
                     return 0
                 systems = ["aggnet"] + (["gloo"] if args.what == "bench" else [])
-                results = [rack_runs.run_system(rack, s, nbytes, args.reps) for s in systems]
+                results = [rack_runs.run_system(rack, s, nbytes, args.reps, switch=switch, **extra) for s in systems]
                 impaired = rack.impairment_counts() if (args.drop or args.duplicate) else None
+                if bmv2:
+                    switch_stats = agg.counters()
             finally:
                 agg.stop()
     except EmulationError as exc:
         print(f"aggnet emulate: {exc}", file=sys.stderr)
         return 1
     _report(args, nbytes, results, impaired)
+    if switch_stats is not None:
+        ev = switch_stats["events"]
+        t = results[0]["median_s"] * args.reps
+        print(f"BMv2: {ev.get('received', 0)} aggregation packets in, {ev.get('completed', 0)} results multicast, "
+              f"{ev.get('results_resent', 0)} resent; about {ev.get('received', 0) / max(t, 1e-9):,.0f} packets/s "
+              f"while all-reducing; drops {switch_stats['drops']}")
     return 0
 
 
 def _report(args, nbytes: int, results: list[dict], impaired) -> None:
     n = args.workers
-    print(f"rack: {n} workers, links {args.rate:g} Mbit/s each way (aggregator host: {n * args.rate:g}), "
-          f"{format_size(nbytes)} float32 all-reduce, {args.reps} repetition(s)")
+    links = (f"links {args.rate:g} Mbit/s each way (aggregator host: {n * args.rate:g})" if args.rate
+             else "unshaped links")
+    where = "BMv2 in the ToR's place" if args.switch == "bmv2" else "aggregator host in switch mode"
+    print(f"rack: {n} workers, {links}, {where}, {format_size(nbytes)} float32 all-reduce, {args.reps} repetition(s)")
     if impaired:
         print(f"impairments: {impaired['dropped']} datagrams dropped, {impaired['duplicated']} duplicated")
     # every worker of a system holds the same result; systems differ by

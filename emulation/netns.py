@@ -43,9 +43,9 @@ def can_emulate() -> tuple[bool, str]:
     """Whether namespaces can be made here, and if not, why."""
     if os.geteuid() != 0:
         return False, "network namespaces need root"
-    for tool in ("ip", "tc"):
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("ethtool", "ethtool"), ("iptables", "iptables")):
         if shutil.which(tool) is None:
-            return False, f"`{tool}` (iproute2) is not installed"
+            return False, f"`{tool}` is not installed (apt-get install {package})"
     probe = f"aggnet-probe-{os.getpid()}"
     r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if r.returncode != 0:
@@ -74,7 +74,9 @@ class Rack:
     """The rack; use as a context manager (``with Rack(4, rate_mbit=100) as rack``)."""
 
     def __init__(self, workers: int, rate_mbit: float | None = None, *, mtu: int = 9000, prefix: str = "agn",
-                 aggregator: bool = True, queue_bytes: int = 4 << 20):
+                 aggregator: bool = True, queue_bytes: int = 4 << 20, bridge: bool = True):
+        """``bridge=False`` leaves the ToR's ports unconnected, for BMv2 to
+        attach to (emulation.bmv2)."""
         if not 1 <= workers <= 32:
             raise ValueError(f"a rack holds 1 to 32 workers, got {workers}")
         self.prefix = prefix
@@ -84,6 +86,7 @@ class Rack:
         self.tor = f"{prefix}-tor"
         self.workers = [Host(f"{prefix}-w{i}", f"{SUBNET}.{i + 1}", "eth0", f"p{i}") for i in range(workers)]
         self.aggregator = Host(f"{prefix}-agg", f"{SUBNET}.{AGG_HOST}", "eth0", "pagg") if aggregator else None
+        self.bridge = bridge
         self._up = False
         self._procs: list[subprocess.Popen] = []
 
@@ -118,8 +121,9 @@ class Rack:
         self._up = True
         sh("ip", "netns", "add", self.tor)
         sh("ip", "link", "set", "lo", "up", ns=self.tor)
-        sh("ip", "link", "add", "br0", "type", "bridge", ns=self.tor)
-        sh("ip", "link", "set", "br0", "mtu", str(self.mtu), ns=self.tor)
+        if self.bridge:
+            sh("ip", "link", "add", "br0", "type", "bridge", ns=self.tor)
+            sh("ip", "link", "set", "br0", "mtu", str(self.mtu), ns=self.tor)
         for i, h in enumerate(self.hosts):
             sh("ip", "netns", "add", h.name)
             sh("ip", "link", "set", "lo", "up", ns=h.name)
@@ -130,13 +134,23 @@ class Rack:
             sh("ip", "link", "set", f"tmp{i}", "name", h.dev, ns=h.name)
             sh("ip", "addr", "add", f"{h.ip}/24", "dev", h.dev, ns=h.name)
             sh("ip", "link", "set", h.dev, "up", ns=h.name)
-            sh("ip", "link", "set", h.port, "master", "br0", ns=self.tor)
+            if self.bridge:
+                sh("ip", "link", "set", h.port, "master", "br0", ns=self.tor)
+            else:
+                # a switch program sees every frame: no IPv6 chatter from its ports
+                sh("sysctl", "-qw", f"net.ipv6.conf.{h.port}.disable_ipv6=1", ns=self.tor)
+                # and it sees them as sent: a checksum left to the NIC (veth
+                # offload) or a segment left to GSO would arrive broken
+                for ns, dev in ((h.name, h.dev), (self.tor, h.port)):
+                    sh("ethtool", "-K", dev, "tx", "off", "rx", "off", "tso", "off", "gso", "off", "gro", "off",
+                       ns=ns, check=False)
             sh("ip", "link", "set", h.port, "up", ns=self.tor)
             if self.rate_mbit:
                 rate = self.rate_mbit * (len(self.workers) if h is self.aggregator else 1)
                 self._shape(h.name, h.dev, rate)
                 self._shape(self.tor, h.port, rate)
-        sh("ip", "link", "set", "br0", "up", ns=self.tor)
+        if self.bridge:
+            sh("ip", "link", "set", "br0", "up", ns=self.tor)
         log.info("rack %s: %d workers%s, links %s", self.prefix, len(self.workers),
                  " + aggregator host" if self.aggregator else "",
                  f"{self.rate_mbit:g} Mbit/s" if self.rate_mbit else "unshaped")
@@ -188,6 +202,9 @@ class Rack:
     def run(self, host: Host | str, cmd: list[str], timeout: float = 60, **kw) -> subprocess.CompletedProcess:
         ns = host.name if isinstance(host, Host) else host
         return sh(*cmd, ns=ns, timeout=timeout, **kw)
+
+    def mac(self, host: Host) -> str:
+        return sh("cat", f"/sys/class/net/{host.dev}/address", ns=host.name).stdout.strip()
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Bytes and packets each worker's interface sent and received."""

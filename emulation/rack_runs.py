@@ -37,15 +37,20 @@ def aggregator_address(rack: Rack) -> str:
 
 
 def run_system(rack: Rack, system: str, nbytes: int, reps: int, address: str | None = None,
-               elements: int = RACK_ELEMENTS, slots: int = RACK_SLOTS, timeout: float = 1800) -> dict:
+               elements: int = RACK_ELEMENTS, slots: int = RACK_SLOTS, timeout: float = 1800,
+               switch: "RackSwitch | None" = None) -> dict:
     """Run one all-reduce system on every worker of the rack; return the
     per-repetition time (slowest worker), the results' checksums and the
     bytes each worker's interface moved per all-reduce."""
     world = len(rack.workers)
+    if switch is not None:
+        address = switch.address
     env = {"AGGNET_ADDRESS": address or aggregator_address(rack), "AGGNET_ELEMENTS": str(elements),
            "AGGNET_SLOTS": str(slots), "AGGNET_TIMEOUT": "120", "GLOO_SOCKET_IFNAME": "eth0",
            "OMP_NUM_THREADS": "1"}
     job = f"rack-{uuid.uuid4().hex[:8]}"
+    if switch is not None and system == "aggnet":
+        switch.install(job, slots)
     before = rack.counters()
     procs = []
     for rank, h in enumerate(rack.workers):
@@ -68,6 +73,8 @@ def run_system(rack: Rack, system: str, nbytes: int, reps: int, address: str | N
             raise EmulationError(f"{system} worker failed ({p.returncode}): {err.strip()[-2000:]}")
         outs.append(json.loads(out.strip().splitlines()[-1]))
     after = rack.counters()
+    if switch is not None and system == "aggnet":
+        switch.remove(job)
     times = [max(o["times"][i] for o in outs) for i in range(reps)]
     per_worker = {h: {k: (after[h][k] - before[h][k]) / reps for k in after[h]} for h in after}
     return {"system": system, "workers": world, "bytes": nbytes, "times": times,
@@ -75,17 +82,24 @@ def run_system(rack: Rack, system: str, nbytes: int, reps: int, address: str | N
             "per_worker": per_worker, "client_stats": [o["stats"] for o in outs]}
 
 
-def run_demo(rack: Rack, epochs: int, codec: str, address: str | None = None, timeout: float = 1800) -> list[str]:
+def run_demo(rack: Rack, epochs: int, codec: str, address: str | None = None, timeout: float = 1800,
+             switch: "RackSwitch | None" = None, extra: list[str] = ()) -> list[str]:
     """The DDP demo with one worker per namespace (torchrun's environment,
     gloo rendezvous at worker 0); returns rank 0's output lines."""
     world = len(rack.workers)
+    if switch is not None:
+        address = switch.address
+        # the demo's DDP model asks for aggnet's job name over the process
+        # group; on a switch the job must exist first: name it
+        extra = [*extra, "--job", "rack-demo"]
+        switch.install("rack-demo", RACK_SLOTS)
     procs = []
     for rank, h in enumerate(rack.workers):
         env = {"AGGNET_ADDRESS": address or aggregator_address(rack), "AGGNET_ELEMENTS": str(RACK_ELEMENTS),
                "AGGNET_SLOTS": str(RACK_SLOTS), "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
                "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": rack.workers[0].ip, "MASTER_PORT": "29501",
                "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "aggnet.demo", "--epochs", str(epochs), "--codec", codec]
+        cmd = [sys.executable, "-m", "aggnet.demo", "--epochs", str(epochs), "--codec", codec, *extra]
         procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     for p in procs:
@@ -98,4 +112,57 @@ def run_demo(rack: Rack, epochs: int, codec: str, address: str | None = None, ti
         if p.returncode != 0:
             raise EmulationError(f"a DDP demo worker failed ({p.returncode}):\n{out[-3000:]}")
         outputs.append(out)
+    if switch is not None:
+        switch.remove("rack-demo")
     return outputs[0].splitlines()
+
+
+# -- BMv2 in the ToR's place ----------------------------------------------------------
+
+SWITCH_IP = "10.77.0.253"
+SWITCH_MAC = "02:a6:6e:00:00:fe"
+
+
+class RackSwitch:
+    """BMv2 running the aggnet program on the ToR's ports, configured
+    through the control plane CLI inside the ToR's namespace."""
+
+    def __init__(self, rack: Rack):
+        from .bmv2 import Bmv2Switch
+
+        if rack.bridge:
+            raise EmulationError("build the rack with bridge=False to put BMv2 in the ToR's place")
+        self.rack = rack
+        self.switch = Bmv2Switch({i: h.port for i, h in enumerate(rack.hosts)}, netns=rack.tor)
+        self.address = f"udp://{SWITCH_IP}:{SWITCH_PORT}"
+        try:
+            self.ctl("load")
+            for i, h in enumerate(rack.hosts):
+                self.ctl("add-host", rack.mac(h), str(i))
+                # nothing answers ARP for the switch's own address
+                rack.run(h, ["ip", "neigh", "replace", SWITCH_IP, "lladdr", SWITCH_MAC, "dev", h.dev, "nud",
+                             "permanent"])
+            self.ctl("flood", ",".join(str(i) for i in range(len(rack.hosts))))
+        except BaseException:
+            self.stop()
+            raise
+
+    def ctl(self, *args: str) -> str:
+        cmd = [sys.executable, "-m", "aggnet", "switch", "--switch-ip", SWITCH_IP, "--switch-mac", SWITCH_MAC, *args]
+        r = self.rack.run(self.rack.tor, cmd, timeout=120, check=False)
+        if r.returncode != 0:
+            raise EmulationError(f"aggnet switch {' '.join(args)} failed: {r.stderr.strip()[-1500:]}")
+        return r.stdout
+
+    def install(self, job: str, slots: int = 128) -> None:
+        members = [f"{h.ip},{self.rack.mac(h)},{i}" for i, h in enumerate(self.rack.workers)]
+        self.ctl("add-job", job, "--slots", str(slots), *[x for m in members for x in ("--member", m)])
+
+    def remove(self, job: str) -> None:
+        self.ctl("remove-job", job)
+
+    def counters(self) -> dict:
+        return json.loads(self.ctl("counters"))
+
+    def stop(self) -> None:
+        self.switch.stop()

@@ -1,0 +1,91 @@
+"""``aggnet switch ...``: the switch's control plane from the command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .control import Member, SwitchControl, SwitchControlError, Uplink
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--grpc", default="127.0.0.1:9559", help="the switch's P4Runtime server (default %(default)s)")
+    p.add_argument("--device-id", type=int, default=0)
+    p.add_argument("--thrift-port", type=int, default=9090, help="BMv2 runtime CLI port (register resets)")
+    p.add_argument("--switch-ip", default="10.77.0.253", help="the address results come from")
+    p.add_argument("--switch-mac", default="02:a6:6e:00:00:fe")
+    sub = p.add_subparsers(dest="switch_command", required=True)
+    sub.add_parser("load", help="load the aggnet pipeline (the committed BMv2 JSON and P4Info)")
+    a = sub.add_parser("add-job", help="install a job: slice, admission, multicast group, uplink")
+    a.add_argument("name")
+    a.add_argument("--member", action="append", required=True, metavar="IP,MAC,PORT",
+                   help="a worker, in rank order (its bit is its position)")
+    a.add_argument("--slots", type=int, default=128)
+    a.add_argument("--base", type=int, default=None, help="first slot of the slice (default: first free run)")
+    a.add_argument("--uplink", default=None, metavar="PARENT_IP,PARENT_MAC,PORT,RACK_ID",
+                   help="send this rack's partial sums to a parent aggregator")
+    r = sub.add_parser("remove-job", help="remove a job")
+    r.add_argument("name")
+    sub.add_parser("jobs", help="list installed jobs")
+    sub.add_parser("counters", help="drops by reason, events, completions per job")
+    h = sub.add_parser("add-host", help="ordinary forwarding: frames to MAC leave on PORT")
+    h.add_argument("mac")
+    h.add_argument("port", type=int)
+    f = sub.add_parser("flood", help="ports broadcasts are flooded to")
+    f.add_argument("ports", type=lambda s: [int(x) for x in s.split(",")])
+    rs = sub.add_parser("reset", help="clear the slot registers of a slice")
+    rs.add_argument("--base", type=int, required=True)
+    rs.add_argument("--slots", type=int, required=True)
+
+
+def _member(text: str) -> Member:
+    try:
+        ip, mac, port = text.split(",")
+        return Member(ip, mac, int(port))
+    except ValueError:
+        raise SystemExit(f"aggnet switch: --member wants IP,MAC,PORT, got {text!r}") from None
+
+
+def _uplink(text: str | None) -> Uplink | None:
+    if text is None:
+        return None
+    try:
+        ip, mac, port, rack = text.split(",")
+        return Uplink(ip, mac, int(port), int(rack))
+    except ValueError:
+        raise SystemExit(f"aggnet switch: --uplink wants PARENT_IP,PARENT_MAC,PORT,RACK_ID, got {text!r}") from None
+
+
+def main(args) -> int:
+    ctl = SwitchControl(args.grpc, args.device_id, switch_ip=args.switch_ip, switch_mac=args.switch_mac,
+                        thrift_port=args.thrift_port)
+    cmd = args.switch_command
+    try:
+        ctl.connect(load_pipeline=cmd == "load")
+        try:
+            if cmd == "load":
+                print(f"aggnet pipeline loaded into {args.grpc}")
+            elif cmd == "add-job":
+                job = ctl.install_job(args.name, [_member(m) for m in args.member], args.slots, base=args.base,
+                                      uplink=_uplink(args.uplink))
+                print(json.dumps({"job": job.name, "id": f"{job.job_id:08x}", "row": job.row, "base": job.base,
+                                  "slots": job.slots, "world": job.world, "group": job.group}))
+            elif cmd == "remove-job":
+                ctl.remove_job(args.name)
+            elif cmd == "jobs":
+                print(json.dumps([{"id": f"{j.job_id:08x}", "row": j.row, "base": j.base, "slots": j.slots,
+                                   "world": j.world} for j in ctl.jobs()], indent=1))
+            elif cmd == "counters":
+                print(json.dumps(ctl.counters(), indent=1))
+            elif cmd == "add-host":
+                ctl.add_host(args.mac, args.port)
+            elif cmd == "flood":
+                ctl.set_flood(args.ports)
+            elif cmd == "reset":
+                ctl.reset_slice(args.base, args.slots)
+        finally:
+            ctl.close()
+    except (SwitchControlError, ValueError) as exc:
+        print(f"aggnet switch {cmd}: {exc}", file=sys.stderr)
+        return 1
+    return 0
