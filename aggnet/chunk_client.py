@@ -53,7 +53,9 @@ class ChunkClient(Client):
 
     def _connect(self) -> None:
         #: same-host shared-memory payloads (shm:// addresses)
-        self._shm = parse(self.address).scheme == "shm"
+        scheme = parse(self.address).scheme
+        self._shm = scheme == "shm"
+        self.chunk_bytes = self.config.chunk_bytes_for(scheme)
         self._segments: list = []
         self._conn = None
         self.shards = self._discover()
@@ -66,8 +68,8 @@ class ChunkClient(Client):
 
     def _encoding(self, buf, codec, op, wire_hint) -> Encoding:
         enc = Encoding(buf, codec, op, self.world_size, wire_hint)
-        if self.config.chunk_bytes % enc.wire_itemsize:
-            raise ValueError(f"chunk_bytes={self.config.chunk_bytes} is not a multiple of the wire element size")
+        if self.chunk_bytes % enc.wire_itemsize:
+            raise ValueError(f"chunk_bytes={self.chunk_bytes} is not a multiple of the wire element size")
         return enc
 
     def _disconnect(self, leave: bool) -> None:
@@ -128,7 +130,7 @@ class ChunkClient(Client):
         # deadline runs out, so the error says who is missing
         request = {"name": self.job, "timeout": STALL_FRACTION * self.config.timeout}
         if self._shm:
-            request["shm"] = {"window": self.config.window, "chunk_bytes": self.config.chunk_bytes}
+            request["shm"] = {"window": self.config.window, "chunk_bytes": self.chunk_bytes}
         payload = wire.json_payload(request)
         replies = self._request_reply(self._conn, list(range(len(self.shards))), h, payload, MsgType.JOIN_OK, deadline)
         if self._shm:
@@ -187,7 +189,7 @@ class ChunkClient(Client):
 
     def _admit(self, req: ChunkRequest) -> None:
         rotation = req.round if req.key is None else req.key
-        req.chunks = chunking.plan(req.buf.size, self.config.chunk_bytes // req.enc.wire_itemsize,
+        req.chunks = chunking.plan(req.buf.size, self.chunk_bytes // req.enc.wire_itemsize,
                                    len(self.shards), rotation)
         if not req.chunks:
             self._complete(req)
@@ -223,7 +225,7 @@ class ChunkClient(Client):
         # then reused for the client's life
         if self._staging:
             return self._staging.pop()
-        return np.empty(self.config.chunk_bytes // 4, np.int32)
+        return np.empty(self.chunk_bytes // 4, np.int32)
 
     def _send_ready(self) -> None:
         """Send what the windows allow, one chunk per shard in turn. Each

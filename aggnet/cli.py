@@ -27,7 +27,13 @@ def _serve(args) -> int:
     print(f"aggnet serving {svc.address} shards={len(svc.shards)} pid={__import__('os').getpid()}", flush=True)
     svc.run(parent_pid=args.parent_pid)
     logging.getLogger("aggnet").info("aggnet service stopped")
-    return 0
+    logging.shutdown()
+    sys.stdout.flush()
+    # nothing is left to do: skip interpreter teardown, where transport
+    # libraries' finalizers (UCX's) can block
+    import os
+
+    os._exit(0)
 
 
 def _serve_switch(args) -> int:
@@ -116,6 +122,12 @@ def _switch(args) -> int:
     return switch_cli.main(args)
 
 
+def _bench_transport(args) -> int:
+    from aggnet.bench import transports
+
+    return transports.main(args)
+
+
 def _emulate(args) -> int:
     from aggnet.emulation import cli as emulation_cli
 
@@ -177,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     sw = sub.add_parser("switch", help="the P4 switch's control plane (P4Runtime; needs aggnet[p4])")
     switch_cli.add_arguments(sw)
     sw.set_defaults(func=_switch)
+
+    from aggnet.bench import transports
+
+    bt = sub.add_parser("bench-transport", help="point-to-point throughput: UCX beside ZeroMQ tcp and ipc")
+    transports.add_arguments(bt)
+    bt.set_defaults(func=_bench_transport)
 
     from aggnet.emulation import cli as emulation_cli
 

@@ -26,13 +26,17 @@ from dataclasses import dataclass, fields, replace
 
 from .protocol import DEFAULT_ELEMENTS, DEFAULT_JOB_SLOTS, MAX_ELEMENTS
 
-#: wire bytes per chunk. Measured with `aggnet bench --chunk-sweep` on the
-#: reference 2-core machine (docs/benchmarks.md): over ZeroMQ each message
-#: costs tens of microseconds of Python on both ends, so 32 KiB chunks (PHub's
-#: InfiniBand size) are message-rate bound; at 1 MiB the per-message cost is
-#: amortized while a 4-chunk window still pipelines transfer and summation
-#: and keeps a 100 MiB all-reduce split over every shard.
+#: wire bytes per chunk, by transport; measured with `aggnet bench
+#: --chunk-bytes 64KiB,256KiB,1MiB,2MiB,4MiB` on the reference 2-core machine
+#: (docs/benchmarks.md). Each message costs tens of microseconds of Python on
+#: both ends, so 32 KiB chunks (PHub's InfiniBand size) are message-rate
+#: bound: over ZeroMQ 64 KiB took 2.9x as long as 1 MiB, and 1 MiB and 4 MiB
+#: tie, so 1 MiB keeps a 25 MiB DDP bucket spread over every shard. Over
+#: shared memory, where the data never crosses a socket, 2 MiB is fastest
+#: (70 ms for 4 x 100 MiB, against 102 ms at 1 MiB and 84 ms at 4 MiB, whose
+#: accumulators no longer stay in cache).
 DEFAULT_CHUNK_BYTES = 1 << 20
+SHM_CHUNK_BYTES = 2 << 20
 #: chunks in flight per shard: enough to overlap one chunk's transfer with
 #: the previous one's summation and the result's return.
 DEFAULT_WINDOW = 4
@@ -66,7 +70,8 @@ class ClientConfig:
     timeout: float = 60.0
     #: seconds to wait for the aggregator to answer at start
     connect_timeout: float = 30.0
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    #: wire bytes per chunk; None: the transport's default (chunk_bytes_for)
+    chunk_bytes: int | None = None
     window: int = DEFAULT_WINDOW
     #: shards of an embedded aggregator (None: one per core)
     embedded_shards: int | None = None
@@ -80,9 +85,9 @@ class ClientConfig:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
         if self.connect_timeout <= 0:
             raise ValueError(f"connect_timeout must be > 0 seconds, got {self.connect_timeout!r}")
-        if not (64 <= self.chunk_bytes <= 1 << 30):
+        if self.chunk_bytes is not None and not (64 <= self.chunk_bytes <= 1 << 30):
             raise ValueError(f"chunk_bytes must be between 64 B and 1 GiB, got {self.chunk_bytes!r}")
-        if self.chunk_bytes % 4:
+        if self.chunk_bytes is not None and self.chunk_bytes % 4:
             raise ValueError(f"chunk_bytes must be a multiple of 4, got {self.chunk_bytes!r}")
         if not (1 <= self.window <= 1024):
             raise ValueError(f"window must be between 1 and 1024 chunks, got {self.window!r}")
@@ -119,6 +124,11 @@ class ClientConfig:
             if v is not None:
                 values[k] = v
         return cls(**values)
+
+    def chunk_bytes_for(self, scheme: str) -> int:
+        if self.chunk_bytes is not None:
+            return self.chunk_bytes
+        return SHM_CHUNK_BYTES if scheme == "shm" else DEFAULT_CHUNK_BYTES
 
     def replace(self, **changes) -> "ClientConfig":
         return replace(self, **changes)

@@ -2,14 +2,13 @@
 
 A slot is one (round, chunk) of one job: an accumulator, the bitmap of
 workers already summed into it, and what every contribution must agree on
-(dtype, element count, offset, exponent). Accumulators come from a pool so
-that steady-state aggregation allocates nothing.
+(dtype, element count, offset, exponent). Accumulators come from a pool
+(:mod:`aggnet.buffers`) so that steady-state aggregation allocates nothing.
 """
 
 from __future__ import annotations
 
 import collections
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -31,38 +30,6 @@ ACC_DTYPE = {
     DType.BFLOAT16: np.float32,
     DType.INT16: np.int16,
 }
-
-
-class BufferPool:
-    """Reusable byte buffers for accumulators and outgoing results.
-
-    A buffer handed to a zero-copy transport stays referenced by that
-    transport until the bytes have left; the pool reuses a buffer only when
-    nothing but the pool refers to it any more (CPython's reference count
-    says so exactly), so a result is never overwritten while being sent.
-    """
-
-    def __init__(self, capacity: int = 0):
-        self.capacity = capacity
-        self._idle: list[np.ndarray] = []
-        self.allocated = 0
-
-    def take(self, nbytes: int) -> np.ndarray:
-        if nbytes > self.capacity:
-            # chunks grew (a client with a larger chunk size): start over
-            self.capacity = nbytes
-            self._idle.clear()
-        idle = self._idle
-        for i in range(len(idle) - 1, -1, -1):
-            # references: the list, getrefcount's argument
-            if sys.getrefcount(idle[i]) <= 2:
-                return idle.pop(i)
-        self.allocated += 1
-        return np.empty(self.capacity, np.uint8)
-
-    def give(self, buf: np.ndarray) -> None:
-        if buf.size == self.capacity and len(self._idle) < 1024:
-            self._idle.append(buf)
 
 
 @dataclass(eq=False)

@@ -30,21 +30,27 @@ class ServiceProcess:
         if parent_pid is not None:
             cmd += ["--parent-pid", str(parent_pid)]
         self.command = cmd
+        # its own process group: a stop that has to kill takes the shards too
         self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                        env=None if env is None else {**os.environ, **env})
+                                        env=None if env is None else {**os.environ, **env}, start_new_session=True)
         atexit.register(self.stop)
-        line = self._read_line(start_timeout)
-        # "aggnet serving ADDRESS shards=K pid=P"
-        parts = line.split()
-        if len(parts) < 3 or parts[:2] != ["aggnet", "serving"]:
-            self.stop()
-            raise AggregatorUnreachable(f"`{' '.join(cmd)}` printed {line!r} instead of its address")
+        deadline = time.monotonic() + start_timeout
+        # "aggnet serving ADDRESS shards=K pid=P"; libraries (UCX) may print
+        # lines of their own first
+        while True:
+            line = self._read_line(max(0.0, deadline - time.monotonic()))
+            parts = line.split()
+            if len(parts) >= 4 and parts[:2] == ["aggnet", "serving"]:
+                break
         self.address = parts[2]
         self.shards = int(parts[3].split("=", 1)[1])
         self.pid = self.process.pid
 
     def _read_line(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
+        if timeout <= 0:
+            self.stop()
+            raise AggregatorUnreachable(f"`{' '.join(self.command)}` did not say where it serves in time")
         line = b""
         while not line.endswith(b"\n"):
             left = deadline - time.monotonic()
@@ -72,7 +78,10 @@ class ServiceProcess:
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 proc.wait()
         if proc.stdout and not proc.stdout.closed:
             proc.stdout.close()

@@ -43,7 +43,7 @@ def default_shards() -> int:
 
 
 def shard_addresses(control: Address, shards: int) -> list[Address]:
-    if control.scheme == "zmq+tcp":
+    if control.scheme in ("zmq+tcp", "ucx"):
         return [control.with_port(0 if control.port == 0 else control.port + 1 + i) for i in range(shards)]
     if control.scheme in ("zmq+ipc", "shm", "inproc"):
         return [control.with_path(f"{control.path}.{i}") for i in range(shards)]
@@ -72,8 +72,22 @@ def _warm_up_kernels() -> None:
         k.to_half(f, h, fmt)
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent (the supervisor)
+    dies, whatever way it dies: a shard must never outlive its service."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except Exception as exc:  # not Linux: the supervisor's own shutdown covers it
+        log.debug("no parent-death signal: %s", exc)
+
+
 def _shard_main(index: int, address: str, report, log_level: int) -> None:
     """Entry point of a shard process."""
+    _die_with_parent()
     logging.basicConfig(level=log_level, format=f"%(asctime)s aggnet shard {index} %(levelname)s %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -92,6 +106,10 @@ def _shard_main(index: int, address: str, report, log_level: int) -> None:
     finally:
         shard.close()
         listener.close()
+        logging.shutdown()
+        # skip interpreter teardown: transport libraries' finalizers (UCX's)
+        # can block an exit that has nothing left to do
+        os._exit(0)
 
 
 @dataclass

@@ -21,7 +21,9 @@ from aggnet import kernels, wire
 from aggnet.transport import Listener
 from aggnet.wire import ITEMSIZE, DType, ErrorCode, Flag, Header, MsgType
 
-from .jobs import ACC_DTYPE, BufferPool, Job, Segment, Slot
+from aggnet.buffers import BufferPool
+
+from .jobs import ACC_DTYPE, Job, Segment, Slot
 
 log = logging.getLogger("aggnet.hosts.shard")
 
@@ -56,6 +58,10 @@ class Shard:
 
     def handle(self, peer, header_buf, payload) -> None:
         self.counters["messages"] += 1
+        if len(header_buf) > wire.HEADER_SIZE:  # a short one is refused by unpack_header
+            self._drop(peer, "malformed_header_length", ErrorCode.MALFORMED,
+                       f"header frame of {len(header_buf)} bytes; aggnet headers are {wire.HEADER_SIZE}", None)
+            return
         try:
             h = wire.unpack_header(header_buf)
             wire.check_payload(h, len(payload))
@@ -171,9 +177,6 @@ class Shard:
             log.info("shard %d: job %r finished (every worker left)", self.index, job.name)
 
     def _drop_job(self, job: Job) -> None:
-        for slot in job.slots.values():
-            if slot.buf is not None:
-                self.pool.give(slot.buf)
         job.slots.clear()
         if job.segment is not None:
             job.segment.close()
@@ -316,11 +319,6 @@ class Shard:
                 self.counters["send_unreachable"] += 1
         self.counters["results"] += 1
         self.counters["bytes_out"] += out.nbytes * job.world
-        del out, inline
-        if slot.buf is not None:
-            self.pool.give(slot.buf)
-        if out_buf is not None:
-            self.pool.give(out_buf)
 
     def _mismatch(self, job: Job, slot: Slot, h: Header) -> None:
         text = (f"job {job.name!r} round {slot.key[0]} chunk {slot.key[1]}: rank {h.sender} sent "
@@ -342,8 +340,6 @@ class Shard:
             if peer is not None:
                 err.sender = rank
                 self._reply(peer, err, payload)
-        if slot.buf is not None:
-            self.pool.give(slot.buf)
 
     def check_stalls(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now

@@ -4,7 +4,17 @@ import pytest
 
 from helpers import RunningService
 
-TRANSPORTS = ["inproc", "zmq+ipc", "zmq+tcp", "shm"]
+def _ucxx_available() -> bool:
+    try:
+        import ucxx  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+TRANSPORTS = ["inproc", "zmq+ipc", "zmq+tcp", "shm",
+              pytest.param("ucx", marks=pytest.mark.skipif(not _ucxx_available(),
+                                                           reason="ucxx is not installed (pip install aggnet[rdma])"))]
 
 
 @pytest.fixture(params=TRANSPORTS)

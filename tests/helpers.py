@@ -35,6 +35,9 @@ def run_workers(address: str, world: int, fn, *args, timeout: float = 60.0, expe
     ``expect_errors`` a failing worker's (type name, message) is returned
     in its place instead of failing the test."""
     inproc = address.startswith("inproc://")
+    if address.startswith("ucx://"):
+        # UCX does not survive fork once a process has used it
+        start_method = "spawn"
     if inproc:
         out = queue.Queue()
         workers = [threading.Thread(target=_call, args=(fn, r, args, out), daemon=True) for r in range(world)]
@@ -80,8 +83,10 @@ class RunningService:
             self.address = self._svc.address
         else:
             # Unix socket paths are limited to 107 bytes: keep them short
-            listen = ("zmq+tcp://127.0.0.1:0" if kind == "zmq+tcp"
-                      else f"{kind}://{tempfile.mkdtemp(prefix='agg-')}/agg.sock")
+            if kind in ("zmq+tcp", "ucx"):
+                listen = f"{kind}://127.0.0.1:0"
+            else:
+                listen = f"{kind}://{tempfile.mkdtemp(prefix='agg-')}/agg.sock"
             self._svc = ServiceProcess(listen, shards)
             self.address = self._svc.address
 

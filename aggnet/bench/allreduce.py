@@ -32,7 +32,7 @@ def add_arguments(p) -> None:
     p.add_argument("--workers", default="2,4", help="worker counts, comma-separated (default %(default)s)")
     p.add_argument("--sizes", default=DEFAULT_SIZES, help="buffer sizes (default %(default)s)")
     p.add_argument("--transports", default="shm,ipc,tcp",
-                   help="aggnet transports: shm (shared-memory payloads), ipc, tcp (default %(default)s)")
+                   help="aggnet transports: shm (shared-memory payloads), ipc, tcp, ucx (default %(default)s)")
     p.add_argument("--dtypes", default="float32,int32", help="float32, int32, q-int32 (float32 quantized to int32)")
     p.add_argument("--chunk-bytes", default=None, help="aggnet chunk sizes to compare (default: the default chunk)")
     p.add_argument("--shards", type=int, default=None, help="aggregator shards (default: one per core)")
@@ -125,6 +125,23 @@ def _record(point: dict, workers: int, times: list[float]) -> dict:
             "max_s": max(times), "reps": len(times)}
 
 
+def _run_group(world: int, plan: list, services: dict, reps: int, gloo_port: int | None) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(world)
+    out = ctx.Queue()
+    ps = [ctx.Process(target=_worker, args=(r, world, plan, services, reps, gloo_port, barrier, out), daemon=True)
+          for r in range(world)]
+    for p in ps:
+        p.start()
+    per_rank = {}
+    for _ in ps:
+        rank, res = out.get(timeout=3600)
+        per_rank[rank] = res
+    for p in ps:
+        p.join(60)
+    return per_rank
+
+
 def _free_port() -> int:
     import socket
 
@@ -144,17 +161,18 @@ def _service_stats(address: str) -> dict:
 
 
 def main(args) -> int:
-    from aggnet.config import DEFAULT_CHUNK_BYTES
+    from aggnet.config import ClientConfig
     from aggnet.hosts.process import ServiceProcess
 
     worlds = [int(w) for w in args.workers.split(",")]
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    chunks = [parse_size(c) for c in args.chunk_bytes.split(",")] if args.chunk_bytes else [DEFAULT_CHUNK_BYTES]
+    # None: each transport's own default chunk size
+    chunks = [parse_size(c) for c in args.chunk_bytes.split(",")] if args.chunk_bytes else [None]
     for t in transports:
-        if t not in ("shm", "ipc", "tcp"):
-            print(f"aggnet bench: unknown transport {t!r}; choose from shm, ipc, tcp", file=sys.stderr)
+        if t not in ("shm", "ipc", "tcp", "ucx"):
+            print(f"aggnet bench: unknown transport {t!r}; choose from shm, ipc, tcp, ucx", file=sys.stderr)
             return 2
     gloo = not args.no_gloo
     if gloo:
@@ -164,48 +182,46 @@ def main(args) -> int:
             print("aggnet bench: torch is not installed; running without gloo (pip install aggnet[torch])", file=sys.stderr)
             gloo = False
 
-    services = {}
     run_dir = f"/tmp/aggnet-bench-{uuid.uuid4().hex[:8]}"
     os.makedirs(run_dir, exist_ok=True)
     listen = {"shm": f"shm://{run_dir}/shm.sock", "ipc": f"zmq+ipc://{run_dir}/agg.sock",
-              "tcp": "zmq+tcp://127.0.0.1:0"}
-    procs = {t: ServiceProcess(listen[t], args.shards) for t in transports}
-    services = {t: p.address for t, p in procs.items()}
+              "tcp": "zmq+tcp://127.0.0.1:0", "ucx": "ucx://127.0.0.1:0"}
     records: list[dict] = []
-    try:
-        for nbytes in sizes:
-            records.append(_record({"system": "memcpy", "transport": "memory", "dtype": "float32", "bytes": nbytes,
-                                    "chunk_bytes": None}, 1, _memcpy_times(nbytes, args.reps)))
-        for world in worlds:
+    sums: dict = {}
+    for nbytes in sizes:
+        records.append(_record({"system": "memcpy", "transport": "memory", "dtype": "float32", "bytes": nbytes,
+                                "chunk_bytes": None}, 1, _memcpy_times(nbytes, args.reps)))
+    # one system at a time, each with its own service and workers: nothing of
+    # one (UCX's progress engines poll) runs while another is timed
+    groups = (["gloo"] if gloo else []) + transports
+    for world in worlds:
+        for group in groups:
             plan = []
             for nbytes in sizes:
-                if gloo:
-                    for dtype in [d for d in dtypes if d != "q-int32"]:
-                        plan.append({"system": "gloo", "transport": "tcp", "dtype": dtype, "bytes": nbytes, "chunk_bytes": None})
-                for t in transports:
-                    for dtype in dtypes:
-                        for chunk in chunks:
-                            plan.append({"system": "aggnet", "transport": t, "dtype": dtype, "bytes": nbytes, "chunk_bytes": chunk})
-            ctx = multiprocessing.get_context("spawn")
-            barrier = ctx.Barrier(world)
-            out = ctx.Queue()
-            port = _free_port() if gloo else None
-            ps = [ctx.Process(target=_worker, args=(r, world, plan, services, args.reps, port, barrier, out)) for r in range(world)]
-            for p in ps:
-                p.start()
-            per_rank = {}
-            for _ in ps:
-                rank, res = out.get(timeout=3600)
-                per_rank[rank] = res
-            for p in ps:
-                p.join(60)
+                if group == "gloo":
+                    plan += [{"system": "gloo", "transport": "tcp", "dtype": d, "bytes": nbytes, "chunk_bytes": None}
+                             for d in dtypes if d != "q-int32"]
+                else:
+                    # the transport's default chunk size where none is asked for
+                    scheme = listen[group].split("://", 1)[0]
+                    plan += [{"system": "aggnet", "transport": group, "dtype": d, "bytes": nbytes,
+                              "chunk_bytes": c or ClientConfig().chunk_bytes_for(scheme)}
+                             for d in dtypes for c in chunks]
+            service = None if group == "gloo" else ServiceProcess(listen[group], args.shards)
+            try:
+                services = {group: service.address} if service else {}
+                per_rank = _run_group(world, plan, services, args.reps, _free_port() if group == "gloo" else None)
+                if service is not None:
+                    totals = _service_stats(service.address).get("totals", {})
+                    acc = sums.setdefault(group, {})
+                    for k in ("sum_bytes", "sum_seconds"):
+                        acc[k] = acc.get(k, 0) + totals.get(k, 0)
+            finally:
+                if service is not None:
+                    service.stop()
             for i, point in enumerate(plan):
                 slowest = [max(per_rank[r][i][k] for r in range(world)) for k in range(args.reps)]
                 records.append(_record(point, world, slowest))
-        sums = {t: _service_stats(a).get("totals", {}) for t, a in services.items()}
-    finally:
-        for p in procs.values():
-            p.stop()
     _print_table(records)
     # the all-reduce streams whole buffers through memory: compare with the
     # copy of the largest one (the small ones copy within the caches)

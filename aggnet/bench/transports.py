@@ -1,0 +1,130 @@
+"""``aggnet bench-transport``: point-to-point throughput of the message
+transports (UCX, ZeroMQ tcp, ZeroMQ ipc) in one run, for messages from
+32 KiB to 100 MiB.
+
+A sender process streams messages of one size with a window of four
+unacknowledged ones; the receiver answers each with a bare header. The
+rate is payload bytes over the time until the last acknowledgement.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from aggnet.config import format_size, parse_size
+
+WINDOW = 4
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--transports", default="ucx,zmq+tcp,zmq+ipc")
+    p.add_argument("--sizes", default="32KiB,256KiB,1MiB,16MiB,100MiB")
+    p.add_argument("--volume", default="512MiB", help="bytes moved per point (at least 8 messages)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--json", default=None)
+
+
+def _receiver(listen_addr: str, report, plan) -> None:
+    from aggnet.hosts.service import _die_with_parent
+
+    _die_with_parent()
+    from aggnet import wire
+    from aggnet.transport import listen
+
+    lst = listen(listen_addr)
+    report.put(str(lst.address))
+    ack = wire.Header(wire.MsgType.RESULT).pack()
+    total = sum(n for _, n in plan)
+    for _ in range(total):
+        m = None
+        while m is None:
+            m = lst.recv(60)
+        lst.send(m.peer, ack)
+        del m
+    time.sleep(0.5)
+    lst.close()
+
+
+def _sender(address: str, plan, out) -> None:
+    from aggnet.hosts.service import _die_with_parent
+
+    _die_with_parent()
+    from aggnet import wire
+    from aggnet.transport import connect
+
+    conn = connect([address])
+    results = []
+    for size, count in plan:
+        data = np.ones(size, np.uint8)
+        h = wire.Header(wire.MsgType.PUSH, count=size).pack()
+        t0 = time.perf_counter()
+        sent = acked = 0
+        while acked < count:
+            while sent < count and sent - acked < WINDOW:
+                conn.send(0, h, data)
+                sent += 1
+            if conn.recv(60) is None:
+                raise RuntimeError(f"no acknowledgement from {address} within 60s")
+            acked += 1
+        results.append((size, count, time.perf_counter() - t0))
+    conn.close()
+    out.put(results)
+
+
+def run_transport(scheme: str, sizes: list[int], volume: int, reps: int) -> list[dict]:
+    plan = []
+    for size in sizes:
+        count = max(8, volume // size)
+        plan += [(size, count)] * reps
+    if scheme == "zmq+ipc":
+        listen_addr = f"zmq+ipc://{tempfile.mkdtemp(prefix='agb-')}/p2p.sock"
+    else:
+        listen_addr = f"{scheme}://127.0.0.1:0"
+    ctx = multiprocessing.get_context("spawn")
+    report, out = ctx.Queue(), ctx.Queue()
+    rx = ctx.Process(target=_receiver, args=(listen_addr, report, plan), daemon=True)
+    rx.start()
+    address = report.get(timeout=60)
+    tx = ctx.Process(target=_sender, args=(address, plan, out), daemon=True)
+    tx.start()
+    timings = out.get(timeout=3600)
+    tx.join(30)
+    rx.join(30)
+    records = []
+    for size in sizes:
+        rates = [s * c / t for s_, c, t in timings if s_ == size for s in [s_]]
+        records.append({"transport": scheme, "bytes": size, "median_gb_per_s": statistics.median(rates) / 1e9,
+                        "min_gb_per_s": min(rates) / 1e9, "max_gb_per_s": max(rates) / 1e9, "reps": len(rates)})
+    return records
+
+
+def main(args) -> int:
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    volume = parse_size(args.volume)
+    records = []
+    for scheme in [t.strip() for t in args.transports.split(",") if t.strip()]:
+        try:
+            records += run_transport(scheme, sizes, volume, args.reps)
+        except ImportError as exc:
+            print(f"skipping {scheme}: {exc}")
+    by = {(r["transport"], r["bytes"]): r["median_gb_per_s"] for r in records}
+    schemes = list(dict.fromkeys(r["transport"] for r in records))
+    print(f"{'size':>8} " + " ".join(f"{s + ' GB/s':>14}" for s in schemes)
+          + ("  ucx/zmq+tcp  ucx/zmq+ipc" if "ucx" in schemes else ""))
+    for size in sizes:
+        row = f"{format_size(size):>8} " + " ".join(f"{by.get((s, size), float('nan')):14.2f}" for s in schemes)
+        if "ucx" in schemes:
+            u = by.get(("ucx", size))
+            row += "".join(f"  {u / by[(o, size)]:11.2f}" if (o, size) in by and u else "  " + " " * 11
+                           for o in ("zmq+tcp", "zmq+ipc"))
+        print(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0

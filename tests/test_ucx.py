@@ -1,0 +1,88 @@
+"""The UCX transport itself: zero-copy payloads into reused buffers, CuPy
+buffers where a GPU is present, and which UCX transports are active. The
+aggregator conformance tests run over UCX in test_allreduce.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+ucxx = pytest.importorskip("ucxx", reason="ucxx is not installed (pip install aggnet[rdma])")
+
+from aggnet import wire  # noqa: E402
+from aggnet.transport import connect, listen  # noqa: E402
+from aggnet.transport import ucx  # noqa: E402
+
+
+def _gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def test_payloads_arrive_intact_into_buffers_that_are_reused():
+    lst = listen("ucx://127.0.0.1:0")
+    conn = connect([str(lst.address)])
+    try:
+        seen_buffers = set()
+        for i in range(20):
+            data = np.arange(1 << 16, dtype=np.int32) * (i + 1)
+            h = wire.Header(wire.MsgType.PUSH, dtype=wire.DType.INT32, count=data.size, round=i)
+            conn.send(0, h.pack(), data)
+            m = lst.recv(10)
+            assert m is not None and wire.unpack_header(m.header).round == i
+            got = np.frombuffer(m.payload, np.int32)
+            np.testing.assert_array_equal(got, data)
+            seen_buffers.add(m.payload.__array_interface__["data"][0])  # where it was received
+            del m, got  # the consumer is done: the buffer goes back to the pool
+        # one buffer (or two, with the next receive already posted) served all
+        assert len(seen_buffers) <= 2
+    finally:
+        conn.close()
+        lst.close()
+
+
+def test_messages_keep_their_order_and_framing_across_sizes():
+    lst = listen("ucx://127.0.0.1:0")
+    conn = connect([str(lst.address)])
+    try:
+        sizes = [0, 1, 17, 4096, 1 << 20, 3, 0, 1 << 18]
+        for i, n in enumerate(sizes):
+            body = np.full(n, i % 251, np.uint8)
+            h = wire.Header(wire.MsgType.PUSH, count=n, round=i)  # NONE dtype: bytes
+            conn.send(0, h.pack(), body if n else None)
+        for i, n in enumerate(sizes):
+            m = lst.recv(10)
+            h = wire.unpack_header(m.header)
+            assert h.round == i and len(m.payload) == n
+            assert bytes(m.payload) == bytes([i % 251]) * n
+    finally:
+        conn.close()
+        lst.close()
+
+
+def test_active_transports_are_reported():
+    names = ucx.active_transports()
+    assert names and ("tcp" in names or any(n.startswith(("rc", "dc", "ud")) for n in names)), names
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.skipif(not _gpu(), reason="no CUDA GPU with CuPy on this machine")
+def test_cupy_buffers_go_zero_copy_device_to_device():
+    import cupy
+
+    lst = listen("ucx://127.0.0.1:0", memory="cuda")
+    conn = connect([str(lst.address)])
+    try:
+        data = cupy.arange(1 << 20, dtype=cupy.float32)
+        h = wire.Header(wire.MsgType.PUSH, dtype=wire.DType.FLOAT32, count=data.size)
+        conn.send(0, h.pack(), data)
+        m = lst.recv(10)
+        assert isinstance(m.payload, cupy.ndarray)
+        cupy.testing.assert_array_equal(m.payload.view(cupy.float32), data)
+    finally:
+        conn.close()
+        lst.close()
