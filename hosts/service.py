@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from aggnet import wire
+from aggnet.processes import die_with_parent
 from aggnet.address import Address, parse
 from aggnet.transport import Listener, connect, listen
 from aggnet.wire import ErrorCode, Header, MsgType
@@ -72,22 +73,9 @@ def _warm_up_kernels() -> None:
         k.to_half(f, h, fmt)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent (the supervisor)
-    dies, whatever way it dies: a shard must never outlive its service."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except Exception as exc:  # not Linux: the supervisor's own shutdown covers it
-        log.debug("no parent-death signal: %s", exc)
-
-
 def _shard_main(index: int, address: str, report, log_level: int) -> None:
     """Entry point of a shard process."""
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(level=log_level, format=f"%(asctime)s aggnet shard {index} %(levelname)s %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

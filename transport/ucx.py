@@ -117,6 +117,7 @@ class _Peer:
         self.closed = False
         self.pool = _pool(memory)
         self.tasks: list = []
+        self.inflight: collections.deque = collections.deque()
 
     def start(self, ep) -> None:
         self.ep = ep
@@ -129,7 +130,7 @@ class _Peer:
     async def _send_loop(self) -> None:
         """Post sends in order without waiting for each to finish (UCX
         matches them in posting order), keeping a bounded number in flight."""
-        inflight: collections.deque = collections.deque()
+        inflight = self.inflight
         try:
             while True:
                 if inflight and (self.sends.empty() or len(inflight) >= MAX_INFLIGHT_SENDS):
@@ -188,6 +189,15 @@ class _Peer:
         self.closed = True
         for t in self.tasks:
             t.cancel()
+
+    async def flush(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) for queued and posted sends to finish,
+        so a last message (a LEAVE) is not cut off by the close."""
+        deadline = self.loop.loop.time() + timeout
+        while self.sends is not None and (not self.sends.empty() or any(not f.done() for f in self.inflight)):
+            if self.closed or self.loop.loop.time() > deadline:
+                return
+            await asyncio.sleep(0.002)
 
     async def close(self) -> None:
         for t in self.tasks:
@@ -308,6 +318,8 @@ class UcxConnection(Connection):
         self._closing = True
 
         async def shutdown():
+            for p in self._peers:
+                await p.flush(2.0)
             for p in self._peers:
                 await p.close()
 

@@ -153,8 +153,10 @@ class ZmqConnection(Connection):
         os.eventfd_write(self._wake_fd, 1)
 
     def close(self) -> None:
+        # a short linger lets a last message (a LEAVE) go out; the shared
+        # context is never terminated, so this never blocks the caller
         for s in self._socks:
-            s.close(linger=0)
+            s.close(linger=200)
         self._socks = []
         fd, self._wake_fd = getattr(self, "_wake_fd", -1), -1
         if fd >= 0:

@@ -31,9 +31,9 @@ def add_arguments(p) -> None:
 
 
 def _receiver(listen_addr: str, report, plan) -> None:
-    from aggnet.hosts.service import _die_with_parent
+    from aggnet.processes import die_with_parent
 
-    _die_with_parent()
+    die_with_parent()
     from aggnet import wire
     from aggnet.transport import listen
 
@@ -52,9 +52,9 @@ def _receiver(listen_addr: str, report, plan) -> None:
 
 
 def _sender(address: str, plan, out) -> None:
-    from aggnet.hosts.service import _die_with_parent
+    from aggnet.processes import die_with_parent
 
-    _die_with_parent()
+    die_with_parent()
     from aggnet import wire
     from aggnet.transport import connect
 
