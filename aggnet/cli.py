@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import signal
@@ -98,46 +99,17 @@ def _stats(args) -> int:
     return 0
 
 
-def _bench(args) -> int:
-    from aggnet.bench import allreduce
-
-    return allreduce.main(args)
-
-
-def _bench_ddp(args) -> int:
-    from aggnet.bench import ddp
-
-    return ddp.main(args)
-
-
-def _bench_udp(args) -> int:
-    from aggnet.bench import udp
-
-    return udp.main(args)
-
-
-def _switch(args) -> int:
-    from aggnet.p4 import cli as switch_cli
-
-    return switch_cli.main(args)
-
-
-def _bench_transport(args) -> int:
-    from aggnet.bench import transports
-
-    return transports.main(args)
-
-
-def _emulate(args) -> int:
-    from aggnet.emulation import cli as emulation_cli
-
-    return emulation_cli.main(args)
-
-
-def _demo(args) -> int:
-    from aggnet import demo
-
-    return demo.main(args)
+#: commands whose module provides add_arguments(parser) and main(args):
+#: (name, module, help); imported when the parser is built
+MODULE_COMMANDS = (
+    ("bench", "aggnet.bench.allreduce", "all-reduce benchmark: aggnet beside gloo and memory copy"),
+    ("bench-ddp", "aggnet.bench.ddp", "DDP step time with the aggnet hook beside gloo"),
+    ("bench-udp", "aggnet.bench.udp", "switch-protocol client datagram rate beside a raw Python UDP loop"),
+    ("bench-transport", "aggnet.bench.transports", "point-to-point throughput: UCX beside ZeroMQ tcp and ipc"),
+    ("switch", "aggnet.p4.cli", "the P4 switch's control plane (P4Runtime; needs aggnet[p4])"),
+    ("emulate", "aggnet.emulation.cli", "run inside an emulated rack (network namespaces; needs root)"),
+    ("demo", "aggnet.demo", "train a small model with DDP through aggnet"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,47 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=5.0)
     st.set_defaults(func=_stats)
 
-    from aggnet.bench import allreduce
-
-    b = sub.add_parser("bench", help="all-reduce benchmark: aggnet beside gloo and memory copy")
-    allreduce.add_arguments(b)
-    b.set_defaults(func=_bench)
-
-    from aggnet.bench import ddp
-
-    bd = sub.add_parser("bench-ddp", help="DDP step time with the aggnet hook beside gloo")
-    ddp.add_arguments(bd)
-    bd.set_defaults(func=_bench_ddp)
-
-    from aggnet.bench import udp
-
-    bu = sub.add_parser("bench-udp", help="switch-protocol client datagram rate beside a raw Python UDP loop")
-    udp.add_arguments(bu)
-    bu.set_defaults(func=_bench_udp)
-
-    from aggnet.p4 import cli as switch_cli
-
-    sw = sub.add_parser("switch", help="the P4 switch's control plane (P4Runtime; needs aggnet[p4])")
-    switch_cli.add_arguments(sw)
-    sw.set_defaults(func=_switch)
-
-    from aggnet.bench import transports
-
-    bt = sub.add_parser("bench-transport", help="point-to-point throughput: UCX beside ZeroMQ tcp and ipc")
-    transports.add_arguments(bt)
-    bt.set_defaults(func=_bench_transport)
-
-    from aggnet.emulation import cli as emulation_cli
-
-    e = sub.add_parser("emulate", help="run inside an emulated rack (network namespaces; needs root)")
-    emulation_cli.add_arguments(e)
-    e.set_defaults(func=_emulate)
-
-    from aggnet import demo
-
-    d = sub.add_parser("demo", help="train a small model with DDP through aggnet")
-    demo.add_arguments(d)
-    d.set_defaults(func=_demo)
+    for name, module_name, text in MODULE_COMMANDS:
+        module = importlib.import_module(module_name)
+        cmd = sub.add_parser(name, help=text)
+        module.add_arguments(cmd)
+        cmd.set_defaults(func=module.main)
     return p
 
 

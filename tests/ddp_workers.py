@@ -143,7 +143,9 @@ def nan_run(rank: int, world: int, port: int, address: str, codec, on_nonfinite:
         dist.destroy_process_group()
 
 
-def unreachable_run(rank: int, world: int, port: int, address: str):
+def first_step_error(rank: int, world: int, port: int, address: str, job: str | None = None,
+                     connect_timeout: float = 30.0):
+    """One DDP step through aggnet; the error it raised, or "no error"."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -151,33 +153,15 @@ def unreachable_run(rank: int, world: int, port: int, address: str):
         from aggnet.torch import AggnetState, allreduce_hook
 
         ddp = DDP(make_model(0))
-        state = AggnetState(address, config=ClientConfig(connect_timeout=1.5))
+        state = AggnetState(address, job=job, config=ClientConfig(connect_timeout=connect_timeout))
         ddp.register_comm_hook(state, allreduce_hook)
         x, y = batch(0, PER_RANK, False)
         try:
             nn.functional.cross_entropy(ddp(x), y).backward()
         except Exception as exc:
             return str(exc)
-        return "no error"
-    finally:
-        dist.destroy_process_group()
-
-
-def world_mismatch_run(rank: int, world: int, port: int, address: str):
-    """DDP of 2 ranks whose aggregator job was registered with world 3."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        from aggnet.torch import AggnetState, allreduce_hook
-
-        ddp = DDP(make_model(0))
-        state = AggnetState(address, job="shared-job")
-        ddp.register_comm_hook(state, allreduce_hook)
-        x, y = batch(0, PER_RANK, False)
-        try:
-            nn.functional.cross_entropy(ddp(x), y).backward()
-        except Exception as exc:
-            return str(exc)
+        finally:
+            state.close()
         return "no error"
     finally:
         dist.destroy_process_group()

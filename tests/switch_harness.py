@@ -31,6 +31,21 @@ def endpoints():
     return list(range(WORKERS)) + [PARENT, FOREIGN]
 
 
+def gather(socks: dict, wait: float, read) -> dict:
+    """What each endpoint's socket received within ``wait`` seconds;
+    ``read(sock)`` returns the aggnet bytes of one packet, or None to skip it."""
+    got = {ep: [] for ep in socks}
+    owner = {s: ep for ep, s in socks.items()}
+    deadline = time.monotonic() + wait
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select(list(socks.values()), [], [], left)
+        for s in ready:
+            data = read(owner[s], s)
+            if data is not None:
+                got[owner[s]].append(data)
+    return got
+
+
 def _drain_join(data) -> bool:
     return len(data) >= HEADER_SIZE and data[3] == MsgType.JOIN
 
@@ -97,20 +112,13 @@ class HostAggregator:
             self._send_raw(ep, data)
 
     def collect(self, wait: float = 0.3) -> dict:
-        got = {ep: [] for ep in self.socks}
-        deadline = time.monotonic() + wait
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            r, _, _ = select.select(list(self.socks.values()), [], [], left)
-            for s in r:
-                data, _ = s.recvfrom(65536)
-                ep = next(e for e, x in self.socks.items() if x is s)
-                if ep == PARENT and _drain_join(data):
-                    continue
-                got[ep].append(bytes(data))
-        return got
+        def read(ep, s):
+            data, _ = s.recvfrom(65536)
+            if ep == PARENT and _drain_join(data):
+                return None  # the rack asking its parent in: not a data packet
+            return bytes(data)
+
+        return gather(self.socks, wait, read)
 
     def drops(self) -> dict:
         from aggnet.switch_client import query_stats
@@ -214,31 +222,23 @@ class Bmv2Aggregator:
         self.socks[ep].send(frame(mac, SWITCH_MAC, ip, SWITCH_IP, port, SWITCH_PORT, data))
 
     def collect(self, wait: float = 0.3) -> dict:
-        got = {ep: [] for ep in self.socks}
-        deadline = time.monotonic() + wait
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            r, _, _ = select.select(list(self.socks.values()), [], [], left)
-            for s in r:
-                data, info = s.recvfrom(65536)
-                if info[2] == socket.PACKET_OUTGOING:
-                    continue  # our own injection
-                ep = next(e for e, x in self.socks.items() if x is s)
-                if len(data) < 42 or data[12:14] != b"\x08\x00" or data[23] != 17:
-                    continue
-                ihl = (data[14] & 0xF) * 4
-                udp = 14 + ihl
-                body = data[udp + 8:]
-                if len(body) < 2 or body[:2] != b"\xa6\x6e":
-                    continue
-                dst_ip = socket.inet_ntoa(data[30:34])
-                dport = struct.unpack("!H", data[udp + 2:udp + 4])[0]
-                # results must be addressed to the endpoint that receives them
-                assert dst_ip == self.addr[ep][0] and dport == self.addr[ep][2], (ep, dst_ip, dport)
-                got[ep].append(bytes(body))
-        return got
+        def read(ep, s):
+            data, info = s.recvfrom(65536)
+            if info[2] == socket.PACKET_OUTGOING:
+                return None  # our own injection
+            if len(data) < 42 or data[12:14] != b"\x08\x00" or data[23] != 17:
+                return None  # not UDP over IPv4
+            udp = 14 + (data[14] & 0xF) * 4
+            body = data[udp + 8:]
+            if len(body) < 2 or body[:2] != b"\xa6\x6e":
+                return None
+            dst_ip = socket.inet_ntoa(data[30:34])
+            dport = struct.unpack("!H", data[udp + 2:udp + 4])[0]
+            # results must be addressed to the endpoint that receives them
+            assert dst_ip == self.addr[ep][0] and dport == self.addr[ep][2], (ep, dst_ip, dport)
+            return bytes(body)
+
+        return gather(self.socks, wait, read)
 
     def drops(self) -> dict:
         return dict(self.ctl.counters()["drops"])

@@ -150,7 +150,8 @@ def test_nan_propagates_when_asked(service):
 
 def test_unreachable_aggregator_fails_at_the_first_bucket(tmp_path):
     address = f"shm://{tmp_path}/nothing.sock"
-    res = run_workers("spawn://", 2, W.unreachable_run, 2, free_port(), address, timeout=120, start_method="spawn")
+    res = run_workers("spawn://", 2, W.first_step_error, 2, free_port(), address, None, 1.5, timeout=120,
+                      start_method="spawn")
     for text in res:
         assert "nothing.sock" in text and "aggnet serve --listen" in text, text
 
@@ -159,7 +160,7 @@ def test_world_size_mismatch_between_ddp_and_job_is_caught(service):
     # a third worker registers the job with world size 3 first
     holder = Client(service.address, job="shared-job", rank=2, world_size=3)
     try:
-        res = run_workers("spawn://", 2, W.world_mismatch_run, 2, free_port(), service.address,
+        res = run_workers("spawn://", 2, W.first_step_error, 2, free_port(), service.address, "shared-job",
                           timeout=120, start_method="spawn")
     finally:
         holder.close()

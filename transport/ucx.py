@@ -209,6 +209,15 @@ class _Peer:
                 pass
 
 
+def _take(q: queue.SimpleQueue, timeout: float) -> Incoming | None:
+    """The next received message, or None after ``timeout`` or a wakeup."""
+    try:
+        item = q.get(timeout=max(timeout, 0.0))
+    except queue.Empty:
+        return None
+    return None if item is _WAKE else item
+
+
 def _host_of(addr: Address) -> str:
     return "127.0.0.1" if addr.host in ("0.0.0.0", "localhost", "") else addr.host
 
@@ -239,11 +248,7 @@ class UcxListener(Listener):
         self._peers.pop(key, None)
 
     def recv(self, timeout: float) -> Incoming | None:
-        try:
-            item = self._queue.get(timeout=max(timeout, 0.0))
-        except queue.Empty:
-            return None
-        return None if item is _WAKE else item
+        return _take(self._queue, timeout)
 
     def send(self, peer, header: bytes, payload=None) -> bool:
         p = self._peers.get(peer)
@@ -305,11 +310,7 @@ class UcxConnection(Connection):
         self._loop.call(self._enqueue, endpoint, bytes(header), payload)
 
     def recv(self, timeout: float) -> Incoming | None:
-        try:
-            item = self._queue.get(timeout=max(timeout, 0.0))
-        except queue.Empty:
-            return None
-        return None if item is _WAKE else item
+        return _take(self._queue, timeout)
 
     def wakeup(self) -> None:
         self._queue.put(_WAKE)
