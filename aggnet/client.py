@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 import zlib
+from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -75,6 +76,20 @@ class Request:
     error: Exception | None = None
 
 
+_WIRE_NAMES = {"float32": None, "int32": "int32", "float16": "fp16", "fp16": "fp16", "bfloat16": "bf16", "bf16": "bf16"}
+
+
+def _codec_for_dtype(buf, dtype: str, codec: str | None) -> str | None:
+    """The codec that makes ``dtype`` travel for ``buf``."""
+    if dtype not in _WIRE_NAMES:
+        raise ValueError(f"dtype must be one of {sorted(_WIRE_NAMES)}, got {dtype!r}")
+    if codec is not None:
+        raise ValueError("give codec or dtype, not both")
+    if getattr(buf, "dtype", None) is not None and buf.dtype.name == dtype:
+        return None  # the buffer's own type: nothing to convert
+    return _WIRE_NAMES[dtype]
+
+
 def _client_class(address, config: ClientConfig | None):
     if address is None:
         address = (config or ClientConfig.from_env()).address
@@ -87,7 +102,7 @@ def _client_class(address, config: ClientConfig | None):
     return ChunkClient
 
 
-class Client:
+class Client(ABC):
     """A worker's connection to aggregators for one job.
 
     ``address`` names them (``zmq+tcp://host:port``, ``zmq+ipc:///path``,
@@ -164,38 +179,42 @@ class Client:
 
     # -- what each protocol provides ---------------------------------------------
 
+    @abstractmethod
     def _connect(self) -> None:
         """Reach the aggregators and join the job (raises naming why not)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _disconnect(self, leave: bool) -> None:
         """Leave the job (if ``leave``) and release sockets and memory."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _wakeup(self) -> None:
         """Make the I/O thread look at new requests now."""
-        raise NotImplementedError
 
     def _encoding(self, buf, codec, op, wire_hint) -> Encoding:
         """How ``buf`` travels; refuses what this protocol cannot carry."""
         return Encoding(buf, codec, op, self.world_size, wire_hint)
 
+    @abstractmethod
     def _io_loop(self) -> None:
-        raise NotImplementedError
+        """Move requests to the aggregators and results back, until closed."""
 
     # -- public API ----------------------------------------------------------
 
-    def allreduce(self, buf, op: str = "sum", codec: str | None = None, *, key: int | None = None,
-                  _wire_hint: DType | None = None) -> Future:
+    def allreduce(self, buf, op: str = "sum", codec: str | None = None, *, dtype: str | None = None,
+                  key: int | None = None, _wire_hint: DType | None = None) -> Future:
         """Sum (or average) ``buf`` over every worker of the job, in place.
 
         Returns a :class:`concurrent.futures.Future` that resolves to ``buf``
         once every element holds the result. ``codec`` compresses float32
-        buffers on the wire (``"int32"``, ``"fp16"``, ``"bf16"``). ``key``
-        names the buffer for placement on aggregator shards (e.g. a DDP
-        bucket index). The buffer must not be touched until the future is
-        done.
+        buffers on the wire (``"int32"``, ``"fp16"``, ``"bf16"``); ``dtype``
+        says the same as the type that travels (``"float32"``, ``"int32"``,
+        ``"float16"``, ``"bfloat16"``). ``key`` names the buffer for
+        placement on aggregator shards (e.g. a DDP bucket index). The buffer
+        must not be touched until the future is done.
         """
+        if dtype is not None:
+            codec = _codec_for_dtype(buf, dtype, codec)
         if not isinstance(buf, np.ndarray):
             raise TypeError(f"allreduce takes a NumPy array, got {type(buf).__name__}")
         if not buf.flags.c_contiguous or not buf.flags.writeable:

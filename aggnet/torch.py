@@ -48,6 +48,7 @@ class BucketStats:
     calls: int = 0
     elements: int = 0
     wire_bytes: int = 0
+    chunks: int = 0  #: chunks (or switch packets) the bucket travelled in
     seconds: float = 0.0  #: hook call to aggregated bucket, summed
 
 
@@ -142,6 +143,7 @@ class AggnetState:
             total.calls += b.calls
             total.elements += b.elements
             total.wire_bytes += b.wire_bytes
+            total.chunks += b.chunks
             total.seconds += b.seconds
         return {"total": total, "buckets": dict(self.buckets)}
 
@@ -202,6 +204,9 @@ def _dense_allreduce(state: "AggnetState", index: int, buf: torch.Tensor, bucket
         return f.value()
     stats = state.buckets.setdefault(index, BucketStats())
     wire_bytes = host.numel() * _wire_itemsize(host, codec)
+    # a chunk client's chunks, or a switch client's packets of K values
+    per_chunk = getattr(state.client, "chunk_bytes", None) or 4 * getattr(state.client, "elements", 1)
+    chunks = -(-wire_bytes // per_chunk)
 
     def done(f) -> None:
         try:
@@ -228,6 +233,7 @@ def _dense_allreduce(state: "AggnetState", index: int, buf: torch.Tensor, bucket
             stats.calls += 1
             stats.elements += host.numel()
             stats.wire_bytes += wire_bytes
+            stats.chunks += chunks
             stats.seconds += time.perf_counter() - t0
             out.set_result(buf)
         except NonFiniteError as exc:

@@ -369,3 +369,9 @@ def test_bad_settings_fail_with_the_bad_value(service):
             c.allreduce(np.ones(3, np.int32), op="avg")
         with pytest.raises(ValueError, match="codec must be one of"):
             c.allreduce(np.ones(3, np.float32), codec="int8")
+        with pytest.raises(ValueError, match="dtype must be one of .* got 'int8'"):
+            c.allreduce(np.ones(3, np.float32), dtype="int8")
+        # dtype names what travels: float32 quantized to int32, then back
+        x = np.full(1000, 0.5, np.float32)
+        c.allreduce(x, dtype="int32").result(20)
+        np.testing.assert_array_equal(x, np.full(1000, 0.5, np.float32))
