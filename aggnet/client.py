@@ -38,8 +38,10 @@ from .wire import DType
 log = logging.getLogger("aggnet.client")
 
 #: fraction of the client's timeout after which its aggregator reports the
-#: workers a slot is still waiting for
-STALL_FRACTION = 0.8
+#: workers a slot is still waiting for; half leaves the aggregator's answer,
+#: which names the missing ranks, time to arrive before the client's own
+#: timeout (which can only name the shard) fires, over any transport
+STALL_FRACTION = 0.5
 
 
 def job_id_of(name: str) -> int:
