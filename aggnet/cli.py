@@ -46,7 +46,7 @@ def _serve_switch(args) -> int:
     listen = args.listen if args.listen.startswith("udp://") else "udp://0.0.0.0:42606"
     try:
         svc = SwitchService(listen, pool=args.pool, elements=args.elements, parent=args.parent,
-                            rack_id=args.rack_id, racks=args.racks)
+                            rack_id=args.rack_id, racks=args.racks, reclaim_idle=args.reclaim_idle)
     except Exception as exc:
         print(f"aggnet serve: {exc}", file=sys.stderr)
         return 1
@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--parent", default=None, help="switch mode: parent aggregator (udp://host:port) for racks")
     s.add_argument("--rack-id", type=int, default=0, help="switch mode: this rack's id at its parent")
     s.add_argument("--racks", type=int, default=1, help="switch mode: racks under the parent")
+    s.add_argument("--reclaim-idle", type=float, default=300.0, metavar="SECONDS",
+                   help="switch mode: when the pool is full, a new job takes the slices of jobs that sent "
+                        "nothing for this long (workers killed without LEAVE); default %(default)g")
     s.add_argument("--shards", type=int, default=None, help="shard processes (default: one per core)")
     s.add_argument("--parent-pid", type=int, default=None, help="stop when this process is gone")
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])

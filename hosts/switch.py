@@ -33,6 +33,13 @@ log = logging.getLogger("aggnet.hosts.switch")
 
 MAX_JOBS = 64
 BATCH = 256
+#: a job whose packets stopped this long ago may give its slice to a new
+#: job when the pool is full: its workers died without LEAVE (a killed
+#: process sends none). Only under pressure, so a job pausing for a long
+#: evaluation keeps its slice while there is room.
+DEFAULT_RECLAIM_IDLE = 300.0
+#: how often the loop notes which jobs saw packets
+ACTIVITY_CHECK_INTERVAL = 1.0
 
 # actions the data path asks of the I/O loop
 A_DROP, A_MULTICAST, A_UNICAST, A_UPLINK, A_CONTROL = 0, 1, 2, 3, 4
@@ -343,13 +350,17 @@ class SwitchJob:
     #: uplink: the parent accepted this rack (JOIN_OK) or is still asked
     uplink_ready: bool = True
     pending_joins: list = field(default_factory=list)
+    #: the job's packet counters' sum when last looked at, and when it last changed
+    activity: int = 0
+    last_active: float = field(default_factory=time.monotonic)
 
 
 class SwitchService:
     """One UDP socket, one data path; control messages in Python."""
 
     def __init__(self, listen: str | Address, pool: int = DEFAULT_POOL, elements: int = DEFAULT_ELEMENTS,
-                 parent: str | None = None, rack_id: int = 0, racks: int = 1):
+                 parent: str | None = None, rack_id: int = 0, racks: int = 1,
+                 reclaim_idle: float = DEFAULT_RECLAIM_IDLE):
         addr = parse(listen)
         if addr.scheme != "udp":
             raise ValueError(f"switch mode listens on udp://host:port, not {addr}")
@@ -357,6 +368,10 @@ class SwitchService:
             raise ValueError(f"elements per packet must be 1..{MAX_ELEMENTS}, got {elements}")
         if pool < 1:
             raise ValueError(f"pool must hold at least one slot, got {pool}")
+        if not reclaim_idle > 0:
+            raise ValueError(f"reclaim_idle must be a positive number of seconds, got {reclaim_idle!r}")
+        self.reclaim_idle = reclaim_idle
+        self._next_activity_check = 0.0
         self.regs = SwitchRegisters(pool, elements)
         self.sock = open_udp(addr)
         host, port = self.sock.getsockname()
@@ -389,6 +404,10 @@ class SwitchService:
             n = batch.receive(sock, 0.2)
             if n:
                 self.step(n)
+            now = time.monotonic()
+            if now >= self._next_activity_check:
+                self._next_activity_check = now + ACTIVITY_CHECK_INTERVAL
+                self._note_activity(now)
 
     def step(self, n: int) -> None:
         self.regs.run(self.batch, self.actions, self.act_job, self.out_len)
@@ -490,6 +509,7 @@ class SwitchService:
         if old is not None and old != src:
             log.warning("switch: job %r rank %d re-joined from %s (was %s)", name, h.sender, src, old)
         job.members[h.sender] = src
+        job.last_active = time.monotonic()
         self.regs.members[job.index, h.sender] = addr_key(src)
         self._multicast[job.index] = [job.members[r] for r in sorted(job.members)]
         # the reply is the JOIN itself, answered in its header (slots in
@@ -506,6 +526,11 @@ class SwitchService:
     def _install(self, job_id: int, name: str, world: int, slots: int, src, h: Header) -> SwitchJob | None:
         free_rows = [i for i in range(MAX_JOBS) if not self.regs.job_used[i]]
         base = self._allocate(slots)
+        if (not free_rows or base is None) and self._reclaim_idle_jobs(name):
+            if base is not None:
+                self._release(base, slots)
+            free_rows = [i for i in range(MAX_JOBS) if not self.regs.job_used[i]]
+            base = self._allocate(slots)
         if not free_rows or base is None:
             self._error(src, h, ErrorCode.REFUSED,
                         f"no room for job {name!r}: {len(self.jobs)} jobs, largest free run of the pool "
@@ -523,7 +548,8 @@ class SwitchService:
         r.job_rack[row] = self.rack_id
         r.job_parent[row] = addr_key(self.parent) if self.parent is not None else -1
         r.job_used[row] = True
-        job = SwitchJob(row, job_id, name, world, base, slots, uplink_ready=self.parent is None)
+        job = SwitchJob(row, job_id, name, world, base, slots, uplink_ready=self.parent is None,
+                        activity=int(r.job_counters[row].sum()))
         self.jobs[job_id] = job
         log.info("switch: job %r (id %08x) installed: world %d, slots %d..%d%s", name, job_id, world, base,
                  base + slots - 1, f", uplink to {self.parent} as rack {self.rack_id}" if self.parent else "")
@@ -562,10 +588,36 @@ class SwitchService:
         self.regs.members[job.index, h.sender] = -1
         self._multicast[job.index] = [job.members[r] for r in sorted(job.members)]
         if not job.members:
-            self.regs.job_used[job.index] = False
-            self._release(job.base, job.slots)
-            del self.jobs[h.job_id]
+            self._remove(job)
             log.info("switch: job %r finished (every worker left)", job.name)
+
+    def _remove(self, job: SwitchJob) -> None:
+        self.regs.job_used[job.index] = False
+        self.regs.members[job.index, :] = -1
+        self._multicast.pop(job.index, None)
+        self._release(job.base, job.slots)
+        del self.jobs[job.job_id]
+
+    def _note_activity(self, now: float) -> None:
+        """A job is active while its packet counters move; reading them
+        once a second keeps the data path free of clocks."""
+        for job in self.jobs.values():
+            total = int(self.regs.job_counters[job.index].sum())
+            if total != job.activity:
+                job.activity, job.last_active = total, now
+
+    def _reclaim_idle_jobs(self, wanted_by: str) -> bool:
+        """Remove the jobs silent for ``reclaim_idle`` seconds; true when any was."""
+        now = time.monotonic()
+        self._note_activity(now)
+        idle = [job for job in self.jobs.values() if now - job.last_active >= self.reclaim_idle]
+        for job in idle:
+            log.warning("switch: job %r (id %08x, ranks %s joined) sent nothing for %.0fs; its slots %d..%d go to "
+                        "job %r (its workers must have stopped without LEAVE)", job.name, job.job_id,
+                        sorted(job.members), now - job.last_active, job.base, job.base + job.slots - 1, wanted_by)
+            self.control_counters["jobs_reclaimed"] += 1
+            self._remove(job)
+        return bool(idle)
 
     def _allocate(self, slots: int) -> int | None:
         for i, (base, size) in enumerate(self.free):

@@ -15,7 +15,7 @@ import pytest
 from aggnet import Client, wire
 from aggnet.client import job_id_of
 from aggnet.emulation.lossy_relay import LossyRelay
-from aggnet.errors import AggregationTimeout, NonFiniteError
+from aggnet.errors import AggregationError, AggregationTimeout, NonFiniteError
 from aggnet.hosts.process import ServiceProcess
 from aggnet.kernels import quant_shift
 from aggnet.switch_client import query_stats
@@ -133,6 +133,47 @@ def test_jobs_get_disjoint_slices_while_both_are_joined(aggregator):
     finally:
         a.close()
         b.close()
+
+
+def _join_and_hang(address, job, ready):
+    Client(address, job=job, rank=0, world_size=1, elements=K, slots=256)
+    ready.set()
+    time.sleep(60)  # killed by the test long before
+
+
+def test_a_full_pool_takes_back_the_slice_of_a_job_whose_workers_were_killed():
+    import multiprocessing as mp
+
+    agg = switch("--reclaim-idle", "2")
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    dead = ctx.Process(target=_join_and_hang, args=(agg.address, "killed", ready), daemon=True)
+    alive = Client(agg.address, job="alive", rank=0, world_size=1, elements=K, slots=256)
+    try:
+        dead.start()
+        assert ready.wait(60), "the worker that is to be killed never joined"
+        dead.kill()  # SIGKILL: no LEAVE
+        dead.join(10)
+        # the pool (512) is full: the killed job is not yet idle long enough
+        with pytest.raises(AggregationError, match="no room for job 'next'"):
+            Client(agg.address, job="next", rank=0, world_size=1, elements=K, slots=256, connect_timeout=5)
+        # the live job keeps all-reducing while the killed one stays silent
+        deadline = time.monotonic() + 3
+        x = np.arange(1000, dtype=np.int32)
+        while time.monotonic() < deadline:
+            np.testing.assert_array_equal(alive.allreduce(x.copy()).result(10), x)
+            time.sleep(0.2)
+        with Client(agg.address, job="next", rank=0, world_size=1, elements=K, slots=256) as nxt:
+            np.testing.assert_array_equal(nxt.allreduce(x.copy()).result(10), x)
+            stats = query_stats(agg.address)
+        assert set(stats["jobs"]) == {"alive", "next"}
+        assert stats["totals"]["jobs_reclaimed"] == 1
+        np.testing.assert_array_equal(alive.allreduce(x.copy()).result(10), x)
+    finally:
+        alive.close()
+        if dead.is_alive():
+            dead.kill()
+        agg.stop()
 
 
 def _stall(rank, address, job):
