@@ -18,6 +18,7 @@ from aggnet.emulation.lossy_relay import LossyRelay
 from aggnet.errors import AggregationError, AggregationTimeout, NonFiniteError
 from aggnet.hosts.process import ServiceProcess
 from aggnet.kernels import quant_shift
+from aggnet.protocol import MAX_WORKERS
 from aggnet.switch_client import query_stats
 from aggnet.wire import DType, Flag, Header, MsgType
 from helpers import run_workers
@@ -110,6 +111,33 @@ def test_results_under_impairment_equal_the_lossless_run(aggregator, impair):
     if "drop" in impair:
         assert sum(r[3] for r in lossy) > 0  # recovered by retransmission
         assert query_stats(aggregator.address)["totals"].get("results_resent", 0) > 0
+
+
+def test_thirty_two_workers_fill_the_seen_bitmap_and_sum_exactly(aggregator):
+    """32 workers use every bit of a slot's seen bitmap, the top one included;
+    clients in threads of one process keep the test light on two cores."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    world = MAX_WORKERS
+    ints = [np.random.default_rng(r).integers(-(2**31), 2**31, 3000, dtype=np.int64).astype(np.int32)
+            for r in range(world)]
+    want = ((sum(y.astype(np.int64) for y in ints) + 2**31) % 2**32 - 2**31).astype(np.int32)
+    floats = [np.arange(3000, dtype=np.float32) * (r + 1) for r in range(world)]
+
+    def worker(rank):
+        with Client(aggregator.address, job="bits", rank=rank, world_size=world, elements=K, timeout=30) as c:
+            y, x = ints[rank].copy(), floats[rank].copy()
+            c.allreduce(y).result(60)
+            c.allreduce(x).result(60)
+            return y, x
+
+    with ThreadPoolExecutor(world) as pool:
+        results = list(pool.map(worker, range(world)))
+    for y, x in results:
+        np.testing.assert_array_equal(y, want)
+        np.testing.assert_array_equal(x, np.arange(3000, dtype=np.float32) * (world * (world + 1) // 2))
+    with pytest.raises(ValueError, match="at most 32 workers"):
+        Client(aggregator.address, job="too-many", rank=0, world_size=world + 1, elements=K)
 
 
 def test_two_jobs_use_distinct_pool_slices(aggregator):
