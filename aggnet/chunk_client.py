@@ -29,6 +29,9 @@ log = logging.getLogger("aggnet.client")
 
 #: how often the I/O thread looks at deadlines while idle
 _TICK = 0.05
+#: how long a closing client waits for its shards to echo its LEAVE (an
+#: aggregator that is gone costs a close this much)
+LEAVE_ACK_TIMEOUT = 1.0
 
 
 @dataclass(eq=False)
@@ -148,14 +151,34 @@ class ChunkClient(Client):
         if conn is None:
             return
         if leave:
-            h = Header(MsgType.LEAVE, job_id=self.job_id, sender=self.rank, world=self.world_size).pack()
-            for i in range(len(conn.addresses)):
-                try:
-                    conn.send(i, h)
-                except TransportError:
-                    pass
-            time.sleep(0.01)  # let the LEAVE leave before the socket closes
+            self._leave(conn)
         conn.close()
+
+    def _leave(self, conn) -> None:
+        """Tell every shard, and wait (briefly) for each to echo the LEAVE:
+        a connection closed right behind its last message may lose it."""
+        h = Header(MsgType.LEAVE, job_id=self.job_id, sender=self.rank, world=self.world_size).pack()
+        waiting = set()
+        for i in range(len(conn.addresses)):
+            try:
+                conn.send(i, h)
+                waiting.add(i)
+            except TransportError:
+                pass
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread.is_alive():
+            return  # the I/O thread still reads the connection
+        deadline = time.monotonic() + min(LEAVE_ACK_TIMEOUT, self.config.timeout)
+        while waiting and time.monotonic() < deadline:
+            msg = conn.recv(deadline - time.monotonic())
+            if msg is None:
+                continue
+            try:
+                echo = wire.unpack_header(msg.header)
+            except wire.WireError:
+                continue
+            if echo.msg_type == MsgType.LEAVE and echo.job_id == self.job_id:
+                waiting.discard(msg.peer)
 
     # -- the I/O thread --------------------------------------------------------
 

@@ -114,7 +114,7 @@ class MsgType(enum.IntEnum):
     PUSH = 3  #: a worker's contribution to one chunk/slot
     RESULT = 4  #: the aggregated chunk/slot
     ERROR = 5  #: UTF-8 text of what went wrong
-    LEAVE = 6  #: a worker leaves its job
+    LEAVE = 6  #: a worker leaves its job (service shards echo it: the worker may then close)
     HELLO = 7  #: ask a service for its shard map
     HELLO_OK = 8  #: JSON shard map
     STATS = 9  #: ask for counters

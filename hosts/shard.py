@@ -167,6 +167,9 @@ class Shard:
         return True
 
     def _on_leave(self, peer, h: Header) -> None:
+        # echoed, so the worker knows it may close: a connection closed
+        # right behind its last message may lose it (UCX closes by abort)
+        self._reply(peer, Header(MsgType.LEAVE, job_id=h.job_id, sender=h.sender, world=h.world))
         job = self.jobs.get(h.job_id)
         if job is None or job.members.get(h.sender) != peer:
             return
