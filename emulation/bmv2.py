@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import subprocess
 import time
+
+from aggnet.p4.tools import find_tool
 
 log = logging.getLogger("aggnet.emulation")
 
 
 def find_simple_switch_grpc() -> str | None:
-    for candidate in ("simple_switch_grpc", "/opt/p4/bin/simple_switch_grpc", "/usr/local/bin/simple_switch_grpc"):
-        path = shutil.which(candidate)
-        if path:
-            return path
-    return None
+    return find_tool("simple_switch_grpc")
 
 
 class Bmv2Switch:

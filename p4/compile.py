@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .tools import find_tool
+
 HERE = Path(__file__).resolve().parent
 SOURCES = HERE / "aggnet"
 BUILD = HERE / "build"
@@ -28,11 +30,7 @@ DIGEST = BUILD / "SOURCES"
 
 
 def find_p4c() -> str | None:
-    for candidate in ("p4c", "/opt/p4/bin/p4c", "/usr/local/bin/p4c"):
-        path = shutil.which(candidate)
-        if path:
-            return path
-    return None
+    return find_tool("p4c")
 
 
 def sources_digest() -> str:

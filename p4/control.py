@@ -20,6 +20,7 @@ from pathlib import Path
 from aggnet.client import job_id_of
 
 from .compile import BMV2_JSON, P4INFO
+from .tools import find_tool
 
 log = logging.getLogger("aggnet.p4.control")
 
@@ -256,14 +257,7 @@ class SwitchControl:
         self._cli("\n".join(lines) + "\n")
 
     def _cli(self, commands: str) -> str:
-        cmd = ["simple_switch_CLI", "--thrift-port", str(self.thrift_port)]
-        for candidate in ("simple_switch_CLI", "/opt/p4/bin/simple_switch_CLI"):
-            import shutil
-
-            path = shutil.which(candidate)
-            if path:
-                cmd[0] = path
-                break
+        cmd = [find_tool("simple_switch_CLI") or "simple_switch_CLI", "--thrift-port", str(self.thrift_port)]
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]
         r = subprocess.run(cmd, input=commands, capture_output=True, text=True, timeout=120)

@@ -51,7 +51,7 @@ def wire_p4(elements: int = SWITCH_ELEMENTS) -> str:
     for name, bits in wire.HEADER_FIELDS:
         ftype = "msg_type_t" if name == "msg_type" else f"bit<{bits}>"
         lines.append(f"    {ftype} {name};")
-    lines += ["}", "", f"// the payload: AGG_ELEMENTS big-endian int32 values", "header payload_h {"]
+    lines += ["}", "", "// the payload: AGG_ELEMENTS big-endian int32 values", "header payload_h {"]
     for e in range(elements):
         lines.append(f"    bit<32> e{e};")
     lines += ["}", "", "#endif", ""]
