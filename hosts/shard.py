@@ -19,7 +19,7 @@ import numpy as np
 
 from aggnet import kernels, wire
 from aggnet.transport import Listener
-from aggnet.wire import ITEMSIZE, DType, ErrorCode, Flag, Header, MsgType
+from aggnet.wire import DType, ErrorCode, Flag, Header, MsgType
 
 from aggnet.buffers import BufferPool
 

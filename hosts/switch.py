@@ -524,21 +524,15 @@ class SwitchService:
             self._ask_parent(job)
 
     def _install(self, job_id: int, name: str, world: int, slots: int, src, h: Header) -> SwitchJob | None:
-        free_rows = [i for i in range(MAX_JOBS) if not self.regs.job_used[i]]
-        base = self._allocate(slots)
-        if (not free_rows or base is None) and self._reclaim_idle_jobs(name):
-            if base is not None:
-                self._release(base, slots)
-            free_rows = [i for i in range(MAX_JOBS) if not self.regs.job_used[i]]
-            base = self._allocate(slots)
-        if not free_rows or base is None:
+        place = self._place(slots)
+        if place is None and self._reclaim_idle_jobs(name):
+            place = self._place(slots)
+        if place is None:
             self._error(src, h, ErrorCode.REFUSED,
                         f"no room for job {name!r}: {len(self.jobs)} jobs, largest free run of the pool "
                         f"{max((s for _, s in self.free), default=0)} slots, asked for {slots}")
-            if base is not None:
-                self._release(base, slots)
             return None
-        row = free_rows[0]
+        row, base = place
         r = self.regs
         r.reset_slice(base, slots)
         r.job_ids[row], r.job_base[row], r.job_slots[row], r.job_world[row] = job_id, base, slots, world
@@ -548,8 +542,7 @@ class SwitchService:
         r.job_rack[row] = self.rack_id
         r.job_parent[row] = addr_key(self.parent) if self.parent is not None else -1
         r.job_used[row] = True
-        job = SwitchJob(row, job_id, name, world, base, slots, uplink_ready=self.parent is None,
-                        activity=int(r.job_counters[row].sum()))
+        job = SwitchJob(row, job_id, name, world, base, slots, uplink_ready=self.parent is None)
         self.jobs[job_id] = job
         log.info("switch: job %r (id %08x) installed: world %d, slots %d..%d%s", name, job_id, world, base,
                  base + slots - 1, f", uplink to {self.parent} as rack {self.rack_id}" if self.parent else "")
@@ -618,6 +611,14 @@ class SwitchService:
             self.control_counters["jobs_reclaimed"] += 1
             self._remove(job)
         return bool(idle)
+
+    def _place(self, slots: int) -> tuple[int, int] | None:
+        """A free job row and a free run of ``slots`` slots, or None."""
+        free_rows = np.flatnonzero(~self.regs.job_used)
+        if free_rows.size == 0:
+            return None
+        base = self._allocate(slots)
+        return None if base is None else (int(free_rows[0]), base)
 
     def _allocate(self, slots: int) -> int | None:
         for i, (base, size) in enumerate(self.free):

@@ -11,6 +11,10 @@ import tempfile
 import traceback
 import uuid
 
+import numpy as np
+
+from aggnet import Client
+from aggnet.errors import AggregationTimeout
 from aggnet.hosts import service as service_mod
 from aggnet.hosts.process import ServiceProcess
 
@@ -24,6 +28,21 @@ def _call(fn, rank, args, out):
         out.put((rank, True, fn(rank, *args)))
     except BaseException as exc:  # report every failure, with its type
         out.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
+
+
+def silent_rank_run(rank, address, job, idle_s: float, size: int, **client_opts):
+    """Three workers of which rank 2 joins but never all-reduces: the
+    others return the error they got and how long they waited."""
+    with Client(address, job=job, rank=rank, world_size=3, timeout=1.5, **client_opts) as c:
+        if rank == 2:
+            time.sleep(idle_s)
+            return "idle"
+        t0 = time.monotonic()
+        try:
+            c.allreduce(np.ones(size, np.float32)).result(30)
+        except AggregationTimeout as exc:
+            return str(exc), time.monotonic() - t0
+        return "no error", 0
 
 
 def run_workers(address: str, world: int, fn, *args, timeout: float = 60.0, expect_errors: bool = False,

@@ -3,6 +3,7 @@ codecs, concurrent jobs, and every way a run can go wrong."""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import uuid
@@ -20,7 +21,7 @@ from aggnet.errors import (
 )
 from aggnet.kernels import quant_shift
 from aggnet.transport import connect
-from helpers import run_workers
+from helpers import run_workers, silent_rank_run
 
 SIZES = [0, 1, 7, 1000, 4096, 70001]
 
@@ -145,14 +146,8 @@ def test_two_jobs_concurrently_get_independent_exact_results(service):
         for i, x in enumerate(outs):
             want = sum(float_data(r, 20000, seed=100 * world + i) for r in range(world))
             np.testing.assert_array_equal(x, want)
-    # the workers' LEAVEs travel on their own connections; the shards may
-    # take them a moment after the stats query arrives
-    deadline = time.monotonic() + 5
-    while True:
-        jobs = {name for s in service.stats()["shards"] for name in s["jobs"]}
-        if not jobs & {"alpha", "beta"} or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    # every worker closed after its shards echoed its LEAVE
+    jobs = {name for s in service.stats()["shards"] for name in s["jobs"]}
     assert not jobs & {"alpha", "beta"}, f"finished jobs are removed once every worker left; still {jobs}"
 
 
@@ -242,22 +237,10 @@ def test_aggregator_that_dies_fails_the_allreduce_within_its_timeout(service_fac
         c.close()
 
 
-def _stall_worker(rank, address, job):
-    with Client(address, job=job, rank=rank, world_size=3, timeout=1.5) as c:
-        if rank == 2:
-            time.sleep(3.5)  # joined, but never calls allreduce
-            return "idle"
-        t0 = time.monotonic()
-        try:
-            c.allreduce(np.ones(10000, np.float32)).result(20)
-        except AggregationTimeout as exc:
-            return str(exc), time.monotonic() - t0
-        return "no error", 0
-
-
 def test_a_silent_worker_is_named_by_the_others(service):
     job = f"stall-{uuid.uuid4().hex[:6]}"
-    res = run_workers(service.address, 3, _stall_worker, service.address, job, timeout=40)
+    stall = functools.partial(silent_rank_run, idle_s=3.5, size=10000)
+    res = run_workers(service.address, 3, stall, service.address, job, timeout=40)
     for text, waited in res[:2]:
         assert "rank(s) [2]" in text and job in text, text
         assert waited < 3

@@ -5,6 +5,7 @@ and a two-level hierarchy."""
 
 from __future__ import annotations
 
+import functools
 import socket
 import time
 import uuid
@@ -12,16 +13,16 @@ import uuid
 import numpy as np
 import pytest
 
-from aggnet import Client, wire
+from aggnet import Client
 from aggnet.client import job_id_of
 from aggnet.emulation.lossy_relay import LossyRelay
-from aggnet.errors import AggregationError, AggregationTimeout, NonFiniteError
+from aggnet.errors import AggregationError, NonFiniteError
 from aggnet.hosts.process import ServiceProcess
 from aggnet.kernels import quant_shift
 from aggnet.protocol import MAX_WORKERS
 from aggnet.switch_client import query_stats
 from aggnet.wire import DType, Flag, Header, MsgType
-from helpers import run_workers
+from helpers import run_workers, silent_rank_run
 
 K = 64
 
@@ -204,22 +205,10 @@ def test_a_full_pool_takes_back_the_slice_of_a_job_whose_workers_were_killed():
         agg.stop()
 
 
-def _stall(rank, address, job):
-    with Client(address, job=job, rank=rank, world_size=3, timeout=1.5, elements=K) as c:
-        if rank == 2:
-            time.sleep(4)
-            return "idle"
-        t0 = time.monotonic()
-        try:
-            c.allreduce(np.ones(1000, np.float32)).result(30)
-        except AggregationTimeout as exc:
-            return str(exc), time.monotonic() - t0
-        return "no error", 0
-
-
 def test_a_silent_worker_is_named_by_the_others(aggregator):
     job = f"stall-{uuid.uuid4().hex[:6]}"
-    res = run_workers("udp://", 3, _stall, aggregator.address, job, timeout=60)
+    stall = functools.partial(silent_rank_run, idle_s=4, size=1000, elements=K)
+    res = run_workers("udp://", 3, stall, aggregator.address, job, timeout=60)
     for text, waited in res[:2]:
         assert "[2] never sent theirs" in text and job in text and "slot" in text, text
         assert waited < 4
