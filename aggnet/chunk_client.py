@@ -34,6 +34,18 @@ _TICK = 0.05
 LEAVE_ACK_TIMEOUT = 1.0
 
 
+def _next_header(conn, timeout: float):
+    """The next message and its header, or None (nothing within ``timeout``,
+    or a malformed header, which the caller waiting for replies ignores)."""
+    msg = conn.recv(timeout)
+    if msg is None:
+        return None
+    try:
+        return msg, wire.unpack_header(msg.header)
+    except wire.WireError:
+        return None
+
+
 @dataclass(eq=False)
 class ChunkRequest(Request):
     chunks: list = field(default_factory=list)
@@ -102,13 +114,10 @@ class ChunkClient(Client):
                     if e not in replies:
                         conn.send(e, packed, payload)
                 next_send = now + 0.5
-            msg = conn.recv(min(0.5, deadline - now))
-            if msg is None:
+            got = _next_header(conn, min(0.5, deadline - now))
+            if got is None:
                 continue
-            try:
-                h = wire.unpack_header(msg.header)
-            except wire.WireError:
-                continue
+            msg, h = got
             if h.msg_type == MsgType.ERROR:
                 code, text = wire.parse_error(msg.payload)
                 exc = JobMismatch if code == wire.ErrorCode.JOB_MISMATCH else AggregationError
@@ -170,15 +179,9 @@ class ChunkClient(Client):
             return  # the I/O thread still reads the connection
         deadline = time.monotonic() + min(LEAVE_ACK_TIMEOUT, self.config.timeout)
         while waiting and time.monotonic() < deadline:
-            msg = conn.recv(deadline - time.monotonic())
-            if msg is None:
-                continue
-            try:
-                echo = wire.unpack_header(msg.header)
-            except wire.WireError:
-                continue
-            if echo.msg_type == MsgType.LEAVE and echo.job_id == self.job_id:
-                waiting.discard(msg.peer)
+            got = _next_header(conn, deadline - time.monotonic())
+            if got is not None and got[1].msg_type == MsgType.LEAVE and got[1].job_id == self.job_id:
+                waiting.discard(got[0].peer)
 
     # -- the I/O thread --------------------------------------------------------
 
