@@ -15,8 +15,17 @@ def _serve(args) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
                         format="%(asctime)s aggnet %(levelname)s %(message)s")
+    args.listen_given = args.listen is not None
+    if args.listen is None:
+        args.listen = "zmq+tcp://0.0.0.0:5555"
     if args.mode == "switch":
+        if args.listen_given and not args.listen.startswith("udp://"):
+            print(f"aggnet serve: switch mode listens on udp://host:port, not {args.listen}", file=sys.stderr)
+            return 2
         return _serve_switch(args)
+    if args.listen.startswith("udp://"):
+        print("aggnet serve: udp:// addresses speak the switch protocol: add --mode switch", file=sys.stderr)
+        return 2
     try:
         svc = service.start(args.listen, args.shards, getattr(logging, args.log_level))
     except Exception as exc:
@@ -41,12 +50,16 @@ def _serve_switch(args) -> int:
     import os
     import threading
 
+    from aggnet.hosts.service import default_shards
     from aggnet.hosts.switch import SwitchService
+    from aggnet.protocol import DEFAULT_HOST_ELEMENTS, SWITCH_PORT
 
-    listen = args.listen if args.listen.startswith("udp://") else "udp://0.0.0.0:42606"
+    listen = args.listen if args.listen_given else f"udp://0.0.0.0:{SWITCH_PORT}"
+    shards = args.shards or default_shards()
     try:
-        svc = SwitchService(listen, pool=args.pool, elements=args.elements, parent=args.parent,
-                            rack_id=args.rack_id, racks=args.racks, reclaim_idle=args.reclaim_idle)
+        svc = SwitchService(listen, pool=args.pool, elements=args.elements or DEFAULT_HOST_ELEMENTS,
+                            max_elements=args.max_elements, parent=args.parent, rack_id=args.rack_id,
+                            racks=args.racks, reclaim_idle=args.reclaim_idle, shards=shards, io=args.io)
     except Exception as exc:
         print(f"aggnet serve: {exc}", file=sys.stderr)
         return 1
@@ -54,9 +67,11 @@ def _serve_switch(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     logging.getLogger("aggnet").info(
-        "aggnet switch-mode aggregator at %s: pool %d slots, %d elements per packet%s", svc.address, args.pool,
-        args.elements, f", rack {args.rack_id} of {args.racks} under {args.parent}" if args.parent else "")
-    print(f"aggnet serving {svc.address} shards=1 pid={os.getpid()}", flush=True)
+        "aggnet switch-mode aggregator at %s: %d shard(s) on ports %d..%d, pool %d slots, %d elements per packet "
+        "by default (at most %d), UDP I/O %s%s", svc.address, svc.shards, svc.address.port,
+        svc.address.port + svc.shards - 1, args.pool, svc.default_elements, svc.regs.max_elements, svc.io,
+        f", rack {args.rack_id} of {args.racks} under {args.parent}" if args.parent else "")
+    print(f"aggnet serving {svc.address} shards={svc.shards} pid={os.getpid()}", flush=True)
     parent_pid = args.parent_pid
 
     def should_stop() -> bool:
@@ -117,14 +132,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run an aggregator service")
-    s.add_argument("--listen", default="zmq+tcp://0.0.0.0:5555",
+    s.add_argument("--listen", default=None,
                    help="control address (zmq+tcp://host:port, zmq+ipc:///path, shm:///path; "
-                        "udp://host:port with --mode switch); default %(default)s")
+                        "udp://host:port with --mode switch); default zmq+tcp://0.0.0.0:5555, "
+                        "or udp://0.0.0.0:42606 in switch mode")
     s.add_argument("--mode", choices=["service", "switch"], default="service",
                    help="service: sharded aggregator (chunks over messages); switch: the switch protocol "
                         "over UDP, standing in for a ToR switch or serving as a parent (docs/protocol.md)")
-    s.add_argument("--pool", type=int, default=1024, help="switch mode: slots in the pool")
-    s.add_argument("--elements", type=int, default=64, help="switch mode: int32 elements per packet")
+    s.add_argument("--pool", type=int, default=4096, help="switch mode: slots in the pool (default %(default)s)")
+    s.add_argument("--elements", type=int, default=None,
+                   help="switch mode: int32 elements per packet for jobs that do not ask (default 2048: 8240-byte "
+                        "datagrams, for jumbo frames; a worker whose path MTU is smaller gets what fits it)")
+    s.add_argument("--max-elements", type=int, default=None,
+                   help="switch mode: the most elements per packet a job may ask for (default: 2048 or --elements)")
+    s.add_argument("--io", choices=["gso", "mmsg", "plain"], default=None,
+                   help="switch mode: batching of UDP I/O (default: the best the kernel offers; AGGNET_UDP_IO)")
     s.add_argument("--parent", default=None, help="switch mode: parent aggregator (udp://host:port) for racks")
     s.add_argument("--rack-id", type=int, default=0, help="switch mode: this rack's id at its parent")
     s.add_argument("--racks", type=int, default=1, help="switch mode: racks under the parent")

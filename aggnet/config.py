@@ -15,6 +15,7 @@ Environment variables:
 ``AGGNET_SHARDS``      shards of an embedded aggregator (default: cores)
 ``AGGNET_SLOTS``       switch protocol: slots of the pool a job asks for
 ``AGGNET_ELEMENTS``    switch protocol: int32 elements per packet
+``AGGNET_UDP_IO``      switch protocol: gso, mmsg or plain (default: best)
 =====================  ====================================================
 """
 
@@ -24,7 +25,7 @@ import os
 import re
 from dataclasses import dataclass, fields, replace
 
-from .protocol import DEFAULT_ELEMENTS, DEFAULT_JOB_SLOTS, MAX_ELEMENTS
+from .protocol import MAX_ELEMENTS
 
 #: wire bytes per chunk, by transport; measured with `aggnet bench
 #: --chunk-bytes 64KiB,256KiB,1MiB,2MiB,4MiB` on the reference 2-core machine
@@ -75,10 +76,17 @@ class ClientConfig:
     window: int = DEFAULT_WINDOW
     #: shards of an embedded aggregator (None: one per core)
     embedded_shards: int | None = None
-    #: switch protocol: the job's slice of the pool (the window, in packets)
-    slots: int = DEFAULT_JOB_SLOTS
-    #: switch protocol: int32 elements per packet (the switch's K)
-    elements: int = DEFAULT_ELEMENTS
+    #: switch protocol: the job's slice of the pool (the window, in packets);
+    #: None: a host picks about 1 MiB in flight, a switch what its control
+    #: plane installed
+    slots: int | None = None
+    #: switch protocol: int32 elements per packet (the switch's K); None:
+    #: the aggregator's (a P4 switch: 64; a host: 2048, or what the path
+    #: MTU fits)
+    elements: int | None = None
+    #: switch protocol: UDP batching (gso, mmsg, plain); None: the best the
+    #: kernel offers
+    udp_io: str | None = None
 
     def __post_init__(self):
         if self.timeout <= 0:
@@ -93,10 +101,12 @@ class ClientConfig:
             raise ValueError(f"window must be between 1 and 1024 chunks, got {self.window!r}")
         if self.embedded_shards is not None and self.embedded_shards < 1:
             raise ValueError(f"embedded_shards must be >= 1, got {self.embedded_shards!r}")
-        if not (1 <= self.slots <= 65536):
+        if self.slots is not None and not (1 <= self.slots <= 65536):
             raise ValueError(f"slots must be between 1 and 65536, got {self.slots!r}")
-        if not (1 <= self.elements <= MAX_ELEMENTS):
+        if self.elements is not None and not (1 <= self.elements <= MAX_ELEMENTS):
             raise ValueError(f"elements must be between 1 and {MAX_ELEMENTS}, got {self.elements!r}")
+        if self.udp_io not in (None, "gso", "mmsg", "plain"):
+            raise ValueError(f"udp_io must be gso, mmsg or plain, got {self.udp_io!r}")
 
     @classmethod
     def from_env(cls, environ=None, **overrides) -> "ClientConfig":
@@ -111,6 +121,7 @@ class ClientConfig:
             ("embedded_shards", "AGGNET_SHARDS", int),
             ("slots", "AGGNET_SLOTS", int),
             ("elements", "AGGNET_ELEMENTS", int),
+            ("udp_io", "AGGNET_UDP_IO", str),
         ):
             if env.get(name):
                 try:

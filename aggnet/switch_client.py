@@ -1,13 +1,24 @@
 """The worker side of the switch protocol (docs/protocol.md), over UDP.
 
-The job's slice of the aggregator's pool is the worker's window: every slot
-carries one block of K int32 values at a time, and a slot's next use is
-sent when its previous result arrives. A float32 buffer is quantized per
-block with the exponent all workers agreed through the previous use of the
-slot (an all-reduce starts with one priming use per slot for that); int32
-buffers travel as they are. Each outstanding use is retransmitted after a
-timeout that doubles per retry; results are written into the caller's
-buffer in place. Packets live in one preallocated buffer per slot.
+The job's slice of the aggregator's pool is one window shared by every
+outstanding all-reduce of the client: each slot carries one block of K
+int32 values at a time and its next use is sent when the previous one's
+result arrives. All-reduces are laid on the slots in submission order (a
+request of B blocks takes the next min(slots, B) slots after the previous
+request's), and each slot serves the requests that use it in that order,
+so every worker computes the same (slot, tag) -> block mapping while DDP
+buckets overlap, the window never drains between requests, and a small
+bucket leaves the other slots to the next one.
+
+A float32 buffer is quantized per block with the exponent all workers
+agreed through the previous use of the slot; a request's first use of each
+slot is a priming use that agrees the exponent of that slot's first block.
+int32 buffers travel as they are. Each outstanding use is retransmitted
+after an adaptive timeout (RFC 6298's estimator, Karn's rule) or early on
+later results (fast retransmit). Packets are built, staged and parsed by
+numba kernels (:mod:`aggnet.kernels.datagrams`), a batch per call, and
+move through :class:`~aggnet.transport.udp.DatagramSocket` (GSO/GRO,
+sendmmsg/recvmmsg, or one datagram per call).
 """
 
 from __future__ import annotations
@@ -16,20 +27,21 @@ import logging
 import os
 import select
 import socket
-import struct
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import kernels, wire
+from . import wire
 from .address import parse
 from .client import Client, Request
 from .codec import Encoding
 from .errors import AggregationError, AggregationTimeout, AggregatorUnreachable, JobMismatch, NonFiniteError
-from .protocol import MAX_WORKERS, RTO_INITIAL, RTO_MAX, RTO_MIN
-from .transport.udp import PacketBatch, open_udp
-from .wire import EXPONENT_NONFINITE, EXPONENT_ZERO, HEADER_SIZE, DType, Flag, Header, MsgType
+from .kernels import cpu as cpu_kernels
+from .kernels import datagrams as dg
+from .protocol import MAX_WORKERS, RTO_INITIAL, RTO_MAX, RTO_MIN, elements_for_mtu
+from .transport.udp import DatagramSocket, addr_key, path_mtu
+from .wire import EXPONENT_NONFINITE, HEADER_SIZE, DType, Flag, Header, MsgType
 
 log = logging.getLogger("aggnet.client")
 
@@ -37,19 +49,25 @@ log = logging.getLogger("aggnet.client")
 PROBE_WAIT = 1.0
 #: later uses answered while one is not, before that one is resent
 FAST_RETRANSMIT = 3
-_IDLE, _PRIMING, _DATA = 0, 1, 2
-# the fields a result is matched and decoded by: type, flags, job, index,
-# exponent, next_exponent, ref
-_RESULT_FIELDS = struct.Struct(">3xBB3xI4xI4xhh4xI")
+#: receive batches taken before the loop looks at timers and new requests
+RECEIVES_PER_TURN = 4
+_NO_F32 = np.zeros(1, np.float32)
+_NO_I32 = np.zeros(1, np.int32)
+_NO_EXPS = np.zeros(1, np.int16)
 
 
 @dataclass(eq=False)
 class SwitchRequest(Request):
+    seq: int = 0  #: submission order among this client's requests
     blocks: int = 0
     used: int = 0  #: slots this all-reduce uses
+    first_slot: int = 0  #: its blocks start at this slot, then wrap
     remaining: int = 0  #: data blocks whose result has not been written
+    slots_left: int = 0  #: slots still serving this request
     exps: np.ndarray | None = None  #: local block exponents (quantized)
     local_nonfinite: int = 0
+    buf_f: np.ndarray | None = None
+    buf_i: np.ndarray | None = None
 
 
 class SwitchClient(Client):
@@ -62,19 +80,44 @@ class SwitchClient(Client):
         if self.members > MAX_WORKERS:
             raise ValueError(f"a switch-protocol aggregator takes at most {MAX_WORKERS} workers per job, got "
                              f"{self.members}; split them into racks (member_rank/members) under a parent")
-        self.aggregator = (socket.gethostbyname(addr.host), addr.port)
-        self.sock = open_udp(("0.0.0.0", 0))
+        try:
+            self.aggregator = (socket.gethostbyname(addr.host), addr.port)
+        except OSError as exc:
+            raise AggregatorUnreachable(f"cannot resolve the aggregator {self.address}: {exc}") from None
+        self.path_mtu = path_mtu(self.aggregator)
+        self.max_elements = elements_for_mtu(self.path_mtu)
+        wanted = self.config.elements
+        if wanted is not None and wanted > self.max_elements:
+            raise ValueError(f"elements={wanted} makes {HEADER_SIZE + 4 * wanted + 28}-byte IP packets, but the "
+                             f"path MTU to {self.address} is {self.path_mtu} and aggnet never fragments: use "
+                             f"elements <= {self.max_elements} or raise the MTU (jumbo frames)")
+        self.dsock = DatagramSocket(("0.0.0.0", 0), io=self.config.udp_io, arena_bytes=8 << 20,
+                                    max_datagrams=16384, max_datagram_bytes=min(65536, self.path_mtu),
+                                    role="client")
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._join()
-        k, s = self.elements, self.slots
-        self.packet_bytes = HEADER_SIZE + 4 * k
-        self.packets = np.zeros((s, self.packet_bytes), np.uint8)
-        self._views = [memoryview(self.packets[i]) for i in range(s)]
-        self._payloads = [self.packets[i, HEADER_SIZE:].view(np.int32) for i in range(s)]
+        self._allocate()
+        # no datagram of this job is larger than a packet (PROBE_OK and
+        # control replies are smaller): a receive slot per datagram is enough
+        self.dsock.max_datagram_bytes = max(self.packet_bytes, 4096)
+
+    @property
+    def io(self) -> str:
+        """How datagrams move: ``gso``, ``mmsg`` or ``plain``."""
+        return self.dsock.io
+
+    def _allocate(self) -> None:
+        s, k = self.slots, self.elements
+        self.packet_bytes = pb = HEADER_SIZE + 4 * k
+        self.packets = np.zeros((s, pb), np.uint8)
+        self.staging = np.zeros(s * pb, np.uint8)
         self.tags = np.zeros(s, np.uint32)
+        self.busy = np.zeros(s, np.bool_)
         self.kind = np.zeros(s, np.int8)
         self.block = np.zeros(s, np.int64)
+        self.rid = np.full(s, -1, np.int64)
+        self.idle = np.ones(s, np.bool_)  #: served every request submitted so far
         self.sent_at = np.zeros(s, np.float64)
         self.rto = np.full(s, RTO_MIN)
         #: whether the slot's use went out once only (Karn: only those time the RTT)
@@ -88,16 +131,35 @@ class SwitchClient(Client):
         self.srtt: float | None = None
         self.rttvar = 0.0
         self.base_rto = RTO_INITIAL
-        self.batch = PacketBatch(256, max(self.packet_bytes, 4096) + 64)
-        self._header = Header(MsgType.PUSH, job_id=self.job_id, sender=self.member_rank, dtype=DType.INT32,
-                              count=k, world=self.members)
+        cap = self.dsock.offsets.size
+        self.res_slot = np.zeros(cap, np.int64)
+        self.res_off = np.zeros(cap, np.int64)
+        self.probe_off = np.zeros(16, np.int64)
+        self.next_slots = np.zeros(s, np.int64)
+        self.finished = np.zeros(s, np.int64)
+        self.state = np.zeros(5, np.int64)
+        # each slot's destination: the aggregator's shard that owns it
+        ip, port = self.aggregator
+        delta = np.zeros(s, np.int64)
+        if self.shard_slots:
+            delta = (self.base + np.arange(s, dtype=np.int64)) // self.shard_slots
+        self.slot_dest = addr_key((ip, port)) + delta
+        self.sharded = bool(delta.any())
+        self.template = np.frombuffer(Header(MsgType.PUSH, job_id=self.job_id, sender=self.member_rank,
+                                             dtype=DType.INT32, count=k, world=self.members).pack(), np.uint8).copy()
+        self.wbits = (self.world_size - 1).bit_length()
 
     def _join(self) -> None:
         # at its aggregator a worker is one of `members` (its rack's workers)
         h = Header(MsgType.JOIN, job_id=self.job_id, sender=self.member_rank, world=self.members)
-        payload = wire.json_payload({"name": self.job, "slots": self.config.slots, "elements": self.config.elements,
-                                     "world": self.world_size})
+        info = {"name": self.job, "world": self.world_size, "max_elements": self.max_elements}
+        if self.config.slots is not None:
+            info["slots"] = self.config.slots
+        if self.config.elements is not None:
+            info["elements"] = self.config.elements
+        payload = wire.json_payload(info)
         packed = h.pack_for(payload) + payload
+        sock = self.dsock.sock
         deadline = time.monotonic() + self.config.connect_timeout
         next_send = 0.0
         while True:
@@ -109,14 +171,19 @@ class SwitchClient(Client):
                     f"or check that the switch's control plane installed the job")
             if now >= next_send:
                 try:
-                    self.sock.sendto(packed, self.aggregator)
+                    sock.sendto(packed, self.aggregator)
                 except OSError:
                     pass  # a local filter or a full buffer: the next try may pass
                 next_send = now + 0.5
-            r, _, _ = select.select([self.sock], [], [], min(0.5, deadline - now))
+            r, _, _ = select.select([sock], [], [], min(0.5, deadline - now))
             if not r:
                 continue
-            data, src = self.sock.recvfrom(65536)
+            try:
+                data, src = sock.recvfrom(65536)
+            except OSError:
+                continue
+            if src != self.aggregator:
+                continue
             try:
                 reply = wire.unpack_header(data)
             except wire.WireError:
@@ -128,13 +195,23 @@ class SwitchClient(Client):
                 kind = JobMismatch if code == wire.ErrorCode.JOB_MISMATCH.value else AggregationError
                 raise kind(f"aggregator {self.address} refused {self._context()}: {text}")
             if reply.msg_type == MsgType.JOIN_OK:
-                # answered in the header: slots in index, K in nsum
-                self.slots = reply.index
-                self.elements = reply.nsum
+                # answered in the header: slots in index, K in nsum, the
+                # slice's base in offset, pool slots per shard in ref
+                self.slots, self.elements = reply.index, reply.nsum
+                self.base, self.shard_slots = reply.offset, reply.ref
                 if not (1 <= self.slots <= 65536 and 1 <= self.elements):
                     raise AggregationError(f"aggregator {self.address} answered the JOIN with {self.slots} slots "
                                            f"of {self.elements} elements")
-                log.info("%s joined: %d slots of %d elements", self._context(), self.slots, self.elements)
+                if self.elements > self.max_elements:
+                    raise JobMismatch(
+                        f"aggregator {self.address} sums {self.elements} elements per packet for {self._context()}, "
+                        f"more than the path MTU {self.path_mtu} fits ({self.max_elements}); aggnet never "
+                        f"fragments: raise the MTU or start the aggregator with fewer elements")
+                if self.config.elements is not None and self.config.elements != self.elements:
+                    log.info("%s: the aggregator sums %d elements per packet (asked for %d)", self._context(),
+                             self.elements, self.config.elements)
+                log.info("%s joined: %d slots of %d elements, UDP I/O %s", self._context(), self.slots,
+                         self.elements, self.dsock.io)
                 return
 
     def _encoding(self, buf, codec, op, wire_hint) -> Encoding:
@@ -157,191 +234,238 @@ class SwitchClient(Client):
             pass
 
     def _disconnect(self, leave: bool) -> None:
-        sock = getattr(self, "sock", None)
-        if sock is None:
+        dsock = getattr(self, "dsock", None)
+        if dsock is None:
             return
         if leave:
             # datagrams get lost: say it three times (LEAVE is idempotent)
             h = Header(MsgType.LEAVE, job_id=self.job_id, sender=self.member_rank, world=self.members).pack()
             for _ in range(3):
                 try:
-                    sock.sendto(h, self.aggregator)
+                    dsock.sock.sendto(h, self.aggregator)
                 except OSError:
                     pass
-        sock.close()
-        self.sock = None
+        dsock.close()
+        self.dsock = None
         for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     # -- the I/O thread --------------------------------------------------------------
 
     def _io_loop(self) -> None:
-        queue: list[SwitchRequest] = []
-        self._req: SwitchRequest | None = None
+        self._reqs: list[SwitchRequest] = []
+        self._by_seq: dict[int, SwitchRequest] = {}
+        self._next_seq = 0
+        self._cursor = 0
         self._last_progress = time.monotonic()
         self._probing: float | None = None
+        sock = self.dsock.sock
         while True:
             new, closing = self._take_submitted()
-            queue.extend(new)
             if closing:
                 return
-            if self._req is None and queue:
-                self._start(queue.pop(0))
-            now = time.monotonic()
-            busy = self.kind != _IDLE
+            for req in new:
+                self._admit(req)
             wait = 0.5
-            if busy.any():
-                wait = max(0.0, min(0.05, float(np.min(self.sent_at[busy] + self.rto[busy])) - now))
-            r, _, _ = select.select([self.sock, self._wake_r], [], [], wait)
+            if self._reqs:
+                busy = self.busy
+                if busy.any():
+                    wait = max(0.0, min(0.05, float(np.min(self.sent_at[busy] + self.rto[busy])) - time.monotonic()))
+                else:
+                    wait = 0.05
+            r, _, _ = select.select([sock, self._wake_r], [], [], wait)
             if self._wake_r in r:
                 try:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
-            if self.sock in r:
-                n = self.batch.receive(self.sock, 0)
-                for i in range(n):
-                    self._on_packet(self.batch.views[i][: self.batch.lengths[i]])
-            if self._req is not None:
+            if sock in r:
+                self._receive()
+            if self._reqs:
                 self._retransmit()
                 self._check_progress()
 
-    def _start(self, req: SwitchRequest) -> None:
-        k = self.elements
+    def _admit(self, req: SwitchRequest) -> None:
+        k, s = self.elements, self.slots
         req.blocks = -(-req.buf.size // k)
         req.remaining = req.blocks
         if req.blocks == 0:
             self._complete(req)
             return
-        req.used = min(self.slots, req.blocks)
-        self._req = req
-        self._active[req.round] = req
-        self._last_progress = time.monotonic()
-        self._probing = None
-        self._header.round = req.round
+        req.seq = self._next_seq
+        self._next_seq += 1
+        req.used = min(s, req.blocks)
+        req.first_slot = self._cursor
+        self._cursor = (self._cursor + req.used) % s
+        req.slots_left = req.used
+        if req.buf.dtype == np.float32:
+            req.buf_f, req.buf_i = req.buf, _NO_I32
+        else:
+            req.buf_f, req.buf_i = _NO_F32, req.buf.view(np.int32)
         if req.enc.quantized:
             req.exps = np.empty(req.blocks, np.int16)
-            req.enc.k.block_exponents(req.buf, k, req.exps)
+            cpu_kernels.block_exponents(req.buf, k, req.exps)
             req.local_nonfinite = int(np.count_nonzero(req.exps == EXPONENT_NONFINITE))
-            for i in range(req.used):
-                self._send_use(i, _PRIMING, i, 0)
+        if not self._reqs:
+            self._last_progress = time.monotonic()
+            self._probing = None
+        self._reqs.append(req)
+        self._by_seq[req.seq] = req
+        self._active[req.round] = req
+        mine = (req.first_slot + np.arange(req.used, dtype=np.int64)) % s
+        ready = np.sort(mine[self.idle[mine]])
+        if ready.size:
+            self._start_slots(req, ready)
+
+    def _start_slots(self, req: SwitchRequest, slots: np.ndarray) -> None:
+        """The request's first use of each of ``slots`` (sorted)."""
+        self.idle[slots] = False
+        self.rid[slots] = req.seq
+        dg.start_uses(self.packets, slots, slots.size, self.template, self.elements, req.round, self.tags,
+                      self.busy, self.kind, self.block, req.buf_f, req.buf_i, req.enc.quantized, req.buf.size,
+                      self.wbits, req.first_slot, req.used, req.exps if req.exps is not None else _NO_EXPS)
+        self._send_slots(slots, retransmit=False)
+
+    def _send_slots(self, slots: np.ndarray, retransmit: bool) -> None:
+        """Stage the packets of ``slots`` (sorted: a shard's run is
+        contiguous) and send each destination's run in batches."""
+        n = slots.size
+        pb = self.packet_bytes
+        dg.stage(self.packets, slots, n, self.staging, pb, retransmit)
+        now = time.monotonic()
+        if not retransmit:
+            self.rto[slots] = self.base_rto
+            self.first_try[slots] = True
+            self.fast_done[slots] = False
+            self.results_at_send[slots] = self.results_seen
+            # the whole batch counts as older: its packets come back in any order
+            self.older_at_send[slots] = int(np.count_nonzero(self.busy))
+        self.sent_at[slots] = now
+        if not self.sharded:
+            self.dsock.send_segments(self.staging, pb, n * pb, int(self.slot_dest[0]))
         else:
-            for i in range(req.used):
-                self._send_use(i, _DATA, i, 0)
+            dests = self.slot_dest[slots]
+            cuts = np.flatnonzero(dests[1:] != dests[:-1]) + 1
+            start = 0
+            for end in [*cuts.tolist(), n]:
+                self.dsock.send_segments(self.staging[start * pb:end * pb], pb, (end - start) * pb,
+                                         int(dests[start]))
+                start = end
+        self.stats.chunks_sent += n
+        self.stats.bytes_sent += n * pb
 
-    def _next_exponent(self, req: SwitchRequest, block: int) -> int:
-        """The exponent of the block this slot carries after ``block``."""
-        nxt = block + req.used
-        return int(req.exps[nxt]) if req.exps is not None and nxt < req.blocks else EXPONENT_ZERO
+    def _receive(self) -> None:
+        dsock = self.dsock
+        for _ in range(RECEIVES_PER_TURN):
+            n = dsock.receive(0)
+            if n == 0:
+                return
+            m, probes = dg.classify_results(dsock.arena, dsock.offsets, dsock.lengths, n, self.job_id, self.slots,
+                                            self.packet_bytes, self.tags, self.busy, self.res_slot, self.res_off,
+                                            self.probe_off)
+            for q in range(probes):
+                off = int(self.probe_off[q])
+                self._on_probe(bytes(dsock.arena[off:off + HEADER_SIZE]))
+            if m:
+                self._on_results(m)
+            if not self._reqs:
+                return
 
-    def _send_use(self, slot: int, kind: int, block: int, exponent: int) -> None:
-        """Fill the slot's packet with its next use and send it."""
-        req, k = self._req, self.elements
-        tag = (int(self.tags[slot]) + 1) & 0xFFFFFFFF or 1
-        self.tags[slot] = tag
-        h = self._header
-        h.index, h.ref, h.flags = slot, tag, Flag.VERSION if tag & 1 else 0
-        payload = self._payloads[slot]
-        if kind == _PRIMING:
-            h.exponent, h.offset = 0, 0
-            h.next_exponent = int(req.exps[block])
-            payload[:] = 0
+    def _on_results(self, m: int) -> None:
+        now = time.monotonic()
+        self._last_progress = now
+        self._probing = None
+        slots = self.res_slot[:m]
+        self.results_seen += m
+        self.stats.results += m
+        self.stats.bytes_received += m * self.packet_bytes
+        clean = slots[self.first_try[slots]]
+        if clean.size:
+            self._sample_rtt(float(np.median(now - self.sent_at[clean])))
+        rids = self.rid[slots]
+        if rids[0] == rids[-1] and (m < 3 or (rids == rids[0]).all()):
+            groups = [(int(rids[0]), self.res_slot, self.res_off, m)]
         else:
-            start = block * k
-            src = req.buf[start:start + k]
-            n = src.size
-            h.offset = start
-            if req.enc.quantized:
-                h.exponent = exponent
-                h.next_exponent = self._next_exponent(req, block)
-                req.enc.k.quantize(src, kernels.quant_shift(exponent, self.world_size), payload[:n], True)
-            else:
-                h.exponent = h.next_exponent = 0
-                req.enc.k.byteswap32(src, payload[:n])
-            if n < k:
-                payload[n:] = 0
-        wire.pack_into(self.packets[slot], h)
-        self.kind[slot] = _IDLE
-        self.block[slot] = block
-        self.rto[slot] = self.base_rto
-        self.first_try[slot] = True
-        self.fast_done[slot] = False
-        self.results_at_send[slot] = self.results_seen
-        self.older_at_send[slot] = int(np.count_nonzero(self.kind != _IDLE))
-        self.kind[slot] = kind  # counted above before marking this one busy
-        self._transmit(slot)
+            order = np.argsort(rids, kind="stable")
+            rs, ro, rr = slots[order], self.res_off[:m][order], rids[order]
+            cuts = [0, *(np.flatnonzero(rr[1:] != rr[:-1]) + 1).tolist(), m]
+            groups = [(int(rr[a]), rs[a:b].copy(), ro[a:b].copy(), b - a) for a, b in zip(cuts[:-1], cuts[1:])]
+        for seq, res_slot, res_off, count in groups:
+            req = self._by_seq.get(seq)
+            if req is None:
+                continue  # failed meanwhile
+            self._advance(req, res_slot, res_off, count)
 
-    def _transmit(self, slot: int) -> None:
-        self.sent_at[slot] = time.monotonic()
-        try:
-            self.sock.sendto(self._views[slot], self.aggregator)
-        except OSError as exc:  # a full buffer or an ICMP error: the retransmission covers it
-            log.debug("send of slot %d failed: %s", slot, exc)
-        self.stats.chunks_sent += 1
-        self.stats.bytes_sent += self.packet_bytes
+    def _advance(self, req: SwitchRequest, res_slot, res_off, count: int) -> None:
+        st = self.state
+        st[:] = 0
+        st[3] = -1
+        dg.advance(self.dsock.arena, res_slot, res_off, count, self.packets, self.template, self.elements, req.round,
+                   self.tags, self.busy, self.kind, self.block, req.buf_f, req.buf_i, req.enc.quantized, req.buf.size,
+                   self.wbits, req.enc.multiplier, req.used, req.blocks,
+                   req.exps if req.exps is not None else _NO_EXPS, self.next_slots, self.finished, st)
+        nn, nf, decoded, bad_block, skipped = (int(x) for x in st)
+        req.remaining -= decoded + skipped
+        if bad_block >= 0:
+            self._nonfinite(req, bad_block)
+        if nn:
+            self._send_slots(np.sort(self.next_slots[:nn]), retransmit=False)
+        if nf:
+            self._finish_slots(req, np.sort(self.finished[:nf]))
+
+    def _finish_slots(self, req: SwitchRequest, slots: np.ndarray) -> None:
+        """``slots`` served their last use of ``req``: each goes on to the
+        next request that uses it, or waits for one."""
+        self.rid[slots] = -1
+        req.slots_left -= slots.size
+        if req.slots_left <= 0:
+            self._reqs.remove(req)
+            self._by_seq.pop(req.seq, None)
+            self._complete(req)
+        pending = slots
+        s = self.slots
+        for later in self._reqs:
+            if later.seq <= req.seq:
+                continue
+            mask = ((pending - later.first_slot) % s) < later.used
+            if mask.any():
+                self._start_slots(later, pending[mask])
+                pending = pending[~mask]
+                if not pending.size:
+                    return
+        self.idle[pending] = True
 
     def _retransmit(self) -> None:
         """Resend a use whose timeout expired, or at once when more than
         FAST_RETRANSMIT later uses came back while it did not (a loss, as
         TCP's duplicate acknowledgements tell; every worker sees it, so the
         one whose packet was lost resends it)."""
+        busy = self.busy
+        if not busy.any():
+            return
         now = time.monotonic()
-        busy = self.kind != _IDLE
         later = self.results_seen - self.results_at_send - self.older_at_send
         fast = busy & ~self.fast_done & (later > FAST_RETRANSMIT)
-        due = np.flatnonzero((busy & (self.sent_at + self.rto <= now)) | fast)
-        if due.size and not fast[due].all():
+        timed = busy & (self.sent_at + self.rto <= now)
+        due = np.flatnonzero(timed | fast)
+        if not due.size:
+            return
+        if timed.any():
             # a timer fired: keep the backed-off timeout for new uses too
             # until a clean round trip is measured (RFC 6298, 5.7), or an
             # estimate that is too short would never see a clean sample
             self.base_rto = min(RTO_MAX, self.base_rto * 2)
-        for slot in due:
-            self.packets[slot, 4] |= Flag.RETRANSMIT
-            if fast[slot]:
-                self.fast_done[slot] = True
-                self.stats.fast_retransmissions += 1
-            else:
-                self.rto[slot] = min(RTO_MAX, self.rto[slot] * 2)
-            self.first_try[slot] = False
-            self.stats.retransmissions += 1
-            self._transmit(slot)
-
-    def _on_packet(self, data) -> None:
-        if len(data) < HEADER_SIZE or data[0] != 0xA6 or data[1] != 0x6E:
-            return
-        mtype, flags, job, index, exponent, next_exp, ref = _RESULT_FIELDS.unpack_from(data)
-        if job != self.job_id or index >= self.slots:
-            return
-        if mtype == MsgType.PROBE_OK:
-            self._on_probe(data)
-            return
-        if mtype != MsgType.RESULT or len(data) != self.packet_bytes or self.kind[index] == _IDLE \
-                or ref != self.tags[index]:
-            return  # a duplicate result, or not for this use
-        now = time.monotonic()
-        self._last_progress = now
-        self._probing = None
-        self.results_seen += 1
-        if self.first_try[index]:
-            self._sample_rtt(now - self.sent_at[index])
-        req = self._req
-        slot, kind, block = index, self.kind[index], int(self.block[index])
-        self.kind[slot] = _IDLE
-        self.stats.results += 1
-        self.stats.bytes_received += len(data)
-        if kind == _DATA:
-            self._decode(req, block, data, exponent)
-            req.remaining -= 1
-            block += req.used
-            if block >= req.blocks:
-                self._maybe_done(req)
-                return
-        # the next use of this slot: the agreed exponent came with this result
-        if req.enc.quantized and next_exp == EXPONENT_NONFINITE:
-            self._nonfinite(req, block)
-            self._maybe_done(req)
-            return
-        self._send_use(slot, _DATA, block, next_exp if req.enc.quantized else 0)
+        is_fast = fast[due]
+        self.fast_done[due[is_fast]] = True
+        slow = due[~is_fast]
+        self.rto[slow] = np.minimum(RTO_MAX, self.rto[slow] * 2)
+        self.first_try[due] = False
+        self.stats.fast_retransmissions += int(is_fast.sum())
+        self.stats.retransmissions += due.size
+        self._send_slots(due, retransmit=True)
 
     def _sample_rtt(self, rtt: float) -> None:
         """RFC 6298's estimator: the timeout follows the measured round trip
@@ -355,21 +479,9 @@ class SwitchClient(Client):
         # understates the jitter: never time out before 2 round trips
         self.base_rto = min(RTO_MAX, max(RTO_MIN, 2 * self.srtt, self.srtt + 4 * self.rttvar))
 
-    def _decode(self, req: SwitchRequest, block: int, data, exponent: int) -> None:
-        k = self.elements
-        start = block * k
-        dest = req.buf[start:start + k]
-        q = np.frombuffer(data, np.int32, dest.size, HEADER_SIZE)
-        if req.enc.quantized:
-            req.enc.k.dequantize(q, kernels.quant_shift(exponent, self.world_size), dest, True, req.enc.multiplier)
-        else:
-            req.enc.k.byteswap32(q, dest)
-
     def _nonfinite(self, req: SwitchRequest, block: int) -> None:
-        """Every worker got the same NaN/Inf marker for this slot's next
-        block: all stop using the slot for this all-reduce."""
-        skipped = len(range(block, req.blocks, req.used))
-        req.remaining -= skipped
+        """Every worker got the same NaN/Inf marker for a slot's next block:
+        all stop using the slot for this all-reduce."""
         if req.error is None:
             k = self.elements
             if req.local_nonfinite:
@@ -381,41 +493,42 @@ class SwitchClient(Client):
                         f"{block * k}; that worker's own error names it (rank {self.rank} saw none)")
             req.error = NonFiniteError(text)
 
-    def _maybe_done(self, req: SwitchRequest) -> None:
-        if req.remaining == 0 and not (self.kind != _IDLE).any():
-            self._req = None
-            self._complete(req)
-
     # -- when nothing moves --------------------------------------------------------------
+
+    def _stop_everything(self, exc: Exception) -> None:
+        req = self._reqs[0]
+        self._reqs = []
+        self._by_seq = {}
+        self.busy[:] = False
+        self._fail(req, exc, poison=True)
 
     def _check_progress(self) -> None:
         now = time.monotonic()
         if self._probing is not None:
             if now >= self._probing:
-                self._fail(self._req, AggregationTimeout(
+                self._stop_everything(AggregationTimeout(
                     f"{self._context()}: no progress for {now - self._last_progress:.1f}s and no answer to a probe "
-                    f"within {PROBE_WAIT:g}s: is the aggregator at {self.address} running?"), poison=True)
-                self._req = None
+                    f"within {PROBE_WAIT:g}s: is the aggregator at {self.address} running?"))
             return
         if now - self._last_progress < self.config.timeout:
             return
         # ask the aggregator which workers the oldest waiting slot lacks
-        busy = np.flatnonzero(self.kind != _IDLE)
+        busy = np.flatnonzero(self.busy)
         slot = int(busy[np.argmin(self.sent_at[busy])]) if busy.size else 0
         self._probe_slot = slot
         tag = int(self.tags[slot])
         h = Header(MsgType.PROBE, job_id=self.job_id, index=slot, sender=self.member_rank,
                    flags=Flag.VERSION if tag & 1 else 0, ref=tag, world=self.members)
-        try:
-            self.sock.sendto(h.pack(), self.aggregator)
-        except OSError:
-            pass
+        self.dsock.send(h.pack(), int(self.slot_dest[slot]))
         self._probing = now + PROBE_WAIT
 
-    def _on_probe(self, data) -> None:
-        if self._probing is None or self._req is None:
+    def _on_probe(self, data: bytes) -> None:
+        if self._probing is None or not self._reqs:
             return
-        h = wire.unpack_header(data)
+        try:
+            h = wire.unpack_header(data)
+        except wire.WireError:
+            return
         if h.index != self._probe_slot:
             return
         idle = time.monotonic() - self._last_progress
@@ -431,26 +544,34 @@ class SwitchClient(Client):
             missing = [r for r in range(self.members) if not (h.ref >> r) & 1]
             who = "rank(s)" if self.members == self.world_size else "rack member(s)"
             detail = f"the aggregator has {h.nsum} of {self.members} contributions; {who} {missing} never sent theirs"
-        self._fail(self._req, AggregationTimeout(
+        self._stop_everything(AggregationTimeout(
             f"{self._context()}: no progress for {idle:.1f}s; slot {h.index} (use {self.tags[h.index]}): {detail}. "
-            f"Is rank {missing[0] if missing else '?'} alive and calling allreduce in the same order?"), poison=True)
-        self._req = None
+            f"Is rank {missing[0] if missing else '?'} alive and calling allreduce in the same order?"))
 
 
 def query_stats(address: str, timeout: float = 5.0) -> dict:
     """The counters of a switch-mode aggregator (STATS over UDP)."""
     addr = parse(address)
-    dest = (socket.gethostbyname(addr.host), addr.port)
+    try:
+        dest = (socket.gethostbyname(addr.host), addr.port)
+    except OSError as exc:
+        raise AggregatorUnreachable(f"cannot resolve {address}: {exc}") from None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.settimeout(timeout)
         s.sendto(Header(MsgType.STATS).pack(), dest)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                data, _ = s.recvfrom(1 << 20)
-            except socket.timeout:
+                data, src = s.recvfrom(1 << 20)
+            except (socket.timeout, ConnectionRefusedError):
                 break
-            h = wire.unpack_header(data)
-            if h.msg_type == MsgType.STATS_OK:
-                return wire.parse_json(memoryview(data)[HEADER_SIZE:])
-    raise AggregatorUnreachable(f"no STATS answer from {address} within {timeout:g}s")
+            if src != dest:
+                continue
+            try:
+                h = wire.unpack_header(data)
+                if h.msg_type == MsgType.STATS_OK:
+                    return wire.parse_json(memoryview(data)[HEADER_SIZE:])
+            except wire.WireError:
+                continue
+    raise AggregatorUnreachable(f"no STATS answer from {address} within {timeout:g}s: is "
+                                f"`aggnet serve --mode switch --listen {address}` running?")

@@ -63,10 +63,10 @@ class HostAggregator:
             s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             s.bind((ip, 0))
             self.socks[ep] = s
-        self.flat = ServiceProcess("udp://127.0.0.1:0", args=["--mode", "switch", "--elements", str(K)])
+        self.flat = ServiceProcess("udp://127.0.0.1:0", args=["--mode", "switch", "--elements", str(K), "--shards", "1"])
         parent_addr = self.socks[PARENT].getsockname()
         self.rack = ServiceProcess("udp://127.0.0.1:0", args=[
-            "--mode", "switch", "--elements", str(K), "--parent", f"udp://{parent_addr[0]}:{parent_addr[1]}",
+            "--mode", "switch", "--elements", str(K), "--shards", "1", "--parent", f"udp://{parent_addr[0]}:{parent_addr[1]}",
             "--rack-id", "1", "--racks", "2"])
         self.target = None
 

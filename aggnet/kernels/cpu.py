@@ -232,18 +232,22 @@ def accumulate_half(acc: np.ndarray, src: np.ndarray, fmt: str) -> None:
 
 
 @_jit
+def _max_abs_bits(bits):
+    # NaN and Inf have the largest magnitude bits: one max finds them too,
+    # in a loop LLVM vectorizes
+    best = np.uint32(0)
+    for i in range(bits.size):
+        a = bits[i] & _ABS_MASK
+        best = max(best, a)
+    return best
+
+
+@_jit
 def _block_exponents(bits, block, out):
     n = bits.size
     for j in range(out.size):
-        best = np.uint32(0)
-        bad = False
-        for i in range(j * block, min((j + 1) * block, n)):
-            a = bits[i] & _ABS_MASK
-            if a >= _INF_BITS:
-                bad = True
-            elif a > best:
-                best = a
-        if bad:
+        best = _max_abs_bits(bits[j * block:min((j + 1) * block, n)])
+        if best >= _INF_BITS:
             out[j] = 32767
         elif best == 0:
             out[j] = -150

@@ -1,0 +1,326 @@
+"""numba kernels that build and parse whole batches of switch-protocol
+packets (docs/protocol.md), for the worker's client and the aggregator
+host's switch mode alike.
+
+Per-packet Python is what a batched datagram engine cannot hide, so every
+loop over packets is here: the client builds each slot's next use (header
+plus quantized big-endian payload, read straight from the caller's buffer)
+and decodes results into the caller's buffer; packets to send are staged
+contiguously so one GSO call carries many. Byte offsets come from the one
+header definition in :mod:`aggnet.wire`, never written by hand.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from .. import wire
+from ..wire import EXPONENT_NONFINITE, EXPONENT_ZERO, HEADER_SIZE, MAGIC, VERSION
+
+
+def _offsets() -> dict:
+    out, bit = {}, 0
+    for name, bits in wire.HEADER_FIELDS:
+        out[name] = bit // 8
+        bit += bits
+    assert bit == 8 * HEADER_SIZE
+    return out
+
+
+OFFSET = _offsets()
+O_MAGIC = OFFSET["magic"]
+O_VERSION = OFFSET["version"]
+O_TYPE = OFFSET["msg_type"]
+O_FLAGS = OFFSET["flags"]
+O_DTYPE = OFFSET["dtype"]
+O_SENDER = OFFSET["sender"]
+O_JOB = OFFSET["job_id"]
+O_ROUND = OFFSET["round"]
+O_INDEX = OFFSET["index"]
+O_COUNT = OFFSET["count"]
+O_EXPONENT = OFFSET["exponent"]
+O_NEXT_EXPONENT = OFFSET["next_exponent"]
+O_NSUM = OFFSET["nsum"]
+O_WORLD = OFFSET["world"]
+O_REF = OFFSET["ref"]
+O_RESERVED = OFFSET["reserved"]
+O_OFFSET = OFFSET["offset"]
+
+T_PUSH = int(wire.MsgType.PUSH)
+T_RESULT = int(wire.MsgType.RESULT)
+T_PROBE = int(wire.MsgType.PROBE)
+T_PROBE_OK = int(wire.MsgType.PROBE_OK)
+F_VERSION = int(wire.Flag.VERSION)
+F_RETRANSMIT = int(wire.Flag.RETRANSMIT)
+F_UPLINK = int(wire.Flag.UPLINK)
+D_INT32 = int(wire.DType.INT32)
+QUANT_BITS = 30
+_LIMIT = 2147483647.0
+KIND_IDLE, KIND_PRIMING, KIND_DATA = 0, 1, 2
+
+_jit = numba.njit(cache=True, nogil=True, boundscheck=False)
+_inline = numba.njit(cache=True, nogil=True, inline="always")
+
+
+@_inline
+def be16(p, o):
+    return (np.int32(p[o]) << 8) | np.int32(p[o + 1])
+
+
+@_inline
+def be32(p, o):
+    return (np.uint32(p[o]) << np.uint32(24)) | (np.uint32(p[o + 1]) << np.uint32(16)) | \
+        (np.uint32(p[o + 2]) << np.uint32(8)) | np.uint32(p[o + 3])
+
+
+@_inline
+def put16(p, o, v):
+    v = np.int32(v) & 0xFFFF
+    p[o] = np.uint8(v >> 8)
+    p[o + 1] = np.uint8(v & 0xFF)
+
+
+@_inline
+def put32(p, o, v):
+    v = np.uint32(v)
+    p[o] = np.uint8(v >> np.uint32(24))
+    p[o + 1] = np.uint8((v >> np.uint32(16)) & np.uint32(0xFF))
+    p[o + 2] = np.uint8((v >> np.uint32(8)) & np.uint32(0xFF))
+    p[o + 3] = np.uint8(v & np.uint32(0xFF))
+
+
+@_inline
+def put64(p, o, v):
+    v = np.uint64(v)
+    put32(p, o, np.uint32(v >> np.uint64(32)))
+    put32(p, o + 4, np.uint32(v & np.uint64(0xFFFFFFFF)))
+
+
+@_inline
+def s16(v):
+    return v - 65536 if v >= 32768 else v
+
+
+@_inline
+def bswap(v):
+    v = np.uint32(v)
+    return np.uint32(((v & np.uint32(0xFF)) << np.uint32(24)) | ((v & np.uint32(0xFF00)) << np.uint32(8))
+                     | ((v >> np.uint32(8)) & np.uint32(0xFF00)) | (v >> np.uint32(24)))
+
+
+@_inline
+def shard_delta(base, shard_slots, index):
+    """Which of a sharded peer's consecutive ports serves ``index`` of a
+    slice starting at ``base`` of its pool (0 for a peer with one port)."""
+    if shard_slots <= 0:
+        return 0
+    return (base + np.int64(index)) // shard_slots
+
+
+# element loops as functions of their own over contiguous arrays: LLVM
+# vectorizes them there, and not once inlined into the packet loops
+
+
+@_jit
+def _quantize_be(src, scale, dst):
+    for e in range(src.size):
+        v = np.rint(np.float64(src[e]) * scale)
+        v = min(max(v, -_LIMIT), _LIMIT)
+        dst[e] = bswap(np.uint32(np.int32(v)))
+
+
+@_jit
+def _dequantize_be(src, factor, dst):
+    for e in range(dst.size):
+        dst[e] = np.float32(np.float64(np.int32(bswap(src[e]))) * factor)
+
+
+@_jit
+def _swap_in(src, dst):
+    for e in range(src.size):
+        dst[e] = bswap(np.uint32(src[e]))
+
+
+@_jit
+def _swap_out(src, dst):
+    for e in range(dst.size):
+        dst[e] = np.int32(bswap(src[e]))
+
+
+# -- the worker's side -------------------------------------------------------------------
+
+
+@_jit
+def classify_results(arena, offsets, lengths, n, job_id, slots, packet_bytes, tags, busy,
+                     out_slot, out_off, probe_off):
+    """Pick the results that answer an outstanding use (right job, slot,
+    tag, size) out of ``n`` received datagrams; mark their slots idle.
+    Returns (results, probes): probe answers' offsets go to ``probe_off``."""
+    m = 0
+    probes = 0
+    for i in range(n):
+        length = lengths[i]
+        if length < HEADER_SIZE:
+            continue
+        o = offsets[i]
+        p = arena[o:o + length]
+        if be16(p, O_MAGIC) != MAGIC or p[O_VERSION] != VERSION or be32(p, O_JOB) != job_id:
+            continue
+        index = be32(p, O_INDEX)
+        if index >= np.uint32(slots):
+            continue
+        t = p[O_TYPE]
+        if t == T_PROBE_OK:
+            if length == HEADER_SIZE and probes < probe_off.size:
+                probe_off[probes] = o
+                probes += 1
+            continue
+        if t != T_RESULT or length != packet_bytes or p[O_DTYPE] != D_INT32:
+            continue
+        s = np.int64(index)
+        if not busy[s] or be32(p, O_REF) != tags[s]:
+            continue  # a duplicate result, or one for an older use
+        busy[s] = False
+        out_slot[m] = s
+        out_off[m] = o
+        m += 1
+    return m, probes
+
+
+@_inline
+def _build_use(packets, s, template, k, kind, block, exponent, next_exponent, tag, rnd,
+               buf_f, buf_i, quantized, nelem, wbits):
+    """Write slot ``s``'s packet for a use: header from the template, then
+    the block's payload (quantized with the agreed exponent, big-endian)."""
+    p = packets[s]
+    for b in range(HEADER_SIZE):
+        p[b] = template[b]
+    p[O_FLAGS] = np.uint8(F_VERSION if tag & np.uint32(1) else 0)
+    put32(p, O_ROUND, rnd)
+    put32(p, O_INDEX, s)
+    put32(p, O_REF, tag)
+    start = block * k
+    if kind == KIND_PRIMING:
+        put16(p, O_EXPONENT, 0)
+        put16(p, O_NEXT_EXPONENT, next_exponent)
+        put64(p, O_OFFSET, 0)
+        for b in range(HEADER_SIZE, HEADER_SIZE + 4 * k):
+            p[b] = 0
+        return
+    put16(p, O_EXPONENT, exponent)
+    put16(p, O_NEXT_EXPONENT, next_exponent)
+    put64(p, O_OFFSET, start)
+    n = min(k, nelem - start)
+    payload = p[HEADER_SIZE:HEADER_SIZE + 4 * k].view(np.uint32)
+    if quantized:
+        _quantize_be(buf_f[start:start + n], math.ldexp(1.0, QUANT_BITS - exponent - wbits), payload)
+    else:
+        _swap_in(buf_i[start:start + n], payload)
+    for e in range(n, k):
+        payload[e] = 0
+
+
+@_jit
+def start_uses(packets, slots_in, count, template, k, rnd, tags, busy, kind, block,
+               buf_f, buf_i, quantized, nelem, wbits, first_slot, used, local_exps):
+    """The first use of each slot in ``slots_in[:count]`` for a request:
+    a priming use (quantized floats: carries the slot's first block's
+    exponent) or the slot's first data block (int32)."""
+    slots_total = tags.size
+    for i in range(count):
+        s = slots_in[i]
+        pos = (s - first_slot) % slots_total
+        t = tags[s] + np.uint32(1)
+        if t == 0:
+            t = np.uint32(1)
+        tags[s] = t
+        busy[s] = True
+        block[s] = pos
+        if quantized:
+            kind[s] = KIND_PRIMING
+            _build_use(packets, s, template, k, KIND_PRIMING, pos, 0, local_exps[pos], t, rnd,
+                       buf_f, buf_i, quantized, nelem, wbits)
+        else:
+            kind[s] = KIND_DATA
+            _build_use(packets, s, template, k, KIND_DATA, pos, 0, 0, t, rnd, buf_f, buf_i, quantized, nelem, wbits)
+
+
+@_jit
+def advance(arena, res_slot, res_off, m, packets, template, k, rnd, tags, busy, kind, block,
+            buf_f, buf_i, quantized, nelem, wbits, multiplier, used, blocks, local_exps,
+            next_slots, finished, state):
+    """Take ``m`` results of one request: decode data results into the
+    caller's buffer, and build each slot's next use of this request.
+    Slots with nothing left in this request go to ``finished``.
+    ``state`` = [next_count, finished_count, decoded, first_nonfinite_block]."""
+    nn = 0
+    nf = 0
+    decoded = 0
+    for i in range(m):
+        s = res_slot[i]
+        p = arena[res_off[i]:res_off[i] + HEADER_SIZE + 4 * k]
+        b = block[s]
+        if kind[s] == KIND_DATA:
+            start = b * k
+            n = min(k, nelem - start)
+            payload = p[HEADER_SIZE:HEADER_SIZE + 4 * k].view(np.uint32)
+            if quantized:
+                e = s16(be16(p, O_EXPONENT))
+                _dequantize_be(payload, math.ldexp(1.0, -(QUANT_BITS - e - wbits)) * multiplier,
+                               buf_f[start:start + n])
+            else:
+                _swap_out(payload, buf_i[start:start + n])
+            decoded += 1
+            nb = b + used
+        else:
+            nb = b
+        kind[s] = KIND_IDLE
+        if nb >= blocks:
+            finished[nf] = s
+            nf += 1
+            continue
+        agreed = 0
+        if quantized:
+            agreed = s16(be16(p, O_NEXT_EXPONENT))
+            if agreed == EXPONENT_NONFINITE:
+                # every worker got the marker: all stop this slot's blocks
+                if state[3] < 0 or nb < state[3]:
+                    state[3] = nb
+                left = (blocks - 1 - nb) // used + 1
+                state[4] += left
+                finished[nf] = s
+                nf += 1
+                continue
+        after = nb + used
+        nxt = EXPONENT_ZERO
+        if quantized and after < blocks:
+            nxt = local_exps[after]
+        t = tags[s] + np.uint32(1)
+        if t == 0:
+            t = np.uint32(1)
+        tags[s] = t
+        busy[s] = True
+        kind[s] = KIND_DATA
+        block[s] = nb
+        _build_use(packets, s, template, k, KIND_DATA, nb, agreed, nxt, t, rnd, buf_f, buf_i, quantized, nelem, wbits)
+        next_slots[nn] = s
+        nn += 1
+    state[0] = nn
+    state[1] = nf
+    state[2] = decoded
+
+
+@_jit
+def stage(packets, slots_in, count, staging, packet_bytes, retransmit):
+    """Copy the packets of ``slots_in[:count]`` one after another into
+    ``staging`` (one GSO send carries a run of them)."""
+    for i in range(count):
+        s = slots_in[i]
+        if retransmit:
+            packets[s, O_FLAGS] |= np.uint8(F_RETRANSMIT)
+        base = i * packet_bytes
+        for b in range(packet_bytes):
+            staging[base + b] = packets[s, b]
