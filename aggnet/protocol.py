@@ -25,15 +25,19 @@ DEFAULT_JOB_SLOTS = 128
 #: the most slots one job may take on a host
 MAX_JOB_SLOTS = 4096
 #: bytes of payload a job keeps in flight per worker when it does not say
-#: how many slots it wants: enough for a round trip of a Python worker
-#: (hundreds of microseconds) at GB/s
-WINDOW_BYTES = 1 << 20
+#: how many slots it wants. Measured (docs/benchmarks.md): on loopback 64
+#: and 128 slots of 2048 values tie within noise (1.2-1.8 GB/s), and in a
+#: 1 Gbit/s rack 64 slots beat 128 and 256 (every all-reduce primes each
+#: slot it uses once, a full packet of zeros, so a wider window costs bytes)
+WINDOW_BYTES = 512 << 10
 
 
 def auto_slots(elements: int) -> int:
     """The slots a host gives a job of ``elements`` per packet that asked
     for none: WINDOW_BYTES in flight, 16 to 1024 slots."""
     return max(16, min(1024, WINDOW_BYTES // (4 * elements)))
+
+
 #: retransmission timeout: the floor of the adaptive estimate (smoothed
 #: round trip + 4 deviations) and the cap of its doubling per retry
 RTO_MIN = 0.02

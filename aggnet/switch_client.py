@@ -40,7 +40,7 @@ from .errors import AggregationError, AggregationTimeout, AggregatorUnreachable,
 from .kernels import cpu as cpu_kernels
 from .kernels import datagrams as dg
 from .protocol import MAX_WORKERS, RTO_INITIAL, RTO_MAX, RTO_MIN, elements_for_mtu
-from .transport.udp import DatagramSocket, addr_key, path_mtu
+from .transport.udp import BATCH_BYTES, DatagramSocket, addr_key, path_mtu
 from .wire import EXPONENT_NONFINITE, HEADER_SIZE, DType, Flag, Header, MsgType
 
 log = logging.getLogger("aggnet.client")
@@ -50,7 +50,7 @@ PROBE_WAIT = 1.0
 #: later uses answered while one is not, before that one is resent
 FAST_RETRANSMIT = 3
 #: receive batches taken before the loop looks at timers and new requests
-RECEIVES_PER_TURN = 4
+RECEIVES_PER_TURN = 8
 _NO_F32 = np.zeros(1, np.float32)
 _NO_I32 = np.zeros(1, np.int32)
 _NO_EXPS = np.zeros(1, np.int16)
@@ -357,12 +357,15 @@ class SwitchClient(Client):
         self.stats.chunks_sent += n
         self.stats.bytes_sent += n * pb
 
-    def _receive(self) -> None:
+    def _receive(self) -> int:
+        """Take and process what is queued; returns the datagrams taken."""
         dsock = self.dsock
+        total = 0
         for _ in range(RECEIVES_PER_TURN):
-            n = dsock.receive(0)
+            n = dsock.receive(0, BATCH_BYTES)
             if n == 0:
-                return
+                break
+            total += n
             m, probes = dg.classify_results(dsock.arena, dsock.offsets, dsock.lengths, n, self.job_id, self.slots,
                                             self.packet_bytes, self.tags, self.busy, self.res_slot, self.res_off,
                                             self.probe_off)
@@ -372,7 +375,8 @@ class SwitchClient(Client):
             if m:
                 self._on_results(m)
             if not self._reqs:
-                return
+                break
+        return total
 
     def _on_results(self, m: int) -> None:
         now = time.monotonic()

@@ -15,8 +15,9 @@ from .netns import EmulationError, Rack
 
 
 def add_arguments(p) -> None:
-    p.add_argument("what", choices=["allreduce", "bench", "demo"],
+    p.add_argument("what", choices=["allreduce", "bench", "bench-ddp", "demo"],
                    help="allreduce: one all-reduce, checked; bench: aggnet beside gloo, bytes and times; "
+                        "bench-ddp: DDP step time with the aggnet hook beside gloo; "
                         "demo: DDP training, one worker per namespace")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--rate", type=float, default=100.0, help="Mbit/s of every worker link (0: unshaped)")
@@ -31,6 +32,14 @@ def add_arguments(p) -> None:
                    help="host: a Linux bridge ToR and an aggregator host in switch mode (link N x rate); "
                         "bmv2: the P4 program on BMv2 in the ToR's place")
     p.add_argument("--hidden", type=int, default=None, help="demo: hidden width (BMv2 is slow: try 32)")
+    p.add_argument("--mtu", type=int, default=9000,
+                   help="MTU of every link (default 9000, jumbo frames; 1500 for a plain Ethernet rack); the "
+                        "aggregator's packets are sized to fit it")
+    p.add_argument("--shards", type=int, default=None, help="aggregator host's shard processes (default: cores)")
+    p.add_argument("--elements", type=int, default=None,
+                   help="int32 values per packet (default: the host's 2048, or what the MTU fits; BMv2: 64)")
+    p.add_argument("--steps", type=int, default=10, help="bench-ddp: timed steps per system")
+    p.add_argument("--width", type=int, default=4096, help="bench-ddp: hidden width of the MLP (4096: 25M parameters)")
 
 
 def main(args) -> int:
@@ -39,14 +48,19 @@ def main(args) -> int:
     bmv2 = args.switch == "bmv2"
     switch_stats = None
     try:
-        with Rack(args.workers, rate_mbit=args.rate or None, aggregator=not bmv2, bridge=not bmv2) as rack:
-            agg = rack_runs.RackSwitch(rack) if bmv2 else rack_runs.start_aggregator(rack)
+        with Rack(args.workers, rate_mbit=args.rate or None, aggregator=not bmv2, bridge=not bmv2,
+                  mtu=args.mtu) as rack:
+            agg = rack_runs.RackSwitch(rack) if bmv2 else rack_runs.start_aggregator(rack, shards=args.shards)
             rack.wait_reachable()
             switch = agg if bmv2 else None
-            extra = {"elements": 64} if bmv2 else {}
+            extra = {"elements": 64} if bmv2 else ({"elements": args.elements} if args.elements else {})
             try:
                 if args.drop or args.duplicate:
-                    rack.impair(drop=args.drop, duplicate=args.duplicate)
+                    rack.impair(drop=args.drop, duplicate=args.duplicate, ports=1 if bmv2 else agg.shards)
+                if args.what == "bench-ddp":
+                    records = rack_runs.run_ddp_bench(rack, args.steps, args.width, switch=switch)
+                    _report_ddp(args, records)
+                    return 0
                 if args.what == "demo":
                     more = ["--hidden", str(args.hidden)] if args.hidden else []
                     for line in rack_runs.run_demo(rack, args.epochs, args.codec, switch=switch, extra=more):
@@ -72,12 +86,34 @@ def main(args) -> int:
     return 0
 
 
+def _report_ddp(args, records: list[dict]) -> None:
+    n = args.workers
+    links = f"links {args.rate:g} Mbit/s, MTU {args.mtu}" if args.rate else f"unshaped links, MTU {args.mtu}"
+    print(f"rack: {n} workers, {links}; DDP step time of a {records[0]['parameters']:,}-parameter MLP "
+          f"(batch {records[0]['batch']} per worker), median of {args.steps} steps")
+    gloo = next(r["median_s"] for r in records if r["system"] == "gloo")
+    print(f"{'system':>15} {'step s':>8} {'min':>7} {'max':>7} {'this/gloo':>9}")
+    for r in records:
+        print(f"{r['system']:>15} {r['median_s']:8.3f} {r['min_s']:7.3f} {r['max_s']:7.3f} "
+              f"{r['median_s'] / gloo:9.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"workers": n, "rate_mbit": args.rate, "mtu": args.mtu, "time": time.strftime("%FT%T"),
+                       "records": records}, f, indent=1)
+
+
 def _report(args, nbytes: int, results: list[dict], impaired) -> None:
     n = args.workers
     links = (f"links {args.rate:g} Mbit/s each way (aggregator host: {n * args.rate:g})" if args.rate
              else "unshaped links")
     where = "BMv2 in the ToR's place" if args.switch == "bmv2" else "aggregator host in switch mode"
-    print(f"rack: {n} workers, {links}, {where}, {format_size(nbytes)} float32 all-reduce, {args.reps} repetition(s)")
+    print(f"rack: {n} workers, {links}, MTU {args.mtu}, {where}, {format_size(nbytes)} float32 all-reduce, "
+          f"{args.reps} repetition(s)")
+    for r in results:
+        cs = (r.get("client_stats") or [{}])[0]
+        if "elements" in cs:
+            print(f"aggnet packets: {cs['elements']} int32 values ({48 + 4 * cs['elements']}-byte datagrams), "
+                  f"{cs['slots']} slots in flight, UDP I/O {cs['io']}")
     if impaired:
         print(f"impairments: {impaired['dropped']} datagrams dropped, {impaired['duplicated']} duplicated")
     # every worker of a system holds the same result; systems differ by
@@ -101,6 +137,7 @@ def _report(args, nbytes: int, results: list[dict], impaired) -> None:
           f"sum of the result: {named} (relative spread {spread:.1e})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"workers": n, "rate_mbit": args.rate, "bytes": nbytes, "time": time.strftime("%FT%T"),
+            json.dump({"workers": n, "rate_mbit": args.rate, "mtu": args.mtu, "bytes": nbytes,
+                       "time": time.strftime("%FT%T"),
                        "records": [{k: v for k, v in r.items() if k != "client_stats"} for r in results],
                        "impairments": impaired}, f, indent=1)

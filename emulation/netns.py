@@ -218,9 +218,11 @@ class Rack:
 
     # -- impairments ------------------------------------------------------------------
 
-    def impair(self, drop: float = 0.0, duplicate: float = 0.0, port: int = SWITCH_PORT) -> None:
+    def impair(self, drop: float = 0.0, duplicate: float = 0.0, port: int = SWITCH_PORT, ports: int = 1) -> None:
         """Drop (both directions) and duplicate (worker to aggregator) the
-        aggregation protocol's datagrams at random, in every worker."""
+        aggregation protocol's datagrams at random, in every worker; a
+        sharded aggregator listens on ``ports`` consecutive ports."""
+        port = f"{port}:{port + ports - 1}" if ports > 1 else port
         if (drop or duplicate) and shutil.which("iptables") is None:
             raise EmulationError("impairments need iptables (apt-get install iptables)")
         for h in self.workers:

@@ -19,17 +19,23 @@ from .netns import EmulationError, Rack
 
 log = logging.getLogger("aggnet.emulation")
 
-#: packets of 4 KiB payload: headers cost 2% on 9000-byte links, and the
-#: host aggregator's per-packet Python cost is amortized
-RACK_ELEMENTS = 1024
+#: a P4 switch's job slice in the rack (its pool is 1024 slots)
 RACK_SLOTS = 64
 
 
-def start_aggregator(rack: Rack, elements: int = RACK_ELEMENTS, pool: int = 1024) -> ServiceProcess:
+def start_aggregator(rack: Rack, elements: int | None = None, pool: int = 4096,
+                     shards: int | None = None) -> ServiceProcess:
+    """The aggregator host in switch mode. Without ``elements`` jobs get
+    the host's default K, bounded by what the rack's MTU fits."""
     if rack.aggregator is None:
         raise EmulationError("this rack has no aggregator host")
+    args = ["--mode", "switch", "--pool", str(pool)]
+    if elements is not None:
+        args += ["--elements", str(elements)]
+    if shards is not None:
+        args += ["--shards", str(shards)]
     return ServiceProcess(f"udp://{rack.aggregator.ip}:{SWITCH_PORT}", prefix=["ip", "netns", "exec", rack.aggregator.name],
-                          args=["--mode", "switch", "--elements", str(elements), "--pool", str(pool)])
+                          args=args)
 
 
 def aggregator_address(rack: Rack) -> str:
@@ -37,7 +43,7 @@ def aggregator_address(rack: Rack) -> str:
 
 
 def run_system(rack: Rack, system: str, nbytes: int, reps: int, address: str | None = None,
-               elements: int = RACK_ELEMENTS, slots: int = RACK_SLOTS, timeout: float = 1800,
+               elements: int | None = None, slots: int | None = None, timeout: float = 1800,
                switch: "RackSwitch | None" = None) -> dict:
     """Run one all-reduce system on every worker of the rack; return the
     per-repetition time (slowest worker), the results' checksums and the
@@ -45,9 +51,13 @@ def run_system(rack: Rack, system: str, nbytes: int, reps: int, address: str | N
     world = len(rack.workers)
     if switch is not None:
         address = switch.address
-    env = {"AGGNET_ADDRESS": address or aggregator_address(rack), "AGGNET_ELEMENTS": str(elements),
-           "AGGNET_SLOTS": str(slots), "AGGNET_TIMEOUT": "120", "GLOO_SOCKET_IFNAME": "eth0",
-           "OMP_NUM_THREADS": "1"}
+        slots = slots or RACK_SLOTS
+    env = {"AGGNET_ADDRESS": address or aggregator_address(rack), "AGGNET_TIMEOUT": "120",
+           "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+    if elements is not None:
+        env["AGGNET_ELEMENTS"] = str(elements)
+    if slots is not None:
+        env["AGGNET_SLOTS"] = str(slots)
     job = f"rack-{uuid.uuid4().hex[:8]}"
     if switch is not None and system == "aggnet":
         switch.install(job, slots)
@@ -82,6 +92,45 @@ def run_system(rack: Rack, system: str, nbytes: int, reps: int, address: str | N
             "per_worker": per_worker, "client_stats": [o["stats"] for o in outs]}
 
 
+def run_ddp_bench(rack: Rack, steps: int, width: int, systems: str = "gloo,aggnet-int32",
+                  address: str | None = None, timeout: float = 3600, switch: "RackSwitch | None" = None) -> list[dict]:
+    """``aggnet bench-ddp``'s workers, one per namespace: DDP step time with
+    the aggnet hook beside gloo's all-reduce over the rack's links."""
+    from aggnet.bench.ddp import summarize
+
+    world = len(rack.workers)
+    if switch is not None:
+        # each DDP model agrees a fresh job name over its process group; a
+        # P4 switch serves only jobs its control plane installed beforehand
+        raise EmulationError("bench-ddp runs against the aggregator host (--switch host); on BMv2, whose "
+                             "software pipeline moves a few thousand packets/s, use `aggnet emulate demo`")
+    procs = []
+    for rank, h in enumerate(rack.workers):
+        env = {"AGGNET_ADDRESS": address or aggregator_address(rack), "AGGNET_TIMEOUT": "300",
+               "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "aggnet.bench.ddp", "--rank", str(rank), "--world", str(world),
+               "--master", f"{rack.workers[0].ip}:29502", "--steps", str(steps), "--width", str(width),
+               "--systems", systems]
+        procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    got = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise EmulationError(f"the DDP benchmark in the rack did not finish within {timeout:g}s")
+        if p.returncode != 0:
+            for q in procs:
+                q.kill()
+            raise EmulationError(f"a DDP benchmark worker failed ({p.returncode}): {err.strip()[-2000:]}")
+        rec = json.loads(out.strip().splitlines()[-1])
+        got.append((rec["rank"], rec["parameters"], rec["times"]))
+    names = [s.strip() for s in systems.split(",") if s.strip()]
+    return summarize(got, names, steps, world, 8)
+
+
 def run_demo(rack: Rack, epochs: int, codec: str, address: str | None = None, timeout: float = 1800,
              switch: "RackSwitch | None" = None, extra: list[str] = ()) -> list[str]:
     """The DDP demo with one worker per namespace (torchrun's environment,
@@ -95,10 +144,11 @@ def run_demo(rack: Rack, epochs: int, codec: str, address: str | None = None, ti
         switch.install("rack-demo", RACK_SLOTS)
     procs = []
     for rank, h in enumerate(rack.workers):
-        env = {"AGGNET_ADDRESS": address or aggregator_address(rack), "AGGNET_ELEMENTS": str(RACK_ELEMENTS),
-               "AGGNET_SLOTS": str(RACK_SLOTS), "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
+        env = {"AGGNET_ADDRESS": address or aggregator_address(rack), "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
                "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": rack.workers[0].ip, "MASTER_PORT": "29501",
                "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+        if switch is not None:
+            env["AGGNET_SLOTS"] = str(RACK_SLOTS)
         cmd = [sys.executable, "-m", "aggnet.demo", "--epochs", str(epochs), "--codec", codec, *extra]
         procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []

@@ -50,7 +50,10 @@ def main(argv=None) -> int:
                 c.allreduce(x).result(3600)
                 times.append(time.perf_counter() - t0)
                 sums.append(float(np.sum(x, dtype=np.float64)))
-            stats = c.stats.__dict__
+            stats = dict(c.stats.__dict__)
+            for name in ("io", "elements", "slots"):  # the switch path's batching and packet size
+                if hasattr(c, name):
+                    stats[name] = getattr(c, name)
     else:
         import torch
         import torch.distributed as dist

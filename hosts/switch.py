@@ -36,7 +36,7 @@ from aggnet.processes import die_with_parent
 from aggnet.protocol import (
     DEFAULT_HOST_ELEMENTS, DEFAULT_POOL, MAX_ELEMENTS, MAX_JOB_SLOTS, MAX_WORKERS, auto_slots,
 )
-from aggnet.transport.udp import DatagramSocket, addr_key, key_addr
+from aggnet.transport.udp import BATCH_BYTES, DatagramSocket, addr_key, key_addr
 from aggnet.wire import HEADER_SIZE, ErrorCode, Header, MsgType
 
 from .switch_datapath import A_CONTROL, C, COUNTERS, MAX_JOBS, SendPlan, SwitchRegisters
@@ -187,7 +187,7 @@ class SwitchService:
         self._start_shards()
         try:
             while not should_stop():
-                n = self.sock.receive(POLL_SECONDS)
+                n = self.sock.receive(POLL_SECONDS, BATCH_BYTES)
                 if n:
                     self._step(self.sock, 0, n)
                 now = time.monotonic()
@@ -226,7 +226,7 @@ class SwitchService:
                 s.close()
         sock = self.socks[index]
         while not stop:
-            n = sock.receive(POLL_SECONDS)
+            n = sock.receive(POLL_SECONDS, BATCH_BYTES)
             if n:
                 self._step(sock, index, n)
 

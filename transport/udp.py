@@ -58,6 +58,8 @@ MAX_SEGMENTS = 64
 MAX_DATAGRAM = 65507
 #: bytes one receive call may write (a GRO super-datagram is at most 64 KiB)
 RECEIVE_CHUNK = 65536
+#: bytes a receiver takes per batch before it processes and answers them
+BATCH_BYTES = 256 << 10
 #: IPv4 + UDP headers: what the MTU must hold besides the datagram
 IP_UDP_OVERHEAD = 28
 
@@ -236,24 +238,28 @@ class DatagramSocket:
 
     def receive(self, timeout: float = 0.0, max_bytes: int | None = None) -> int:
         """Wait up to ``timeout`` for datagrams, then take what is queued
-        (up to the arena, or ``max_bytes`` of it) without blocking."""
+        without blocking, until about ``max_bytes`` arrived (or the arena
+        is full). A bounded batch keeps both ends of a window busy: a
+        receiver that drained a whole window before answering would leave
+        its peer idle meanwhile, and the window would move in lockstep."""
         self.count = 0
         if timeout > 0 and not self.wait(timeout):
             return 0
-        limit = self.arena.size if max_bytes is None else min(self.arena.size, max_bytes)
+        budget = self.arena.size if max_bytes is None else max(1, max_bytes)
         if self.io == "gso":
-            return self._receive_gro(limit)
+            return self._receive_gro(budget)
         if self.io == "mmsg":
-            return self._receive_mmsg(limit)
-        return self._receive_plain(limit)
+            return self._receive_mmsg(budget)
+        return self._receive_plain(budget)
 
-    def _receive_gro(self, limit: int) -> int:
+    def _receive_gro(self, budget: int) -> int:
         sock, view = self.sock, self._arena_view
         calls_off, calls_len, calls_seg, calls_src = self._calls
         space = socket.CMSG_SPACE(4)
         max_calls = min(calls_off.size, self.offsets.size // MAX_SEGMENTS)
-        off = c = 0
-        while off + RECEIVE_CHUNK <= limit and c < max_calls:
+        off = c = got = 0
+        limit = self.arena.size
+        while off + RECEIVE_CHUNK <= limit and c < max_calls and got < budget:
             try:
                 nbytes, anc, flags, addr = sock.recvmsg_into([view[off:off + RECEIVE_CHUNK]], space,
                                                              socket.MSG_DONTWAIT)
@@ -272,6 +278,7 @@ class DatagramSocket:
                     seg = struct.unpack_from("i", data)[0] or nbytes
             calls_off[c], calls_len[c], calls_seg[c], calls_src[c] = off, nbytes, seg, self.key_of(addr)
             c += 1
+            got += nbytes
             # keep each coalesced run 8-byte aligned for the kernels' wide loads
             off += (nbytes + 7) & ~7
         self.recv_calls += c
@@ -280,11 +287,12 @@ class DatagramSocket:
         self.datagrams_received += n
         return n
 
-    def _receive_mmsg(self, limit: int) -> int:
+    def _receive_mmsg(self, budget: int) -> int:
         mm, offsets, lengths, sources = self._mmsg, self.offsets, self.lengths, self.sources
         slot = (self.max_datagram_bytes + 7) & ~7
-        off = n = 0
-        while True:
+        off = n = got = 0
+        limit = self.arena.size
+        while got < budget:
             room = min((limit - off) // slot, offsets.size - n, MAX_SEGMENTS)
             if room <= 0:
                 break
@@ -296,6 +304,7 @@ class DatagramSocket:
                 if self._mmsg_lengths[i] < 0:
                     continue  # truncated: larger than any datagram of this protocol
                 offsets[n], lengths[n], sources[n] = off + i * slot, self._mmsg_lengths[i], self._mmsg_sources[i]
+                got += int(self._mmsg_lengths[i])
                 n += 1
             off += got * slot
             if got < room:
@@ -304,11 +313,12 @@ class DatagramSocket:
         self.datagrams_received += n
         return n
 
-    def _receive_plain(self, limit: int) -> int:
+    def _receive_plain(self, budget: int) -> int:
         sock, view, offsets, lengths, sources = self.sock, self._arena_view, self.offsets, self.lengths, self.sources
         size = (self.max_datagram_bytes + 7) & ~7
-        off = n = 0
-        while off + size <= limit and n < offsets.size:
+        off = n = got = 0
+        limit = self.arena.size
+        while off + size <= limit and n < offsets.size and got < budget:
             try:
                 nbytes, addr = sock.recvfrom_into(view[off:off + size], size, socket.MSG_DONTWAIT)
             except BlockingIOError:
@@ -319,6 +329,7 @@ class DatagramSocket:
                 raise
             self.recv_calls += 1
             offsets[n], lengths[n], sources[n] = off, nbytes, self.key_of(addr)
+            got += nbytes
             n += 1
             off += size
         self.count = n

@@ -33,7 +33,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, args, systems: list, out) -> None:
+def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
+    """One DDP worker timing every system; ``port`` is a local port or a
+    rendezvous ``host:port`` (one worker per namespace); ``out`` a queue,
+    or None to print the result as one JSON line."""
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -42,7 +45,8 @@ def _worker(rank: int, world: int, port: int, args, systems: list, out) -> None:
     from aggnet.torch import AggnetState, allreduce_hook
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    master = port if isinstance(port, str) else f"127.0.0.1:{port}"
+    dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world)
     torch.manual_seed(0)
     w = args.width
     model = nn.Sequential(nn.Linear(1024, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, 1024))
@@ -72,7 +76,37 @@ def _worker(rank: int, world: int, port: int, args, systems: list, out) -> None:
         results[system] = times
         del ddp
     dist.destroy_process_group()
-    out.put((rank, params, results))
+    if out is None:
+        print(json.dumps({"rank": rank, "parameters": params, "times": results}), flush=True)
+    else:
+        out.put((rank, params, results))
+
+
+def worker_main(argv=None) -> int:
+    """``python -m aggnet.bench.ddp --rank R --world N --master HOST:PORT``:
+    one worker of the benchmark where its peers run elsewhere (an emulated
+    rack's namespaces); the aggregator comes from ``AGGNET_ADDRESS``."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--master", required=True)
+    args = p.parse_args(argv)
+    _worker(args.rank, args.world, args.master, args, [s.strip() for s in args.systems.split(",") if s.strip()], None)
+    return 0
+
+
+def summarize(got: list, systems: list, steps: int, world: int, batch: int) -> list[dict]:
+    """Per-system records: a step takes as long as its slowest worker."""
+    records = []
+    for system in systems:
+        per_step = [max(g[2][system][i] for g in got) for i in range(steps)]
+        records.append({"system": system, "workers": world, "parameters": got[0][1], "batch": batch,
+                        "median_s": statistics.median(per_step), "min_s": min(per_step), "max_s": max(per_step),
+                        "steps": steps})
+    return records
 
 
 def main(args) -> int:
@@ -91,12 +125,7 @@ def main(args) -> int:
         got = [out.get(timeout=3600) for _ in procs]
         for p in procs:
             p.join(60)
-        params = got[0][1]
-        for system in systems:
-            per_step = [max(g[2][system][i] for g in got) for i in range(args.steps)]
-            records.append({"system": system, "workers": world, "parameters": params, "batch": args.batch,
-                            "median_s": statistics.median(per_step), "min_s": min(per_step), "max_s": max(per_step),
-                            "steps": args.steps})
+        records += summarize(got, systems, args.steps, world, args.batch)
     print(f"{'N':>2} {'system':>15} {'params':>11} {'step ms (median)':>17} {'min':>7} {'max':>7} {'gloo/this':>9}")
     for r in records:
         gloo = next((g["median_s"] for g in records if g["system"] == "gloo" and g["workers"] == r["workers"]), None)
@@ -108,3 +137,9 @@ def main(args) -> int:
             json.dump(records, f, indent=1)
         print(f"wrote {len(records)} records to {args.json}")
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(worker_main())

@@ -1,18 +1,28 @@
-"""``aggnet bench-udp``: datagrams/s and MB/s the switch-protocol client
-sustains, beside a raw Python UDP socket loop, on this machine, in one run.
+"""``aggnet bench-udp``: the switch path's all-reduce rate beside what
+Python can move over loopback UDP on this machine, in one run.
 
-The raw loop is the ceiling Python sockets allow: one process sends
-datagrams of the same size as fast as it can, another receives them with
-``recv_into`` into one buffer. The aggnet client all-reduces a float32
-buffer alone (world size 1) through a switch-mode aggregator on loopback,
-so each block makes one round trip: quantize, send, aggregator, receive,
-dequantize. Its rate counts the datagrams it sent plus those it received.
+Every row reports the same quantity, **buffer bytes per second**:
+
+* ``raw`` / ``raw-gso``: a plain Python loop, one process sending datagrams
+  of the same size as aggnet's as fast as it can and another receiving
+  them; one datagram per system call (``raw``) or UDP GSO on send and GRO
+  on receive (``raw-gso``). Its buffer rate is the payload (datagram minus
+  aggnet's header) received per second, one way: an all-reduce needs at
+  least that much in each direction, so this is its ceiling.
+* ``aggnet``: one worker all-reducing a float32 buffer (quantized to
+  int32) through a switch-mode aggregator on loopback: the buffer's size
+  over the all-reduce's time, while the same bytes went up and came back
+  down (plus headers).
+
+CPU seconds per GB of buffer are measured for the client (this process)
+and the aggregator (its processes, all shards).
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import socket
 import time
 
@@ -20,109 +30,172 @@ import numpy as np
 
 from aggnet.config import format_size, parse_size
 
+SOL_UDP, UDP_SEGMENT, UDP_GRO = 17, 103, 104
+
 
 def add_arguments(p) -> None:
-    p.add_argument("--elements", default="64,1024,2048", help="int32 elements per packet to try")
+    p.add_argument("--elements", default="64,2048",
+                   help="int32 values per packet to try (64: the P4 program's; 2048: a host's default)")
     p.add_argument("--size", default="64MiB", help="all-reduce size for the aggnet client")
-    p.add_argument("--seconds", type=float, default=3.0, help="raw loop duration")
-    p.add_argument("--json", default=None)
+    p.add_argument("--reps", type=int, default=5, help="timed all-reduces per setting (the median is reported)")
+    p.add_argument("--seconds", type=float, default=2.0, help="duration of each raw loop")
+    p.add_argument("--io", default="auto", help="UDP I/O of the aggnet rows: auto, or a list of gso,mmsg,plain")
+    p.add_argument("--shards", type=int, default=1,
+                   help="aggregator shard processes (default 1: on 2 cores the client needs the other)")
+    p.add_argument("--json", default=None, help="write the records here")
 
 
-def _raw_receiver(port_q, size: int, seconds: float, out) -> None:
+# -- the raw loops -------------------------------------------------------------------
+
+
+def _raw_receiver(port_q, gso: bool, seconds: float, out) -> None:
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 20)
+    if gso:
+        s.setsockopt(SOL_UDP, UDP_GRO, 1)
     s.bind(("127.0.0.1", 0))
     port_q.put(s.getsockname()[1])
-    buf = bytearray(65536)
+    buf = bytearray(1 << 16)
     s.settimeout(5)
-    n = 0
-    s.recv_into(buf)
+    got = 0
+    try:
+        s.recv_into(buf)
+    except socket.timeout:
+        out.put((0, 1.0))
+        return
     t0 = time.perf_counter()
     end = t0 + seconds
+    calls = 0
     while True:
         try:
-            s.recv_into(buf)
+            got += s.recvmsg_into([buf], 64)[0] if gso else s.recv_into(buf)
         except socket.timeout:
             break
-        n += 1
-        if n & 1023 == 0 and time.perf_counter() > end:
+        calls += 1
+        if calls & 255 == 0 and time.perf_counter() > end:
             break
-    out.put((n, time.perf_counter() - t0))
+    out.put((got, time.perf_counter() - t0))
 
 
-def _raw_sender(port: int, size: int, seconds: float) -> None:
+def _raw_sender(port: int, size: int, gso: bool, seconds: float) -> None:
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 20)
-    data = bytes(size)
-    dest = ("127.0.0.1", port)
+    s.connect(("127.0.0.1", port))
+    if gso:
+        s.setsockopt(SOL_UDP, UDP_SEGMENT, size)
+        data = bytes(size * max(1, min(64, 65507 // size)))
+    else:
+        data = bytes(size)
     end = time.perf_counter() + seconds + 1
     i = 0
     while True:
         try:
-            s.sendto(data, dest)
+            s.send(data)
         except OSError:
             pass
         i += 1
-        if i & 1023 == 0 and time.perf_counter() > end:
+        if i & 255 == 0 and time.perf_counter() > end:
             break
 
 
-def raw_loop(size: int, seconds: float) -> dict:
+def raw_loop(size: int, gso: bool, seconds: float, header: int) -> dict:
     ctx = multiprocessing.get_context("fork")
     q, out = ctx.Queue(), ctx.Queue()
-    r = ctx.Process(target=_raw_receiver, args=(q, size, seconds, out))
+    r = ctx.Process(target=_raw_receiver, args=(q, gso, seconds, out))
     r.start()
     port = q.get(timeout=10)
-    s = ctx.Process(target=_raw_sender, args=(port, size, seconds))
+    s = ctx.Process(target=_raw_sender, args=(port, size, gso, seconds))
     s.start()
-    n, dt = out.get(timeout=seconds + 30)
+    got, dt = out.get(timeout=seconds + 30)
     s.join(10)
     r.join(10)
-    return {"system": "raw-python-udp", "datagram_bytes": size, "datagrams_per_s": n / dt,
-            "mb_per_s": n * size / dt / 1e6}
+    datagrams = got / size
+    return {"system": "raw-gso" if gso else "raw", "io": "gso" if gso else "plain", "datagram_bytes": size,
+            "elements": (size - header) // 4, "datagrams_per_s": datagrams / dt,
+            "buffer_bytes_per_s": datagrams * (size - header) / dt, "direction": "one way"}
 
 
-def aggnet_client(elements: int, nbytes: int) -> dict:
+# -- aggnet ------------------------------------------------------------------------
+
+
+def _cpu_of_tree(pid: int) -> float:
+    """CPU seconds of a process and its children (an aggregator's shards)."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry) == pid or int(fields[1]) == pid:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def aggnet_client(elements: int, nbytes: int, reps: int, io: str | None, shards: int) -> dict:
     from aggnet import Client
     from aggnet.hosts.process import ServiceProcess
     from aggnet.wire import HEADER_SIZE
 
-    with ServiceProcess("udp://127.0.0.1:0", args=["--mode", "switch", "--elements", str(elements),
-                                                    "--pool", "1024"]) as agg:
-        with Client(agg.address, job="bench-udp", rank=0, world_size=1, elements=elements, slots=256) as c:
-            x = np.ones(nbytes // 4, np.float32)
-            c.allreduce(x).result(600)  # warm-up
+    args = ["--mode", "switch", "--elements", str(elements), "--shards", str(shards)]
+    if io:
+        args += ["--io", io]
+    with ServiceProcess("udp://127.0.0.1:0", args=args) as agg:
+        with Client(agg.address, job="bench-udp", rank=0, world_size=1, elements=elements, udp_io=io) as c:
+            x = np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32)
+            c.allreduce(x.copy()).result(600)  # warm-up
+            times = []
+            cpu0, agg0 = os.times(), _cpu_of_tree(agg.pid)
             sent0, recv0 = c.stats.chunks_sent, c.stats.results
-            t0 = time.perf_counter()
-            c.allreduce(x).result(600)
-            dt = time.perf_counter() - t0
+            for _ in range(reps):
+                y = x.copy()
+                t0 = time.perf_counter()
+                c.allreduce(y).result(600)
+                times.append(time.perf_counter() - t0)
+            cpu1, agg1 = os.times(), _cpu_of_tree(agg.pid)
             sent, recv = c.stats.chunks_sent - sent0, c.stats.results - recv0
-    size = HEADER_SIZE + 4 * elements
-    return {"system": "aggnet-client", "datagram_bytes": size, "datagrams_per_s": (sent + recv) / dt,
-            "mb_per_s": (sent + recv) * size / dt / 1e6, "allreduce_s": dt, "buffer_bytes": nbytes,
-            "goodput_mb_per_s": nbytes / dt / 1e6}
+            retrans = c.stats.retransmissions
+            used_io, slots = c.io, c.slots
+    dt = float(np.median(times))
+    gb = nbytes * reps / 1e9
+    return {"system": "aggnet", "io": used_io, "elements": elements, "datagram_bytes": HEADER_SIZE + 4 * elements,
+            "slots": slots, "shards": shards, "buffer_bytes": nbytes, "allreduce_s": dt, "times_s": times,
+            "buffer_bytes_per_s": nbytes / dt, "direction": "up and down",
+            "datagrams_per_s": (sent + recv) / sum(times), "retransmissions": retrans,
+            "client_cpu_s_per_gb": (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / gb,
+            "aggregator_cpu_s_per_gb": (agg1 - agg0) / gb}
 
 
 def main(args) -> int:
     from aggnet.wire import HEADER_SIZE
 
     nbytes = parse_size(args.size)
+    ios = [None] if args.io == "auto" else [m.strip() for m in args.io.split(",")]
     records = []
     for k in [int(e) for e in args.elements.split(",")]:
         size = HEADER_SIZE + 4 * k
-        raw = raw_loop(size, args.seconds)
-        ours = aggnet_client(k, nbytes)
-        ours["ratio_to_raw"] = ours["datagrams_per_s"] / raw["datagrams_per_s"]
-        records += [raw, ours]
-    print(f"{'system':>15} {'datagram':>9} {'datagrams/s':>12} {'MB/s':>8} {'aggnet/raw':>10}")
+        raw = raw_loop(size, False, args.seconds, HEADER_SIZE)
+        gso = raw_loop(size, True, args.seconds, HEADER_SIZE)
+        records += [raw, gso]
+        for io in ios:
+            ours = aggnet_client(k, nbytes, args.reps, io, args.shards)
+            ours["ratio_to_raw"] = ours["buffer_bytes_per_s"] / raw["buffer_bytes_per_s"]
+            ours["ratio_to_raw_gso"] = ours["buffer_bytes_per_s"] / gso["buffer_bytes_per_s"]
+            records.append(ours)
+    print(f"buffer bytes per second (raw loops: payload received one way, the ceiling; aggnet: a "
+          f"{format_size(nbytes)} float32 all-reduce, every byte up and back down)")
+    print(f"{'system':>8} {'io':>6} {'values':>6} {'datagram':>9} {'MB/s':>8} {'/raw':>6} {'/raw-gso':>8} "
+          f"{'client s/GB':>11} {'agg s/GB':>9}")
     for r in records:
-        ratio = f"{r['ratio_to_raw']:10.2f}" if "ratio_to_raw" in r else ""
-        print(f"{r['system']:>15} {format_size(r['datagram_bytes']):>9} {r['datagrams_per_s']:12,.0f} "
-              f"{r['mb_per_s']:8.1f} {ratio}")
-    for r in records:
-        if r["system"] == "aggnet-client":
-            print(f"  aggnet {format_size(r['buffer_bytes'])} all-reduce with {format_size(r['datagram_bytes'])} "
-                  f"datagrams: {r['allreduce_s']:.3f}s ({r['goodput_mb_per_s']:.0f} MB/s of buffer)")
+        extra = ""
+        if r["system"] == "aggnet":
+            extra = (f"{r['ratio_to_raw']:6.2f} {r['ratio_to_raw_gso']:8.2f} {r['client_cpu_s_per_gb']:11.2f} "
+                     f"{r['aggregator_cpu_s_per_gb']:9.2f}")
+        print(f"{r['system']:>8} {r['io']:>6} {r['elements']:>6} {r['datagram_bytes']:>9} "
+              f"{r['buffer_bytes_per_s'] / 1e6:8.1f} {extra}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
