@@ -330,11 +330,13 @@ class SwitchClient(Client):
         self._send_slots(slots, retransmit=False)
 
     def _send_slots(self, slots: np.ndarray, retransmit: bool) -> None:
-        """Stage the packets of ``slots`` (sorted: a shard's run is
-        contiguous) and send each destination's run in batches."""
+        """Send the packets of ``slots`` (sorted), a destination's run of
+        them per batch. Results come back roughly in the order uses went
+        out, so the slots ready at once are mostly consecutive: their
+        packets, consecutive rows of one array, go out as they lie; only a
+        scattered set is first staged one after another."""
         n = slots.size
-        pb = self.packet_bytes
-        dg.stage(self.packets, slots, n, self.staging, pb, retransmit)
+        pb = self.packets.shape[1]
         now = time.monotonic()
         if not retransmit:
             self.rto[slots] = self.base_rto
@@ -344,16 +346,32 @@ class SwitchClient(Client):
             # the whole batch counts as older: its packets come back in any order
             self.older_at_send[slots] = int(np.count_nonzero(self.busy))
         self.sent_at[slots] = now
-        if not self.sharded:
-            self.dsock.send_segments(self.staging, pb, n * pb, int(self.slot_dest[0]))
-        else:
-            dests = self.slot_dest[slots]
-            cuts = np.flatnonzero(dests[1:] != dests[:-1]) + 1
+        dests = self.slot_dest[slots] if self.sharded else None
+        breaks = slots[1:] != slots[:-1] + 1
+        if dests is not None:
+            breaks |= dests[1:] != dests[:-1]
+        cuts = np.flatnonzero(breaks) + 1
+        if retransmit:
+            self.packets[slots, dg.O_FLAGS] |= dg.F_RETRANSMIT
+        if cuts.size < max(1, n // 16):
+            flat = self.packets.reshape(-1)
             start = 0
             for end in [*cuts.tolist(), n]:
-                self.dsock.send_segments(self.staging[start * pb:end * pb], pb, (end - start) * pb,
-                                         int(dests[start]))
+                first = int(slots[start])
+                dest = int(self.slot_dest[first])
+                self.dsock.send_segments(flat[first * pb:(first + end - start) * pb], pb, (end - start) * pb, dest)
                 start = end
+        else:
+            dg.stage(self.packets, slots, n, self.staging, pb, False)
+            if dests is None:
+                self.dsock.send_segments(self.staging, pb, n * pb, int(self.slot_dest[0]))
+            else:
+                shard_cuts = np.flatnonzero(dests[1:] != dests[:-1]) + 1
+                start = 0
+                for end in [*shard_cuts.tolist(), n]:
+                    self.dsock.send_segments(self.staging[start * pb:end * pb], pb, (end - start) * pb,
+                                             int(dests[start]))
+                    start = end
         self.stats.chunks_sent += n
         self.stats.bytes_sent += n * pb
 
