@@ -330,7 +330,7 @@ class SwitchClient(Client):
         self._send_slots(slots, retransmit=False)
 
     def _send_slots(self, slots: np.ndarray, retransmit: bool) -> None:
-        """Send the packets of ``slots`` (sorted), a destination's run of
+        """Send the packets of ``slots``, a destination's run of
         them per batch. Results come back roughly in the order uses went
         out, so the slots ready at once are mostly consecutive: their
         packets, consecutive rows of one array, go out as they lie; only a
@@ -434,7 +434,11 @@ class SwitchClient(Client):
         if bad_block >= 0:
             self._nonfinite(req, bad_block)
         if nn:
-            self._send_slots(np.sort(self.next_slots[:nn]), retransmit=False)
+            # in the order the results came: every worker sees that order, so
+            # the slots complete in it again (sorting by slot would reorder
+            # the wrap-around of the window differently on each worker, and
+            # later uses would complete first: fast retransmits for nothing)
+            self._send_slots(self.next_slots[:nn].copy(), retransmit=False)
         if nf:
             self._finish_slots(req, np.sort(self.finished[:nf]))
 
