@@ -42,6 +42,26 @@ def aggregator_address(rack: Rack) -> str:
     return f"udp://{rack.aggregator.ip}:{SWITCH_PORT}"
 
 
+def _collect(procs: list, timeout: float, what: str) -> list[dict]:
+    """The JSON line each worker printed last; any failure or a run past
+    ``timeout`` kills them all and says which."""
+    outs = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise EmulationError(f"the {what} in the rack did not finish within {timeout:g}s") from None
+        if p.returncode != 0:
+            for q in procs:
+                q.kill()
+            raise EmulationError(f"a {what} worker failed ({p.returncode}): {err.strip()[-2000:]}")
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
 def run_system(rack: Rack, system: str, nbytes: int, reps: int, address: str | None = None,
                elements: int | None = None, slots: int | None = None, timeout: float = 1800,
                switch: "RackSwitch | None" = None) -> dict:
@@ -68,20 +88,7 @@ def run_system(rack: Rack, system: str, nbytes: int, reps: int, address: str | N
                "--bytes", str(nbytes), "--reps", str(reps), "--master", f"{rack.workers[0].ip}:29500",
                "--job", job]
         procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise EmulationError(f"{system} all-reduce in the rack did not finish within {timeout:g}s")
-        if p.returncode != 0:
-            for q in procs:
-                q.kill()
-            raise EmulationError(f"{system} worker failed ({p.returncode}): {err.strip()[-2000:]}")
-        outs.append(json.loads(out.strip().splitlines()[-1]))
+    outs = _collect(procs, timeout, f"{system} all-reduce")
     after = rack.counters()
     if switch is not None and system == "aggnet":
         switch.remove(job)
@@ -112,21 +119,7 @@ def run_ddp_bench(rack: Rack, steps: int, width: int, systems: str = "gloo,aggne
                "--master", f"{rack.workers[0].ip}:29502", "--steps", str(steps), "--width", str(width),
                "--systems", systems]
         procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    got = []
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise EmulationError(f"the DDP benchmark in the rack did not finish within {timeout:g}s")
-        if p.returncode != 0:
-            for q in procs:
-                q.kill()
-            raise EmulationError(f"a DDP benchmark worker failed ({p.returncode}): {err.strip()[-2000:]}")
-        rec = json.loads(out.strip().splitlines()[-1])
-        got.append((rec["rank"], rec["parameters"], rec["times"]))
+    got = [(rec["rank"], rec["parameters"], rec["times"]) for rec in _collect(procs, timeout, "DDP benchmark")]
     names = [s.strip() for s in systems.split(",") if s.strip()]
     return summarize(got, names, steps, world, 8)
 

@@ -290,9 +290,9 @@ class DatagramSocket:
     def _receive_mmsg(self, budget: int) -> int:
         mm, offsets, lengths, sources = self._mmsg, self.offsets, self.lengths, self.sources
         slot = (self.max_datagram_bytes + 7) & ~7
-        off = n = got = 0
+        off = n = received = 0
         limit = self.arena.size
-        while got < budget:
+        while received < budget:
             room = min((limit - off) // slot, offsets.size - n, MAX_SEGMENTS)
             if room <= 0:
                 break
@@ -300,12 +300,14 @@ class DatagramSocket:
             self.recv_calls += 1
             if got <= 0:
                 break
-            for i in range(got):
-                if self._mmsg_lengths[i] < 0:
-                    continue  # truncated: larger than any datagram of this protocol
-                offsets[n], lengths[n], sources[n] = off + i * slot, self._mmsg_lengths[i], self._mmsg_sources[i]
-                got += int(self._mmsg_lengths[i])
-                n += 1
+            lens = self._mmsg_lengths[:got]
+            keep = np.flatnonzero(lens >= 0)  # truncated ones (-1) are larger than any datagram of ours
+            k = keep.size
+            offsets[n:n + k] = off + keep * slot
+            lengths[n:n + k] = lens[keep]
+            sources[n:n + k] = self._mmsg_sources[:got][keep]
+            n += k
+            received += int(lens[keep].sum())
             off += got * slot
             if got < room:
                 break

@@ -18,6 +18,8 @@ import numba
 import numpy as np
 
 from .. import wire
+from . import QUANT_BITS as _QUANT_BITS
+from .cpu import _dequantize, _quantize
 from ..wire import EXPONENT_NONFINITE, EXPONENT_ZERO, HEADER_SIZE, MAGIC, VERSION
 
 
@@ -57,8 +59,7 @@ F_VERSION = int(wire.Flag.VERSION)
 F_RETRANSMIT = int(wire.Flag.RETRANSMIT)
 F_UPLINK = int(wire.Flag.UPLINK)
 D_INT32 = int(wire.DType.INT32)
-QUANT_BITS = 30
-_LIMIT = 2147483647.0
+QUANT_BITS = _QUANT_BITS  # the scale rule of aggnet.kernels.quant_shift
 KIND_IDLE, KIND_PRIMING, KIND_DATA = 0, 1, 2
 
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -120,22 +121,9 @@ def shard_delta(base, shard_slots, index):
     return (base + np.int64(index)) // shard_slots
 
 
-# element loops as functions of their own over contiguous arrays: LLVM
-# vectorizes them there, and not once inlined into the packet loops
-
-
-@_jit
-def _quantize_be(src, scale, dst):
-    for e in range(src.size):
-        v = np.rint(np.float64(src[e]) * scale)
-        v = min(max(v, -_LIMIT), _LIMIT)
-        dst[e] = bswap(np.uint32(np.int32(v)))
-
-
-@_jit
-def _dequantize_be(src, factor, dst):
-    for e in range(dst.size):
-        dst[e] = np.float32(np.float64(np.int32(bswap(src[e]))) * factor)
+# the element loops are the CPU backend's kernels (checked against the
+# NumPy reference), called on contiguous slices: LLVM vectorizes them
+# there, and not once inlined into the packet loops
 
 
 @_jit
@@ -148,6 +136,16 @@ def _swap_in(src, dst):
 def _swap_out(src, dst):
     for e in range(dst.size):
         dst[e] = np.int32(bswap(src[e]))
+
+
+@_inline
+def _next_tag(tags, s):
+    """The slot's next use: its tag counts up, skipping 0 (never used)."""
+    t = tags[s] + np.uint32(1)
+    if t == 0:
+        t = np.uint32(1)
+    tags[s] = t
+    return t
 
 
 # -- the worker's side -------------------------------------------------------------------
@@ -216,7 +214,7 @@ def _build_use(packets, s, template, k, kind, block, exponent, next_exponent, ta
     n = min(k, nelem - start)
     payload = p[HEADER_SIZE:HEADER_SIZE + 4 * k].view(np.uint32)
     if quantized:
-        _quantize_be(buf_f[start:start + n], math.ldexp(1.0, QUANT_BITS - exponent - wbits), payload)
+        _quantize(buf_f[start:start + n], math.ldexp(1.0, QUANT_BITS - exponent - wbits), payload[:n], True)
     else:
         _swap_in(buf_i[start:start + n], payload)
     for e in range(n, k):
@@ -233,10 +231,7 @@ def start_uses(packets, slots_in, count, template, k, rnd, tags, busy, kind, blo
     for i in range(count):
         s = slots_in[i]
         pos = (s - first_slot) % slots_total
-        t = tags[s] + np.uint32(1)
-        if t == 0:
-            t = np.uint32(1)
-        tags[s] = t
+        t = _next_tag(tags, s)
         busy[s] = True
         block[s] = pos
         if quantized:
@@ -269,8 +264,8 @@ def advance(arena, res_slot, res_off, m, packets, template, k, rnd, tags, busy, 
             payload = p[HEADER_SIZE:HEADER_SIZE + 4 * k].view(np.uint32)
             if quantized:
                 e = s16(be16(p, O_EXPONENT))
-                _dequantize_be(payload, math.ldexp(1.0, -(QUANT_BITS - e - wbits)) * multiplier,
-                               buf_f[start:start + n])
+                _dequantize(payload[:n], math.ldexp(1.0, -(QUANT_BITS - e - wbits)) * multiplier,
+                            buf_f[start:start + n], True)
             else:
                 _swap_out(payload, buf_i[start:start + n])
             decoded += 1
@@ -298,10 +293,7 @@ def advance(arena, res_slot, res_off, m, packets, template, k, rnd, tags, busy, 
         nxt = EXPONENT_ZERO
         if quantized and after < blocks:
             nxt = local_exps[after]
-        t = tags[s] + np.uint32(1)
-        if t == 0:
-            t = np.uint32(1)
-        tags[s] = t
+        t = _next_tag(tags, s)
         busy[s] = True
         kind[s] = KIND_DATA
         block[s] = nb
