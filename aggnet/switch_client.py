@@ -49,6 +49,8 @@ log = logging.getLogger("aggnet.client")
 PROBE_WAIT = 1.0
 #: later uses answered while one is not, before that one is resent
 FAST_RETRANSMIT = 3
+#: seconds between looks at the retransmission timers (RTO_MIN is 20 ms)
+TIMER_CHECK = 0.002
 #: receive batches taken before the loop looks at timers and new requests
 RECEIVES_PER_TURN = 8
 _NO_F32 = np.zeros(1, np.float32)
@@ -262,6 +264,7 @@ class SwitchClient(Client):
         self._cursor = 0
         self._last_progress = time.monotonic()
         self._probing: float | None = None
+        self._next_check = 0.0
         sock = self.dsock.sock
         while True:
             new, closing = self._take_submitted()
@@ -269,13 +272,16 @@ class SwitchClient(Client):
                 return
             for req in new:
                 self._admit(req)
-            wait = 0.5
-            if self._reqs:
-                busy = self.busy
-                if busy.any():
-                    wait = max(0.0, min(0.05, float(np.min(self.sent_at[busy] + self.rto[busy])) - time.monotonic()))
-                else:
-                    wait = 0.05
+            now = time.monotonic()
+            if self._reqs and now >= self._next_check:
+                # timers a few times per round trip, not per datagram: at a
+                # link's pace a turn of this loop carries a handful of
+                # packets, and a numpy pass over every slot each turn would
+                # cost more than the packets themselves
+                self._retransmit()
+                self._check_progress()
+                self._next_check = now + TIMER_CHECK
+            wait = 0.5 if not self._reqs else max(0.0, self._next_check - now)
             r, _, _ = select.select([sock, self._wake_r], [], [], wait)
             if self._wake_r in r:
                 try:
@@ -284,9 +290,6 @@ class SwitchClient(Client):
                     pass
             if sock in r:
                 self._receive()
-            if self._reqs:
-                self._retransmit()
-                self._check_progress()
 
     def _admit(self, req: SwitchRequest) -> None:
         k, s = self.elements, self.slots
