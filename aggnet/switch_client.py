@@ -204,6 +204,13 @@ class SwitchClient(Client):
                 if not (1 <= self.slots <= 65536 and 1 <= self.elements):
                     raise AggregationError(f"aggregator {self.address} answered the JOIN with {self.slots} slots "
                                            f"of {self.elements} elements")
+                if self.shard_slots:
+                    ports = (self.base + self.slots - 1) // self.shard_slots + 1
+                    if self.base >= 1 << 32 or ports > 64 or self.aggregator[1] + ports - 1 > 0xFFFF:
+                        raise AggregationError(
+                            f"aggregator {self.address} placed {self._context()} on {ports} shard ports from "
+                            f"{self.aggregator[1]} (base {self.base}, {self.shard_slots} slots per shard): at "
+                            f"most 64, below 65536")
                 if self.elements > self.max_elements:
                     raise JobMismatch(
                         f"aggregator {self.address} sums {self.elements} elements per packet for {self._context()}, "

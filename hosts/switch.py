@@ -384,6 +384,14 @@ class SwitchService:
                                f"job {name!r} sums {job.elements} elements per packet ({HEADER_SIZE + 4 * job.elements}"
                                f"-byte datagrams), more than rank {h.sender}'s path MTU fits ({fits} elements); "
                                f"raise that worker's MTU or start the job with fewer elements")
+        if layout[1]:
+            # a sharded member's ports: at most 64, all in the port range
+            ports = (layout[0] + job.slots - 1) // layout[1] + 1
+            if layout[0] >= 1 << 32 or ports > 64 or src[1] + ports - 1 > 0xFFFF:
+                raise ControlError(ErrorCode.MALFORMED,
+                                   f"JOIN's shard layout (base {layout[0]}, {layout[1]} slots per shard) puts job "
+                                   f"{name!r}'s {job.slots} slots on {ports} ports from {src[1]}; at most 64, "
+                                   f"below 65536")
         old = job.members.get(h.sender)
         if old is not None and old != src:
             log.warning("switch: job %r rank %d re-joined from %s (was %s)", name, h.sender, src, old)

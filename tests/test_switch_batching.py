@@ -200,3 +200,33 @@ def test_sharded_racks_under_a_sharded_parent_sum_exactly():
     finally:
         for s in racks + [parent]:
             s.stop()
+
+
+def test_a_join_whose_shard_layout_points_outside_its_ports_is_refused():
+    """A member's layout decides where results go: one that would send them
+    to another host's address (a port past 65535 spills into the IP) is
+    refused, and the aggregator keeps serving."""
+    import socket
+
+    from aggnet import wire
+    from aggnet.client import job_id_of
+    from aggnet.wire import HEADER_SIZE, Header, MsgType
+
+    agg = switch("--pool", "256", "--elements", "64")
+    try:
+        host, port = agg.address[len("udp://"):].rsplit(":", 1)
+        job = _job()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind(("127.0.0.1", 0))
+            s.settimeout(5)
+            body = wire.json_payload({"name": job, "slots": 16})
+            h = Header(MsgType.JOIN, job_id=job_id_of(job), sender=0, world=2, offset=1 << 40, ref=1)
+            s.sendto(h.pack_for(body) + body, (host, int(port)))
+            reply, _ = s.recvfrom(65536)
+            h = wire.unpack_header(reply)
+            assert h.msg_type == MsgType.ERROR
+            code, text = wire.parse_error(memoryview(reply)[HEADER_SIZE:])
+            assert code == "malformed" and "shard layout" in text
+        check_exact([r[:4] for r in run(agg.address, 2, seed=14, elements=64)], 2, 14)
+    finally:
+        agg.stop()

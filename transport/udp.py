@@ -64,6 +64,8 @@ BATCH_BYTES = 256 << 10
 IP_UDP_OVERHEAD = 28
 
 IO_MODES = ("gso", "mmsg", "plain")
+#: peers whose (ip, port) <-> key conversions are remembered
+ADDRESS_CACHE = 4096
 
 
 def addr_key(addr: tuple) -> int:
@@ -220,12 +222,16 @@ class DatagramSocket:
     def key_of(self, addr: tuple) -> int:
         key = self._keys.get(addr)
         if key is None:
+            if len(self._keys) >= ADDRESS_CACHE:
+                self._keys.clear()  # a flood of sources must not grow it without bound
             key = self._keys[addr] = addr_key(addr)
         return key
 
     def addr_of(self, key: int) -> tuple:
         addr = self._addrs.get(key)
         if addr is None:
+            if len(self._addrs) >= ADDRESS_CACHE:
+                self._addrs.clear()
             addr = self._addrs[key] = key_addr(key)
         return addr
 
