@@ -64,8 +64,7 @@ class SwitchRequest(Request):
     blocks: int = 0
     used: int = 0  #: slots this all-reduce uses
     first_slot: int = 0  #: its blocks start at this slot, then wrap
-    remaining: int = 0  #: data blocks whose result has not been written
-    slots_left: int = 0  #: slots still serving this request
+    slots_left: int = 0  #: slots still serving it: it is done at 0
     exps: np.ndarray | None = None  #: local block exponents (quantized)
     local_nonfinite: int = 0
     buf_f: np.ndarray | None = None
@@ -94,8 +93,7 @@ class SwitchClient(Client):
                              f"path MTU to {self.address} is {self.path_mtu} and aggnet never fragments: use "
                              f"elements <= {self.max_elements} or raise the MTU (jumbo frames)")
         self.dsock = DatagramSocket(("0.0.0.0", 0), io=self.config.udp_io, arena_bytes=8 << 20,
-                                    max_datagrams=16384, max_datagram_bytes=min(65536, self.path_mtu),
-                                    role="client")
+                                    max_datagrams=16384, max_datagram_bytes=min(65536, self.path_mtu))
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._join()
@@ -139,7 +137,7 @@ class SwitchClient(Client):
         self.probe_off = np.zeros(16, np.int64)
         self.next_slots = np.zeros(s, np.int64)
         self.finished = np.zeros(s, np.int64)
-        self.state = np.zeros(5, np.int64)
+        self.state = np.zeros(3, np.int64)
         # each slot's destination: the aggregator's shard that owns it
         ip, port = self.aggregator
         delta = np.zeros(s, np.int64)
@@ -301,7 +299,6 @@ class SwitchClient(Client):
     def _admit(self, req: SwitchRequest) -> None:
         k, s = self.elements, self.slots
         req.blocks = -(-req.buf.size // k)
-        req.remaining = req.blocks
         if req.blocks == 0:
             self._complete(req)
             return
@@ -336,7 +333,7 @@ class SwitchClient(Client):
         self.rid[slots] = req.seq
         dg.start_uses(self.packets, slots, slots.size, self.template, self.elements, req.round, self.tags,
                       self.busy, self.kind, self.block, req.buf_f, req.buf_i, req.enc.quantized, req.buf.size,
-                      self.wbits, req.first_slot, req.used, req.exps if req.exps is not None else _NO_EXPS)
+                      self.wbits, req.first_slot, req.exps if req.exps is not None else _NO_EXPS)
         self._send_slots(slots, retransmit=False)
 
     def _send_slots(self, slots: np.ndarray, retransmit: bool) -> None:
@@ -434,13 +431,12 @@ class SwitchClient(Client):
     def _advance(self, req: SwitchRequest, res_slot, res_off, count: int) -> None:
         st = self.state
         st[:] = 0
-        st[3] = -1
+        st[2] = -1
         dg.advance(self.dsock.arena, res_slot, res_off, count, self.packets, self.template, self.elements, req.round,
                    self.tags, self.busy, self.kind, self.block, req.buf_f, req.buf_i, req.enc.quantized, req.buf.size,
                    self.wbits, req.enc.multiplier, req.used, req.blocks,
                    req.exps if req.exps is not None else _NO_EXPS, self.next_slots, self.finished, st)
-        nn, nf, decoded, bad_block, skipped = (int(x) for x in st)
-        req.remaining -= decoded + skipped
+        nn, nf, bad_block = int(st[0]), int(st[1]), int(st[2])
         if bad_block >= 0:
             self._nonfinite(req, bad_block)
         if nn:

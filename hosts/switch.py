@@ -100,13 +100,13 @@ def _bind_shards(addr: Address, shards: int, io: str | None, max_bytes: int) -> 
     for attempt in range(tries):
         socks: list[DatagramSocket] = []
         try:
-            first = DatagramSocket((addr.host, addr.port), io=io, max_datagrams=MAX_BATCH, role="shard 0",
+            first = DatagramSocket((addr.host, addr.port), io=io, max_datagrams=MAX_BATCH,
                                    max_datagram_bytes=max_bytes)
             socks.append(first)
             port = first.address[1]
             for i in range(1, shards):
                 socks.append(DatagramSocket((addr.host, port + i), io=io, max_datagrams=MAX_BATCH,
-                                            role=f"shard {i}", max_datagram_bytes=max_bytes))
+                                            max_datagram_bytes=max_bytes))
             return socks
         except OSError:
             for s in socks:
@@ -263,9 +263,6 @@ class SwitchService:
                 except (ProcessLookupError, ChildProcessError):
                     pass
         self._children = []
-
-    def step(self, n: int) -> None:
-        self._step(self.sock, 0, n)
 
     def _step(self, sock: DatagramSocket, shard: int, n: int) -> None:
         self.regs.run(sock, shard, self.actions, self.act_job, self.out_len)

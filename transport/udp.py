@@ -177,12 +177,11 @@ class DatagramSocket:
 
     def __init__(self, addr: Address | tuple, *, io: str | None = None, arena_bytes: int = 4 << 20,
                  max_datagrams: int = 8192, max_datagram_bytes: int = RECEIVE_CHUNK,
-                 buffer_bytes: int = SOCKET_BUFFER, role: str = "socket"):
+                 buffer_bytes: int = SOCKET_BUFFER):
         from . import mmsg
 
         self.sock = open_udp(addr, buffer_bytes)
         self.fd = self.sock.fileno()
-        self.role = role
         self.io = choose_io(self.sock, io)
         if self.io not in _logged_modes:
             _logged_modes.add(self.io)
@@ -213,9 +212,6 @@ class DatagramSocket:
     def address(self) -> tuple:
         return self.sock.getsockname()
 
-    def fileno(self) -> int:
-        return self.fd
-
     def close(self) -> None:
         self.sock.close()
 
@@ -237,10 +233,10 @@ class DatagramSocket:
 
     # -- receive ---------------------------------------------------------------------
 
-    def wait(self, timeout: float, extra=()) -> list:
-        """Sockets among this one and ``extra`` that are readable within ``timeout``."""
-        r, _, _ = select.select([self.sock, *extra], [], [], max(0.0, timeout))
-        return r
+    def wait(self, timeout: float) -> bool:
+        """Whether a datagram is queued within ``timeout``."""
+        r, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
+        return bool(r)
 
     def receive(self, timeout: float = 0.0, max_bytes: int | None = None) -> int:
         """Wait up to ``timeout`` for datagrams, then take what is queued

@@ -223,7 +223,7 @@ def _build_use(packets, s, template, k, kind, block, exponent, next_exponent, ta
 
 @_jit
 def start_uses(packets, slots_in, count, template, k, rnd, tags, busy, kind, block,
-               buf_f, buf_i, quantized, nelem, wbits, first_slot, used, local_exps):
+               buf_f, buf_i, quantized, nelem, wbits, first_slot, local_exps):
     """The first use of each slot in ``slots_in[:count]`` for a request:
     a priming use (quantized floats: carries the slot's first block's
     exponent) or the slot's first data block (int32)."""
@@ -250,10 +250,10 @@ def advance(arena, res_slot, res_off, m, packets, template, k, rnd, tags, busy, 
     """Take ``m`` results of one request: decode data results into the
     caller's buffer, and build each slot's next use of this request.
     Slots with nothing left in this request go to ``finished``.
-    ``state`` = [next_count, finished_count, decoded, first_nonfinite_block]."""
+    ``state`` = [next uses built, slots finished, first block after a
+    NaN/Inf marker or -1]."""
     nn = 0
     nf = 0
-    decoded = 0
     for i in range(m):
         s = res_slot[i]
         p = arena[res_off[i]:res_off[i] + HEADER_SIZE + 4 * k]
@@ -268,7 +268,6 @@ def advance(arena, res_slot, res_off, m, packets, template, k, rnd, tags, busy, 
                             buf_f[start:start + n], True)
             else:
                 _swap_out(payload, buf_i[start:start + n])
-            decoded += 1
             nb = b + used
         else:
             nb = b
@@ -282,10 +281,8 @@ def advance(arena, res_slot, res_off, m, packets, template, k, rnd, tags, busy, 
             agreed = s16(be16(p, O_NEXT_EXPONENT))
             if agreed == EXPONENT_NONFINITE:
                 # every worker got the marker: all stop this slot's blocks
-                if state[3] < 0 or nb < state[3]:
-                    state[3] = nb
-                left = (blocks - 1 - nb) // used + 1
-                state[4] += left
+                if state[2] < 0 or nb < state[2]:
+                    state[2] = nb
                 finished[nf] = s
                 nf += 1
                 continue
@@ -302,7 +299,6 @@ def advance(arena, res_slot, res_off, m, packets, template, k, rnd, tags, busy, 
         nn += 1
     state[0] = nn
     state[1] = nf
-    state[2] = decoded
 
 
 @_jit
