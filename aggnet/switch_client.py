@@ -323,12 +323,14 @@ class SwitchClient(Client):
         self._by_seq[req.seq] = req
         self._active[req.round] = req
         mine = (req.first_slot + np.arange(req.used, dtype=np.int64)) % s
-        ready = np.sort(mine[self.idle[mine]])
+        ready = mine[self.idle[mine]]
         if ready.size:
             self._start_slots(req, ready)
 
     def _start_slots(self, req: SwitchRequest, slots: np.ndarray) -> None:
-        """The request's first use of each of ``slots`` (sorted)."""
+        """The request's first use of each of ``slots``, sent in the
+        request's order of them (the same on every worker, so the uses
+        complete in that order too)."""
         self.idle[slots] = False
         self.rid[slots] = req.seq
         dg.start_uses(self.packets, slots, slots.size, self.template, self.elements, req.round, self.tags,
@@ -446,7 +448,7 @@ class SwitchClient(Client):
             # later uses would complete first: fast retransmits for nothing)
             self._send_slots(self.next_slots[:nn].copy(), retransmit=False)
         if nf:
-            self._finish_slots(req, np.sort(self.finished[:nf]))
+            self._finish_slots(req, self.finished[:nf].copy())
 
     def _finish_slots(self, req: SwitchRequest, slots: np.ndarray) -> None:
         """``slots`` served their last use of ``req``: each goes on to the
@@ -462,9 +464,10 @@ class SwitchClient(Client):
         for later in self._reqs:
             if later.seq <= req.seq:
                 continue
-            mask = ((pending - later.first_slot) % s) < later.used
+            position = (pending - later.first_slot) % s
+            mask = position < later.used
             if mask.any():
-                self._start_slots(later, pending[mask])
+                self._start_slots(later, pending[mask][np.argsort(position[mask], kind="stable")])
                 pending = pending[~mask]
                 if not pending.size:
                     return
