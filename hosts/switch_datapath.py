@@ -19,8 +19,9 @@ import numpy as np
 from aggnet.kernels.datagrams import (
     D_INT32, F_UPLINK, F_VERSION, O_DTYPE, O_FLAGS, O_INDEX, O_JOB, O_MAGIC, O_NEXT_EXPONENT, O_NSUM, O_REF,
     O_RESERVED, O_SENDER, O_COUNT, O_EXPONENT, O_OFFSET, O_TYPE, O_VERSION, O_WORLD, T_PROBE, T_PROBE_OK, T_PUSH,
-    T_RESULT, be16, be32, bswap, put16, put32, s16, shard_delta,
+    T_RESULT, be16, be32, put16, put32, s16, shard_delta,
 )
+from aggnet.kernels.cpu import _accumulate_be_i32, _byteswap32
 from aggnet.protocol import MAX_WORKERS
 from aggnet.wire import HEADER_SIZE, MAGIC, VERSION
 
@@ -48,30 +49,24 @@ _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
 _inline = numba.njit(cache=True, nogil=True, inline="always")
 
 
-@_jit
+# the payload loops are the CPU backend's kernels on whole words, called on
+# contiguous slices: LLVM vectorizes them there, not inlined into this loop
+
+
+@_inline
 def _load(p, vals, k):
-    # whole words, byteswapped, in functions of their own: loops LLVM
-    # vectorizes (inlined into the packet loop, it does not)
-    src = p[HEADER_SIZE:HEADER_SIZE + 4 * k].view(np.uint32)
-    dst = vals[:k].view(np.uint32)
-    for e in range(k):
-        dst[e] = bswap(src[e])
+    _byteswap32(p[HEADER_SIZE:HEADER_SIZE + 4 * k].view(np.uint32), vals[:k].view(np.uint32))
 
 
-@_jit
+@_inline
 def _add(p, vals, k):
-    src = p[HEADER_SIZE:HEADER_SIZE + 4 * k].view(np.uint32)
-    dst = vals[:k].view(np.uint32)
-    for e in range(k):
-        dst[e] = dst[e] + bswap(src[e])  # uint32 wraps exactly as a switch's int32
+    # uint32 addition wraps exactly as a switch's int32
+    _accumulate_be_i32(vals[:k].view(np.uint32), p[HEADER_SIZE:HEADER_SIZE + 4 * k].view(np.uint32))
 
 
-@_jit
+@_inline
 def _store(p, vals, k):
-    dst = p[HEADER_SIZE:HEADER_SIZE + 4 * k].view(np.uint32)
-    src = vals[:k].view(np.uint32)
-    for e in range(k):
-        dst[e] = bswap(src[e])
+    _byteswap32(vals[:k].view(np.uint32), p[HEADER_SIZE:HEADER_SIZE + 4 * k].view(np.uint32))
 
 
 @_inline

@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import wire
 from . import QUANT_BITS as _QUANT_BITS
-from .cpu import _dequantize, _quantize
+from .cpu import _byteswap32, _dequantize, _quantize
 from ..wire import EXPONENT_NONFINITE, EXPONENT_ZERO, HEADER_SIZE, MAGIC, VERSION
 
 
@@ -126,18 +126,6 @@ def shard_delta(base, shard_slots, index):
 # there, and not once inlined into the packet loops
 
 
-@_jit
-def _swap_in(src, dst):
-    for e in range(src.size):
-        dst[e] = bswap(np.uint32(src[e]))
-
-
-@_jit
-def _swap_out(src, dst):
-    for e in range(dst.size):
-        dst[e] = np.int32(bswap(src[e]))
-
-
 @_inline
 def _next_tag(tags, s):
     """The slot's next use: its tag counts up, skipping 0 (never used)."""
@@ -216,7 +204,7 @@ def _build_use(packets, s, template, k, kind, block, exponent, next_exponent, ta
     if quantized:
         _quantize(buf_f[start:start + n], math.ldexp(1.0, QUANT_BITS - exponent - wbits), payload[:n], True)
     else:
-        _swap_in(buf_i[start:start + n], payload)
+        _byteswap32(buf_i[start:start + n].view(np.uint32), payload[:n])
     for e in range(n, k):
         payload[e] = 0
 
@@ -267,7 +255,7 @@ def advance(arena, res_slot, res_off, m, packets, template, k, rnd, tags, busy, 
                 _dequantize(payload[:n], math.ldexp(1.0, -(QUANT_BITS - e - wbits)) * multiplier,
                             buf_f[start:start + n], True)
             else:
-                _swap_out(payload, buf_i[start:start + n])
+                _byteswap32(payload[:n], buf_i[start:start + n].view(np.uint32))
             nb = b + used
         else:
             nb = b
