@@ -16,6 +16,8 @@ Environment variables:
 ``AGGNET_SLOTS``       switch protocol: slots of the pool a job asks for
 ``AGGNET_ELEMENTS``    switch protocol: int32 elements per packet
 ``AGGNET_UDP_IO``      switch protocol: gso, mmsg or plain (default: best)
+``AGGNET_JOB_KEY``     the job's key (hex, ``aggnet job create``): signs JOINs
+``AGGNET_SERVER_KEY``  the service's CURVE public key (zmq+tcp with CURVE)
 =====================  ====================================================
 """
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from .protocol import MAX_ELEMENTS
 
@@ -87,6 +89,12 @@ class ClientConfig:
     #: switch protocol: UDP batching (gso, mmsg, plain); None: the best the
     #: kernel offers
     udp_io: str | None = None
+    #: the job's key (hex): JOINs are signed with it (None: unsigned, which
+    #: only an aggregator without keys accepts; the embedded one makes its own)
+    job_key: str | None = field(default=None, repr=False)
+    #: the service's ZeroMQ CURVE public key (Z85): encrypt and check the
+    #: server over zmq+tcp
+    server_key: str | None = None
 
     def __post_init__(self):
         if self.timeout <= 0:
@@ -107,6 +115,13 @@ class ClientConfig:
             raise ValueError(f"elements must be between 1 and {MAX_ELEMENTS}, got {self.elements!r}")
         if self.udp_io not in (None, "gso", "mmsg", "plain"):
             raise ValueError(f"udp_io must be gso, mmsg or plain, got {self.udp_io!r}")
+        if self.job_key is not None:
+            from .keys import parse_key
+
+            parse_key(self.job_key)
+        if self.server_key is not None and len(self.server_key) != 40:
+            raise ValueError(f"server_key must be a 40-character Z85 CURVE public key, got {len(self.server_key)} "
+                             f"characters")
 
     @classmethod
     def from_env(cls, environ=None, **overrides) -> "ClientConfig":
@@ -122,6 +137,8 @@ class ClientConfig:
             ("slots", "AGGNET_SLOTS", int),
             ("elements", "AGGNET_ELEMENTS", int),
             ("udp_io", "AGGNET_UDP_IO", str),
+            ("job_key", "AGGNET_JOB_KEY", str),
+            ("server_key", "AGGNET_SERVER_KEY", str),
         ):
             if env.get(name):
                 try:

@@ -65,6 +65,12 @@ class Segment:
             elif os.fstat(fd).st_size != self.size:
                 raise OSError(f"shared memory {self.path} is {os.fstat(fd).st_size} bytes, expected {self.size}")
             self._map = mmap.mmap(fd, self.size)
+        except (OSError, ValueError, OverflowError) as exc:
+            if create:  # a refused segment leaves no file behind
+                self.unlink()
+            if isinstance(exc, OSError):
+                raise
+            raise OSError(f"cannot map {self.size} bytes of shared memory at {self.path}: {exc}") from None
         finally:
             os.close(fd)
         self.array = np.frombuffer(self._map, np.uint8)

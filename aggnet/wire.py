@@ -270,6 +270,10 @@ def unpack_message(buf) -> tuple[Header, memoryview]:
 #: index of the per-shard message that agrees the int32 exponents of a
 #: round's chunks (a MAX over workers) before their data is sent
 SCALE_INDEX = 0xFFFFFFFF
+#: index of the per-round message that agrees the buffer's size (a MAX of
+#: its size and of its negation over workers): a worker whose buffer
+#: differs fails with JobMismatch on every rank, not with a timeout
+PLAN_INDEX = 0xFFFFFFFE
 
 
 def json_payload(obj) -> bytes:

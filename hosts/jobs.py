@@ -61,11 +61,23 @@ class Job:
     #: shared-memory rings of the job on this shard, and the ranks using them
     segment: "Segment | None" = None
     shm_members: set = field(default_factory=set)
+    #: (round, index, op) -> ERROR payload of slots given up (stall,
+    #: mismatch, a member left), for the ranks whose part comes later
+    abandoned: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    #: ranks that left while the job went on: a chunk can no longer complete
+    departed: set = field(default_factory=set)
+    #: messages and bytes of this job (STATS, metrics)
+    counters: collections.Counter = field(default_factory=collections.Counter)
 
     def remember_done(self, key) -> None:
         self.done[key] = None
         if len(self.done) > DONE_MEMORY:
             self.done.popitem(last=False)
+
+    def remember_abandoned(self, key, error_payload: bytes) -> None:
+        self.abandoned[key] = error_payload
+        if len(self.abandoned) > DONE_MEMORY:
+            self.abandoned.popitem(last=False)
 
     def missing(self, seen: int) -> list[int]:
         return [r for r in range(self.world) if not seen >> r & 1]

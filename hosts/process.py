@@ -67,6 +67,13 @@ class ServiceProcess:
             line += byte
         return line.decode().strip()
 
+    def detach(self) -> None:
+        """Let the service run on by itself (it stops on its own terms);
+        this process no longer stops it at exit."""
+        atexit.unregister(self.stop)
+        if self.process.stdout and not self.process.stdout.closed:
+            self.process.stdout.close()
+
     def alive(self) -> bool:
         return self.process.poll() is None
 

@@ -15,6 +15,7 @@ embedded default must never outlive the worker that started it).
 
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing
 import os
@@ -23,7 +24,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from aggnet import wire
+from aggnet import control, keys, wire
+from aggnet.control import ControlError
+from aggnet.keys import Keyring
 from aggnet.processes import die_with_parent
 from aggnet.address import Address, parse
 from aggnet.transport import Listener, connect, listen
@@ -37,6 +40,9 @@ log = logging.getLogger("aggnet.hosts.service")
 SHARD_START_TIMEOUT = 60.0
 #: seconds shards get to stop before they are killed
 SHARD_STOP_TIMEOUT = 5.0
+#: a shard restarted more often than this within the window stops the service
+MAX_RESTARTS = 5
+RESTART_WINDOW = 60.0
 
 
 def default_shards() -> int:
@@ -73,7 +79,8 @@ def _warm_up_kernels() -> None:
         k.to_half(f, h, fmt)
 
 
-def _shard_main(index: int, address: str, report, log_level: int) -> None:
+def _shard_main(index: int, address: str, report, log_level: int, keyring: Keyring | None = None,
+                curve=None) -> None:
     """Entry point of a shard process."""
     die_with_parent()
     logging.basicConfig(level=log_level, format=f"%(asctime)s aggnet shard {index} %(levelname)s %(message)s")
@@ -82,22 +89,27 @@ def _shard_main(index: int, address: str, report, log_level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides
     try:
         _warm_up_kernels()
-        listener = listen(address)
+        listener = listen(address, **_curve_options(curve))
     except Exception as exc:
         report.send(("error", f"shard {index} cannot start on {address}: {exc}"))
         return
     report.send(("ready", str(listener.address)))
     report.close()
-    shard = Shard(listener, index)
+    shard = Shard(listener, index, keyring)
+    code = 1
     try:
         shard.serve(stop.is_set)
+        code = 0
+    except BaseException:
+        log.exception("shard %d failed", index)
     finally:
         shard.close()
         listener.close()
         logging.shutdown()
         # skip interpreter teardown: transport libraries' finalizers (UCX's)
-        # can block an exit that has nothing left to do
-        os._exit(0)
+        # can block an exit that has nothing left to do; the status tells
+        # the supervisor whether the shard stopped or failed
+        os._exit(code)
 
 
 @dataclass
@@ -105,6 +117,7 @@ class _ShardHandle:
     address: str
     process: multiprocessing.Process | None = None
     thread: threading.Thread | None = None
+    restarts: list = field(default_factory=list)  #: when it was restarted
 
 
 @dataclass
@@ -115,6 +128,12 @@ class Service:
     shards: list[_ShardHandle]
     stop_event: threading.Event = field(default_factory=threading.Event)
     in_process_shards: list[Shard] = field(default_factory=list)
+    keyring: Keyring = field(default_factory=Keyring)
+    #: restart a shard process that died (``aggnet serve --restart``)
+    restart: bool = False
+    log_level: int = logging.INFO
+    curve: object = None  #: the service's CURVE key pair (zmq+tcp)
+    counters: collections.Counter = field(default_factory=collections.Counter)
 
     @property
     def address(self) -> str:
@@ -125,47 +144,105 @@ class Service:
                 "pid": os.getpid()}
 
     def handle_control(self, peer, header_buf, payload) -> None:
+        """One control message; none, however malformed, stops the service."""
+        self.counters["messages"] += 1
         try:
+            self._control(peer, header_buf, payload)
+        except Exception:
+            self.counters["internal_error"] += 1
+            log.exception("control message from %r failed; the service goes on", peer)
+
+    def _control(self, peer, header_buf, payload) -> None:
+        try:
+            if len(header_buf) > wire.HEADER_SIZE:
+                raise wire.WireError("header_length", f"header frame of {len(header_buf)} bytes; aggnet headers "
+                                                      f"are {wire.HEADER_SIZE}")
             h = wire.unpack_header(header_buf)
+            wire.check_payload(h, len(payload))
         except wire.WireError as exc:
+            self.counters[f"dropped_malformed_{exc.reason}"] += 1
             self._send(peer, MsgType.ERROR, wire.error_payload(ErrorCode.MALFORMED, str(exc)))
             return
         if h.msg_type == MsgType.HELLO:
             self._send(peer, MsgType.HELLO_OK, wire.json_payload(self.shard_map()))
         elif h.msg_type == MsgType.STATS:
-            self._send(peer, MsgType.STATS_OK, wire.json_payload(self.collect_stats()))
+            try:
+                jobs = self._stats_view(peer, h, payload)
+            except ControlError as exc:
+                self.counters[f"dropped_{exc.reason}"] += 1
+                self._send(peer, MsgType.ERROR, wire.error_payload(exc.code, str(exc)))
+                return
+            self._send(peer, MsgType.STATS_OK, wire.json_payload(self.collect_stats(jobs=jobs)))
         else:
+            self.counters["dropped_unexpected_type"] += 1
             self._send(peer, MsgType.ERROR, wire.error_payload(
                 ErrorCode.REFUSED,
                 f"the control endpoint {self.address} answers HELLO and STATS; send {h.msg_type.name} to a shard "
                 f"(the HELLO reply lists them)"))
 
+    def _stats_view(self, peer, h: Header, payload) -> set | None:
+        """Which jobs a STATS may see (None: all): with keys, a job's
+        counters need its key and every job's the admin key."""
+        if not self.keyring.enforced:
+            return None
+        info = control.parse(control.STATS, payload, "STATS")
+        if "admin" in info:
+            self.keyring.verify("STATS", h.job_id, h.sender, h.world, None, info, peer, admin=True)
+            return None
+        if "job" in info:
+            self.keyring.verify("STATS", h.job_id, h.sender, h.world, info["job"], info, peer)
+            return {info["job"]}
+        return set()
+
     def _send(self, peer, msg_type: MsgType, payload: bytes) -> None:
         self.control.send(peer, Header(msg_type).pack_for(payload), payload)
 
-    def collect_stats(self, timeout: float = 2.0) -> dict:
-        """Every shard's counters, asked over its own socket."""
+    def collect_stats(self, timeout: float = 2.0, jobs: set | None = None) -> dict:
+        """Every shard's counters, asked over its own socket (a shard that
+        does not answer in time shows as null); ``jobs`` limits the job
+        tables shown to those names."""
         shards: list = [None] * len(self.shards)
-        with connect([s.address for s in self.shards]) as conn:
+        ask = Header(MsgType.STATS)
+        if self.keyring.enforced and self.keyring.admin is not None:
+            payload = wire.json_payload({"admin": keys.sign(self.keyring.admin, "STATS", 0, 0, 0, {})})
+        else:
+            payload = b""
+        client_curve = None
+        if self.curve is not None:
+            from aggnet.transport.zmq import Curve
+
+            client_curve = Curve(self.curve.public)
+        with connect([s.address for s in self.shards], **_curve_options(client_curve)) as conn:
             for i in range(len(self.shards)):
-                conn.send(i, Header(MsgType.STATS).pack())
+                conn.send(i, ask.pack_for(payload), payload or None)
             deadline = time.monotonic() + timeout
             while any(s is None for s in shards) and time.monotonic() < deadline:
                 msg = conn.recv(deadline - time.monotonic())
                 if msg is None:
                     continue
-                h = wire.unpack_header(msg.header)
-                if h.msg_type == MsgType.STATS_OK:
-                    shards[msg.peer] = wire.parse_json(msg.payload)
-        totals: dict = {}
+                try:
+                    h = wire.unpack_header(msg.header)
+                    if h.msg_type == MsgType.STATS_OK:
+                        shards[msg.peer] = wire.parse_json(msg.payload)
+                except wire.WireError:
+                    continue
+        totals: dict = dict(self.counters)
         for s in shards:
             for k, v in (s or {}).get("counters", {}).items():
                 totals[k] = totals.get(k, 0) + v
-        return {"service": self.shard_map(), "totals": totals, "shards": shards}
+            if s is not None and jobs is not None:
+                s["jobs"] = {name: j for name, j in s.get("jobs", {}).items() if name in jobs}
+        return {"service": self.shard_map(), "totals": totals, "shards": shards,
+                "restarts": sum(len(s.restarts) for s in self.shards)}
 
-    def run(self, parent_pid: int | None = None) -> None:
-        """Answer control requests until stopped (or the parent is gone)."""
+    def run(self, parent_pid: int | None = None, until_idle: float | None = None) -> None:
+        """Answer control requests until stopped (or the parent is gone).
+        With ``until_idle``, stop when the last member of the last job has
+        left, or when no job came for that long: the embedded default
+        serves a job, not the worker that started it."""
         next_check = 0.0
+        started = time.monotonic()
+        self._seen_jobs = False
         while not self.stop_event.is_set():
             msg = self.control.recv(0.2)
             if msg is not None:
@@ -173,14 +250,68 @@ class Service:
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + 0.5
-                if parent_pid is not None and not _alive(parent_pid):
+                if parent_pid is not None and until_idle is None and not _alive(parent_pid):
                     log.info("parent process %d is gone; stopping", parent_pid)
                     break
                 dead = [i for i, s in enumerate(self.shards) if s.process is not None and not s.process.is_alive()]
-                if dead:
-                    log.error("shard process(es) %s died; stopping the service", dead)
+                if dead and not self._recover(dead):
+                    break
+                if until_idle is not None and self._idle(now - started, until_idle, parent_pid):
                     break
         self.stop()
+
+    def _idle(self, age: float, limit: float, parent_pid: int | None) -> bool:
+        stats = self.collect_stats(timeout=1.0)
+        if any(s is None for s in stats["shards"]):
+            return False  # a busy or restarting shard: look again later
+        jobs = sum(len(s.get("jobs", {})) for s in stats["shards"])
+        now = time.monotonic()
+        messages = stats["totals"].get("pushes", 0) + stats["totals"].get("joins", 0)
+        if messages != getattr(self, "_messages", None):
+            self._messages, self._quiet_since = messages, now
+        if jobs or stats["totals"].get("joins", 0):
+            self._seen_jobs = True  # a job that came and went between looks counts too
+        if jobs:
+            # members killed without LEAVE: once the process that started
+            # the service is gone too and nothing moves, nobody is left
+            if parent_pid is not None and not _alive(parent_pid) and now - self._quiet_since >= limit:
+                log.info("parent process %d is gone and the job(s) sent nothing for %gs; stopping", parent_pid, limit)
+                return True
+            return False
+        if self._seen_jobs:
+            log.info("the last member of the last job left; stopping")
+            return True
+        if age >= limit:
+            log.info("no job joined within %gs; stopping", limit)
+            return True
+        return False
+
+    def _recover(self, dead: list[int]) -> bool:
+        """Restart dead shards at their addresses (with ``restart``); False
+        when the service must stop instead. Workers of the jobs the shard
+        held see their all-reduce fail naming it, and join it again."""
+        for i in dead:
+            handle = self.shards[i]
+            code = handle.process.exitcode
+            if not self.restart:
+                log.error("shard %d (pid %d) died with status %s; stopping the service (run `aggnet serve "
+                          "--restart` to restart shards instead)", i, handle.process.pid, code)
+                return False
+            now = time.monotonic()
+            handle.restarts = [t for t in handle.restarts if now - t < RESTART_WINDOW] + [now]
+            if len(handle.restarts) > MAX_RESTARTS:
+                log.error("shard %d died %d times within %gs; stopping the service", i, len(handle.restarts),
+                          RESTART_WINDOW)
+                return False
+            log.warning("shard %d (pid %d) died with status %s; restarting it at %s", i, handle.process.pid, code,
+                        handle.address)
+            try:
+                handle.process = _spawn_shard(i, handle.address, self.log_level, self.keyring, self.curve,
+                                              multiprocessing.get_context("spawn"))
+            except RuntimeError as exc:
+                log.error("%s; stopping the service", exc)
+                return False
+        return True
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -200,6 +331,11 @@ class Service:
         self.control.close()
 
 
+def _curve_options(curve) -> dict:
+    """Transport options of a CURVE-protected service (ZeroMQ only)."""
+    return {} if curve is None else {"curve": curve}
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -210,16 +346,50 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def start(listen_address: str, shards: int | None = None, log_level: int = logging.INFO) -> Service:
+def _spawn_shard(index: int, address: str, log_level: int, keyring: Keyring, curve, ctx) -> multiprocessing.Process:
+    """Start one shard process and wait until it serves at ``address``."""
+    ours, theirs = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_shard_main, args=(index, address, theirs, log_level, keyring, curve),
+                    name=f"aggnet-shard-{index}", daemon=True)
+    p.start()
+    theirs.close()
+    try:
+        if not ours.poll(SHARD_START_TIMEOUT):
+            raise RuntimeError(f"shard {index} did not start within {SHARD_START_TIMEOUT:g}s")
+        kind, value = ours.recv()
+    except EOFError:
+        p.kill()
+        raise RuntimeError(f"shard {index} exited while starting (see its log above)") from None
+    except BaseException:
+        p.kill()
+        raise
+    finally:
+        ours.close()
+    if kind != "ready":
+        p.kill()
+        raise RuntimeError(value)
+    return p
+
+
+def start(listen_address: str, shards: int | None = None, log_level: int = logging.INFO,
+          keyring: Keyring | None = None, restart: bool = False, curve=None) -> Service:
     """Start shards and bind the control endpoint; returns when every shard
     is ready. ``inproc://`` services run their shards as threads."""
+    keyring = keyring or Keyring()
+    if keyring.enforced and keyring.admin is None:
+        # the supervisor reads every shard's full table (STATS, metrics,
+        # --until-idle) with an admin key nobody else knows
+        keyring.admin = bytes.fromhex(keys.new_key())
     control_addr = parse(listen_address)
     n = shards or default_shards()
     if n < 1:
         raise ValueError(f"shards must be >= 1, got {n}")
     addrs = shard_addresses(control_addr, n)
+    if curve is not None and control_addr.scheme != "zmq+tcp":
+        raise ValueError(f"CURVE protects zmq+tcp services; {control_addr.scheme} addresses are protected by "
+                         f"file permissions (the socket's directory)")
     if control_addr.scheme == "inproc":
-        return _start_threads(control_addr, addrs)
+        return _start_threads(control_addr, addrs, keyring)
     handles = []
     # fork before any socket exists in this process: children start fast and
     # inherit nothing they should not
@@ -227,7 +397,8 @@ def start(listen_address: str, shards: int | None = None, log_level: int = loggi
     pipes = []
     for i, a in enumerate(addrs):
         ours, theirs = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_shard_main, args=(i, str(a), theirs, log_level), name=f"aggnet-shard-{i}", daemon=True)
+        p = ctx.Process(target=_shard_main, args=(i, str(a), theirs, log_level, keyring, curve),
+                        name=f"aggnet-shard-{i}", daemon=True)
         p.start()
         theirs.close()
         pipes.append(ours)
@@ -243,21 +414,21 @@ def start(listen_address: str, shards: int | None = None, log_level: int = loggi
             if kind != "ready":
                 raise RuntimeError(value)
             h.address = value
-        control = listen(control_addr)
+        control = listen(control_addr, **_curve_options(curve))
     except BaseException:
         for h in handles:
             h.process.kill()
         raise
-    svc = Service(control, handles)
+    svc = Service(control, handles, keyring=keyring, restart=restart, log_level=log_level, curve=curve)
     log.info("aggnet service at %s with %d shard(s): %s", svc.address, n, ", ".join(h.address for h in handles))
     return svc
 
 
-def _start_threads(control_addr: Address, addrs: list[Address]) -> Service:
+def _start_threads(control_addr: Address, addrs: list[Address], keyring: Keyring) -> Service:
     handles = []
-    svc = Service(listen(control_addr), handles)
+    svc = Service(listen(control_addr), handles, keyring=keyring)
     for i, a in enumerate(addrs):
-        shard = Shard(listen(a), i)
+        shard = Shard(listen(a), i, keyring)
         t = threading.Thread(target=_serve_thread, args=(shard, svc.stop_event), name=f"aggnet-shard-{i}", daemon=True)
         handles.append(_ShardHandle(str(shard.listener.address), thread=t))
         svc.in_process_shards.append(shard)

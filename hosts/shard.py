@@ -10,6 +10,7 @@ and counted, and the sender is told why; they never touch another job.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import os
@@ -17,7 +18,9 @@ import time
 
 import numpy as np
 
-from aggnet import kernels, wire
+from aggnet import control, kernels, wire
+from aggnet.control import ControlError
+from aggnet.keys import Keyring
 from aggnet.transport import Listener
 from aggnet.wire import DType, ErrorCode, Flag, Header, MsgType
 
@@ -32,14 +35,34 @@ STALL_CHECK_INTERVAL = 0.25
 _HALF_FMT = {DType.FLOAT16: "f16", DType.BFLOAT16: "bf16"}
 
 
+class Histogram:
+    """Counts of durations per bucket (upper bounds in seconds), for the
+    metrics endpoint: a fixed, small set, so a shard keeps no samples."""
+
+    BOUNDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+    def __init__(self):
+        self.counts = [0] * (len(self.BOUNDS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.BOUNDS, seconds)] += 1
+        self.sum += seconds
+
+    def describe(self) -> dict:
+        return {"bounds": list(self.BOUNDS), "counts": list(self.counts), "sum": self.sum}
+
+
 class Shard:
-    def __init__(self, listener: Listener, index: int = 0):
+    def __init__(self, listener: Listener, index: int = 0, keyring: Keyring | None = None):
         self.listener = listener
         self.index = index
+        self.keyring = keyring or Keyring()
         self.jobs: dict[int, Job] = {}
         self.counters: collections.Counter = collections.Counter()
         self.k = kernels.load("cpu")
         self.pool = BufferPool()
+        self.latency = Histogram()
         self._next_stall_check = 0.0
 
     # -- the loop ----------------------------------------------------------------
@@ -57,7 +80,20 @@ class Shard:
                 self.check_stalls(now)
 
     def handle(self, peer, header_buf, payload) -> None:
+        """One message in; no input from the network raises out of here."""
         self.counters["messages"] += 1
+        try:
+            self._dispatch(peer, header_buf, payload)
+        except Exception:
+            self.counters["internal_error"] += 1
+            log.exception("shard %d: a message from %r failed; the shard goes on", self.index, peer)
+            try:
+                self._reply(peer, Header(MsgType.ERROR), wire.error_payload(
+                    ErrorCode.REFUSED, "the aggregator failed on this message (its log says why); it goes on"))
+            except Exception:
+                pass
+
+    def _dispatch(self, peer, header_buf, payload) -> None:
         if len(header_buf) > wire.HEADER_SIZE:  # a short one is refused by unpack_header
             self._drop(peer, "malformed_header_length", ErrorCode.MALFORMED,
                        f"header frame of {len(header_buf)} bytes; aggnet headers are {wire.HEADER_SIZE}", None)
@@ -71,18 +107,22 @@ class Shard:
         t = h.msg_type
         if t == MsgType.PUSH:
             self._on_push(peer, h, payload)
-        elif t == MsgType.JOIN:
-            self._on_join(peer, h, payload)
-        elif t == MsgType.LEAVE:
-            self._on_leave(peer, h)
-        elif t == MsgType.HELLO:
-            self._reply(peer, Header(MsgType.HELLO_OK), wire.json_payload(
-                {"service": "aggnet", "version": wire.VERSION, "shards": [str(self.listener.address)]}))
-        elif t == MsgType.STATS:
-            self._reply(peer, Header(MsgType.STATS_OK), wire.json_payload(self.stats()))
-        else:
-            self._drop(peer, "unexpected_type", ErrorCode.REFUSED,
-                       f"an aggregator does not accept {t.name} messages", h)
+            return
+        try:
+            if t == MsgType.JOIN:
+                self._on_join(peer, h, payload)
+            elif t == MsgType.LEAVE:
+                self._on_leave(peer, h)
+            elif t == MsgType.HELLO:
+                self._reply(peer, Header(MsgType.HELLO_OK), wire.json_payload(
+                    {"service": "aggnet", "version": wire.VERSION, "shards": [str(self.listener.address)]}))
+            elif t == MsgType.STATS:
+                self._reply(peer, Header(MsgType.STATS_OK), wire.json_payload(self._stats_for(peer, h, payload)))
+            else:
+                self._drop(peer, "unexpected_type", ErrorCode.REFUSED,
+                           f"an aggregator does not accept {t.name} messages", h)
+        except ControlError as exc:
+            self._drop(peer, exc.reason, exc.code, str(exc), h)
 
     # -- replies and drops ---------------------------------------------------------
 
@@ -102,38 +142,44 @@ class Shard:
     # -- membership ------------------------------------------------------------------
 
     def _on_join(self, peer, h: Header, payload) -> None:
-        try:
-            info = wire.parse_json(payload)
-        except wire.WireError as exc:
-            self._drop(peer, "malformed_json", ErrorCode.MALFORMED, str(exc), h)
-            return
-        name = str(info.get("name", h.job_id))
-        timeout = float(info.get("timeout", 60.0))
+        info = control.parse(control.JOIN, payload, "JOIN")
+        name = info.get("name", str(h.job_id))
+        timeout = info["timeout"]
         if h.world < 1 or h.sender >= h.world:
-            self._drop(peer, "bad_join", ErrorCode.REFUSED,
-                       f"rank {h.sender} is outside world size {h.world}", h)
-            return
+            raise ControlError(ErrorCode.REFUSED, f"rank {h.sender} is outside world size {h.world}", "bad_join")
+        self.keyring.verify("JOIN", h.job_id, h.sender, h.world, name, info, peer)
         job = self.jobs.get(h.job_id)
-        if job is None:
+        if job is not None and job.name != name:
+            raise ControlError(ErrorCode.JOB_MISMATCH, f"job id {h.job_id:08x} belongs to job {job.name!r}, not "
+                                                       f"{name!r}; choose another job name", "job_name_clash")
+        if job is not None and job.world != h.world:
+            raise ControlError(ErrorCode.JOB_MISMATCH,
+                               f"job {name!r} is registered with world size {job.world} but rank {h.sender} "
+                               f"joined with world size {h.world}; all workers must agree", "world_mismatch")
+        shm = info.get("shm")
+        if shm is not None:
+            control.check_shm(h.world, shm)
+        created = job is None
+        if created:
             job = Job(h.job_id, name, h.world, timeout)
             self.jobs[h.job_id] = job
+        try:
+            if shm is not None:
+                self._join_shm(h, job, shm)
+        except ControlError:
+            if created:
+                self._drop_job(job)
+            raise
+        if created:
             log.info("shard %d: job %r (id %08x) registered with world size %d", self.index, name, h.job_id, h.world)
-        elif job.name != name:
-            self._drop(peer, "job_name_clash", ErrorCode.JOB_MISMATCH,
-                       f"job id {h.job_id:08x} belongs to job {job.name!r}, not {name!r}; choose another job name", h)
-            return
-        elif job.world != h.world:
-            self._drop(peer, "world_mismatch", ErrorCode.JOB_MISMATCH,
-                       f"job {name!r} is registered with world size {job.world} but rank {h.sender} "
-                       f"joined with world size {h.world}; all workers must agree", h)
-            return
-        shm = info.get("shm")
-        if shm is not None and not self._join_shm(peer, h, job, shm):
-            return
         old = job.members.get(h.sender)
         if old is not None and old != peer:
             log.warning("shard %d: job %r rank %d re-joined from a new connection", self.index, name, h.sender)
+            self.counters["rejoins"] += 1
         job.members[h.sender] = peer
+        job.departed.discard(h.sender)
+        # the least patient worker decides (it names the missing ranks
+        # before its own deadline); the schema keeps it at 0.5 s or more
         job.stall_timeout = min(job.stall_timeout, timeout)
         self.counters["joins"] += 1
         details = {"job": name, "shard": self.index, "world": job.world}
@@ -142,29 +188,22 @@ class Shard:
         self._reply(peer, Header(MsgType.JOIN_OK, job_id=h.job_id, sender=h.sender, world=job.world),
                     wire.json_payload(details))
 
-    def _join_shm(self, peer, h: Header, job: Job, want: dict) -> bool:
+    def _join_shm(self, h: Header, job: Job, want: dict) -> None:
         """Give a same-host worker the job's shared-memory rings."""
-        try:
-            window, chunk_bytes = int(want["window"]), int(want["chunk_bytes"])
-        except (KeyError, TypeError, ValueError):
-            self._drop(peer, "malformed_json", ErrorCode.MALFORMED, f"bad shared-memory request {want!r}", h)
-            return False
+        window, chunk_bytes = want["window"], want["chunk_bytes"]
         if job.segment is None:
             name = f"aggnet-{os.getpid()}-{job.job_id:08x}-{self.index}"
             try:
                 job.segment = Segment(name, job.world, window, chunk_bytes, create=True)
             except (OSError, ValueError) as exc:
-                self._drop(peer, "shm_unavailable", ErrorCode.REFUSED,
-                           f"shared memory is unavailable on the aggregator host ({exc}); use a zmq+ipc:// address", h)
-                return False
+                raise ControlError(ErrorCode.REFUSED, f"shared memory is unavailable on the aggregator host ({exc}); "
+                                                      f"use a zmq+ipc:// address", "shm_unavailable") from None
         elif (job.segment.window, job.segment.chunk_bytes) != (window, chunk_bytes):
-            self._drop(peer, "shm_mismatch", ErrorCode.JOB_MISMATCH,
-                       f"job {job.name!r} shares memory in {job.segment.chunk_bytes}-byte chunks with window "
-                       f"{job.segment.window}, but rank {h.sender} asked for {chunk_bytes} and {window}; "
-                       f"all workers of a job must use the same chunk_bytes and window", h)
-            return False
+            raise ControlError(ErrorCode.JOB_MISMATCH,
+                               f"job {job.name!r} shares memory in {job.segment.chunk_bytes}-byte chunks with window "
+                               f"{job.segment.window}, but rank {h.sender} asked for {chunk_bytes} and {window}; "
+                               f"all workers of a job must use the same chunk_bytes and window", "shm_mismatch")
         job.shm_members.add(h.sender)
-        return True
 
     def _on_leave(self, peer, h: Header) -> None:
         # echoed, so the worker knows it may close: a connection closed
@@ -178,6 +217,19 @@ class Shard:
         if not job.members:
             self._drop_job(job)
             log.info("shard %d: job %r finished (every worker left)", self.index, job.name)
+            return
+        job.departed.add(h.sender)
+        # what is open now can never have every rank's part: say so at once
+        # to those waiting, rather than after the stall timeout
+        for slot in list(job.slots.values()):
+            self._abandon(job, slot, ErrorCode.STALL,
+                          f"rank {h.sender} left job {job.name!r} while round {slot.key[0]} "
+                          f"{self._what(slot)} was open; it cannot complete")
+
+    @staticmethod
+    def _what(slot: Slot) -> str:
+        return "exponent agreement" if slot.key[1] == wire.SCALE_INDEX else (
+            "buffer-size agreement" if slot.key[1] == wire.PLAN_INDEX else f"chunk {slot.key[1]}")
 
     def _drop_job(self, job: Job) -> None:
         job.slots.clear()
@@ -220,9 +272,24 @@ class Shard:
         op_max = bool(h.flags & Flag.OP_MAX)
         key = (h.round, h.index, op_max)
         if key in job.done:
-            self.counters["dropped_late"] += 1
+            given_up = job.abandoned.get(key)
+            if given_up is not None:
+                self.counters["dropped_abandoned"] += 1
+                self._reply(peer, Header(MsgType.ERROR, job_id=job.job_id, round=h.round, index=h.index,
+                                         sender=h.sender), given_up)
+            else:
+                self.counters["dropped_late"] += 1
             return
         slot = job.slots.get(key)
+        if slot is None and job.departed:
+            gone = sorted(job.departed)
+            job.remember_done(key)
+            self.counters["dropped_member_left"] += 1
+            err = Header(MsgType.ERROR, job_id=job.job_id, round=h.round, index=h.index, sender=h.sender)
+            self._reply(peer, err, wire.error_payload(
+                ErrorCode.STALL, f"rank(s) {gone} left job {job.name!r}; round {h.round} cannot complete until "
+                                 f"they join again"))
+            return
         if slot is None:
             acc_dtype = ACC_DTYPE[h.dtype]
             nbytes = h.count * np.dtype(acc_dtype).itemsize
@@ -234,7 +301,8 @@ class Shard:
                 acc = buf[:nbytes].view(acc_dtype)
             slot = Slot(key, h.dtype, h.count, h.offset, h.exponent, op_max, buf, acc, ref=h.ref)
             job.slots[key] = slot
-        elif (h.dtype, h.count, h.offset, h.exponent, h.ref) != (slot.dtype, slot.count, slot.offset, slot.exponent, slot.ref):
+        elif (h.dtype, h.count, h.offset, h.exponent) != (slot.dtype, slot.count, slot.offset, slot.exponent) or \
+                (seg is not None and h.ref != slot.ref):  # ring positions matter only in shared memory
             self._mismatch(job, slot, h)
             return
         bit = 1 << h.sender
@@ -252,6 +320,8 @@ class Shard:
         slot.next_exponent = max(slot.next_exponent, h.next_exponent)
         self.counters["pushes"] += 1
         self.counters["bytes_in"] += len(payload)
+        job.counters["pushes"] += 1
+        job.counters["bytes_in"] += len(payload)
         if slot.nsum == job.world:
             self._complete(job, slot)
 
@@ -312,8 +382,7 @@ class Shard:
             # a socket peer must not read a slot that will be reused: copy
             inline = bytes(out) if len(job.shm_members) < job.world else None
         header = h.pack()
-        for rank in range(job.world):
-            peer = job.members[rank]
+        for rank, peer in job.members.items():
             if shm_header is not None and rank in job.shm_members:
                 sent = self.listener.send(peer, shm_header)
             else:
@@ -321,7 +390,10 @@ class Shard:
             if not sent:
                 self.counters["send_unreachable"] += 1
         self.counters["results"] += 1
-        self.counters["bytes_out"] += out.nbytes * job.world
+        self.counters["bytes_out"] += out.nbytes * len(job.members)
+        job.counters["results"] += 1
+        job.counters["bytes_out"] += out.nbytes * len(job.members)
+        self.latency.observe(time.monotonic() - slot.first_seen)
 
     def _mismatch(self, job: Job, slot: Slot, h: Header) -> None:
         text = (f"job {job.name!r} round {slot.key[0]} chunk {slot.key[1]}: rank {h.sender} sent "
@@ -336,8 +408,10 @@ class Shard:
         """Give up a slot and tell every worker that contributed to it."""
         job.slots.pop(slot.key, None)
         job.remember_done(slot.key)
-        err = Header(MsgType.ERROR, job_id=job.job_id, round=slot.key[0], index=slot.key[1])
         payload = wire.error_payload(code, text)
+        # a rank that has not sent its part yet hears the same when it does
+        job.remember_abandoned(slot.key, payload)
+        err = Header(MsgType.ERROR, job_id=job.job_id, round=slot.key[0], index=slot.key[1])
         for rank in sorted(set(job.present(slot.seen)) | set(extra_ranks)):
             peer = job.members.get(rank)
             if peer is not None:
@@ -352,7 +426,7 @@ class Shard:
                 if waited < job.stall_timeout:
                     continue
                 missing = job.missing(slot.seen)
-                what = "exponent agreement" if slot.key[1] == wire.SCALE_INDEX else f"chunk {slot.key[1]}"
+                what = self._what(slot)
                 text = (f"waited {waited:.1f}s for rank(s) {missing} of job {job.name!r} (world size "
                         f"{job.world}) to contribute to round {slot.key[0]} {what}; rank(s) "
                         f"{job.present(slot.seen)} did. Is rank {missing[0]} alive and calling "
@@ -361,16 +435,32 @@ class Shard:
                 self.counters["stalls"] += 1
                 self._abandon(job, slot, ErrorCode.STALL, text)
 
-    def stats(self) -> dict:
+    def stats(self, jobs: set | None = None) -> dict:
+        """Counters; with ``jobs`` (names), only those jobs are shown."""
         return {
             "shard": self.index,
             "pid": os.getpid(),
             "address": str(self.listener.address),
             "counters": dict(self.counters),
             "pool_buffers": self.pool.allocated,
+            "histograms": {"chunk_seconds": self.latency.describe()},
             "jobs": {
                 job.name: {"id": job.job_id, "world": job.world, "members": sorted(job.members),
-                           "open_slots": len(job.slots)}
-                for job in self.jobs.values()
+                           "open_slots": len(job.slots), "counters": dict(job.counters)}
+                for job in self.jobs.values() if jobs is None or job.name in jobs
             },
         }
+
+    def _stats_for(self, peer, h: Header, payload) -> dict:
+        """What a STATS may see: with keys, a job's counters need its key
+        and the whole table the admin key; anyone gets the totals."""
+        if not self.keyring.enforced:
+            return self.stats()
+        info = control.parse(control.STATS, payload, "STATS")
+        if "admin" in info:
+            self.keyring.verify("STATS", h.job_id, h.sender, h.world, None, info, peer, admin=True)
+            return self.stats()
+        if "job" in info:
+            self.keyring.verify("STATS", h.job_id, h.sender, h.world, info["job"], info, peer)
+            return self.stats({info["job"]})
+        return self.stats(set())

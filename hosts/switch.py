@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aggnet import wire
+from aggnet import control, wire
 from aggnet.address import Address, parse
+from aggnet.control import ControlError
+from aggnet.keys import Keyring
 from aggnet.processes import die_with_parent
 from aggnet.protocol import (
     DEFAULT_HOST_ELEMENTS, DEFAULT_POOL, MAX_ELEMENTS, MAX_JOB_SLOTS, MAX_WORKERS, auto_slots,
@@ -54,25 +56,6 @@ ACTIVITY_CHECK_INTERVAL = 1.0
 MAX_BATCH = 8192
 #: seconds a shard waits for datagrams before looking at its stop flag
 POLL_SECONDS = 0.2
-
-
-class ControlError(Exception):
-    """A control message the aggregator refuses; ``code`` goes in the ERROR."""
-
-    def __init__(self, code: ErrorCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-def _int_field(info: dict, name: str, lo: int, hi: int, default=None):
-    """A JSON integer field within [lo, hi], or ``default`` when absent."""
-    value = info.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ControlError(ErrorCode.MALFORMED, f"JOIN field {name!r} must be an integer in [{lo}, {hi}], "
-                                                f"got {value!r}")
-    return value
 
 
 @dataclass
@@ -122,8 +105,9 @@ class SwitchService:
     def __init__(self, listen: str | Address, pool: int = DEFAULT_POOL, elements: int = DEFAULT_HOST_ELEMENTS,
                  parent: str | None = None, rack_id: int = 0, racks: int = 1,
                  reclaim_idle: float = DEFAULT_RECLAIM_IDLE, shards: int = 1,
-                 max_elements: int | None = None, io: str | None = None):
+                 max_elements: int | None = None, io: str | None = None, keyring: Keyring | None = None):
         addr = parse(listen)
+        self.keyring = keyring or Keyring()
         if max_elements is None:
             max_elements = max(elements, DEFAULT_HOST_ELEMENTS)
         if addr.scheme != "udp":
@@ -181,10 +165,14 @@ class SwitchService:
 
     # -- the loop ------------------------------------------------------------------
 
-    def serve(self, should_stop) -> None:
+    def serve(self, should_stop, started=None) -> None:
         """Fork the data shards, then serve shard 0 (data and control)
-        until ``should_stop()``; the shards stop with it."""
+        until ``should_stop()``; the shards stop with it. ``started`` runs
+        once the shards are forked (threads started earlier would be
+        copied into them half-way)."""
         self._start_shards()
+        if started is not None:
+            started()
         try:
             while not should_stop():
                 n = self.sock.receive(POLL_SECONDS, BATCH_BYTES)
@@ -304,6 +292,7 @@ class SwitchService:
             try:
                 self._join(h, payload, src, raw)
             except ControlError as exc:
+                self.control_counters[f"dropped_{exc.reason}"] += 1
                 self._error(src, h, exc.code, str(exc))
         elif h.msg_type == MsgType.LEAVE:
             self._leave(h, src)
@@ -312,7 +301,13 @@ class SwitchService:
         elif h.msg_type == MsgType.ERROR and self.parent is not None and src == self.parent:
             self._parent_refused(h, payload)
         elif h.msg_type == MsgType.STATS:
-            self._reply(src, MsgType.STATS_OK, wire.json_payload(self.stats()))
+            try:
+                view = self._stats_view(h, payload, src)
+            except ControlError as exc:
+                self.control_counters[f"dropped_{exc.reason}"] += 1
+                self._error(src, h, exc.code, str(exc))
+                return
+            self._reply(src, MsgType.STATS_OK, wire.json_payload(self.stats(view)))
         elif h.msg_type == MsgType.HELLO:
             self._reply(src, MsgType.HELLO_OK, wire.json_payload(
                 {"service": "aggnet", "mode": "switch", "version": wire.VERSION,
@@ -332,22 +327,34 @@ class SwitchService:
         self._reply(dest, MsgType.ERROR, wire.error_payload(code, text),
                     Header(MsgType.ERROR, job_id=h.job_id, sender=h.sender))
 
+    def _stats_view(self, h: Header, payload, src) -> set | None:
+        """Which jobs a STATS may see (None: all): with keys, a job's table
+        needs its key and every job's the admin key."""
+        if not self.keyring.enforced:
+            return None
+        info = control.parse(control.STATS, payload, "STATS")
+        if "admin" in info:
+            self.keyring.verify("STATS", h.job_id, h.sender, h.world, None, info, src, admin=True)
+            return None
+        if "job" in info:
+            self.keyring.verify("STATS", h.job_id, h.sender, h.world, info["job"], info, src)
+            return {info["job"]}
+        return set()
+
     def _join(self, h: Header, payload, src, raw) -> None:
-        try:
-            info = wire.parse_json(payload)
-        except wire.WireError as exc:
-            raise ControlError(ErrorCode.MALFORMED, str(exc)) from None
+        info = control.parse(control.JOIN, payload, "JOIN")
         name = info.get("name", str(h.job_id))
-        if not isinstance(name, str) or not name:
-            raise ControlError(ErrorCode.MALFORMED, f"JOIN field 'name' must be a non-empty string, got {name!r}")
         world = h.world
         if not 1 <= world <= MAX_WORKERS or h.sender >= world:
             raise ControlError(ErrorCode.REFUSED, f"rank {h.sender} and world size {world}: an aggregator takes "
-                                                  f"1..{MAX_WORKERS} workers per job")
+                                                  f"1..{MAX_WORKERS} workers per job", "bad_join")
+        # a rack joining its parent is not a worker: it holds no job key,
+        # and the parent is configured with the racks' addresses instead
+        self.keyring.verify("JOIN", h.job_id, h.sender, h.world, name, info, src)
         kmax = self.regs.max_elements
-        asked = _int_field(info, "elements", 0, 1 << 30, 0)
-        fits = _int_field(info, "max_elements", 1, 1 << 30, kmax)
-        slots = _int_field(info, "slots", 0, 1 << 30, 0)
+        asked = info["elements"]
+        fits = info.get("max_elements", kmax)
+        slots = info["slots"]
         # a member's shard layout (a sharded rack joining its parent): where
         # its packets for a slot come from and where results go
         layout = (h.offset, h.ref) if h.ref else (0, 0)
@@ -392,6 +399,7 @@ class SwitchService:
         old = job.members.get(h.sender)
         if old is not None and old != src:
             log.warning("switch: job %r rank %d re-joined from %s (was %s)", name, h.sender, src, old)
+            self.control_counters["rejoins"] += 1
         job.members[h.sender] = src
         job.last_active = time.monotonic()
         r = self.regs
@@ -551,20 +559,24 @@ class SwitchService:
                 merged.append((b, s))
         self.free = merged
 
-    def stats(self) -> dict:
+    def stats(self, jobs: set | None = None) -> dict:
+        """Counters; with ``jobs`` (names), only those jobs' tables."""
         r = self.regs
         totals = {name: int(v) for name, v in zip(COUNTERS, r.counters.sum(axis=0)) if v}
         totals.update(self.control_counters)
-        jobs = {}
-        for job in self.jobs.values():
-            jobs[job.name] = {"id": job.job_id, "world": job.world, "base": job.base, "slots": job.slots,
-                              "elements": job.elements, "members": sorted(job.members),
-                              "counters": {name: int(v) for name, v in zip(COUNTERS, r.job_counter_totals(job.index))
-                                           if v}}
+        shown = {}
+        for job in list(self.jobs.values()):
+            if jobs is not None and job.name not in jobs:
+                continue
+            shown[job.name] = {"id": job.job_id, "world": job.world, "base": job.base, "slots": job.slots,
+                               "elements": job.elements, "members": sorted(job.members),
+                               "counters": {name: int(v) for name, v in
+                                            zip(COUNTERS, r.job_counter_totals(job.index)) if v}}
         per_shard = [{name: int(v) for name, v in zip(COUNTERS, row) if v} for row in r.counters]
         return {"mode": "switch", "address": str(self.address), "elements": self.default_elements,
                 "max_elements": r.max_elements, "pool": r.pool, "shards": self.shards,
-                "shard_slots": r.shard_slots, "io": self.io, "totals": totals, "per_shard": per_shard, "jobs": jobs}
+                "shard_slots": r.shard_slots, "io": self.io, "totals": totals, "per_shard": per_shard,
+                "pool_used": int(sum(job.slots for job in list(self.jobs.values()))), "jobs": shown}
 
     def close(self) -> None:
         self._stop_shards()

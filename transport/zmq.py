@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import os
+from dataclasses import dataclass
 from typing import Sequence
 
 import zmq
@@ -24,6 +25,8 @@ from .base import Connection, Incoming, Listener, Transport, TransportError
 #: in-flight chunks by a window far below this)
 HIGH_WATER_MARK = 4096
 _EMPTY = memoryview(b"")
+#: milliseconds a client's send may wait for room
+SEND_TIMEOUT_MS = 2000
 
 
 def zmq_endpoint(addr: Address) -> str:
@@ -39,6 +42,57 @@ def _context() -> zmq.Context:
     return zmq.Context.instance()
 
 
+@dataclass(frozen=True)
+class Curve:
+    """ZeroMQ CURVE keys (Z85 text): a listener's own pair, or the server's
+    public key a connection expects (with a throwaway pair of its own)."""
+
+    public: bytes
+    secret: bytes | None = None
+
+
+def make_curve_keys(path: str) -> str:
+    """Write a new CURVE key pair to ``path`` (0600; the secret stays on the
+    aggregator host) and return the public key clients need."""
+    public, secret = zmq.curve_keypair()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"public {public.decode()}\nsecret {secret.decode()}\n")
+    return public.decode()
+
+
+def load_curve_secret(path: str) -> Curve:
+    try:
+        st = os.stat(path)
+        with open(path) as f:
+            fields = dict(line.split(None, 1) for line in f.read().splitlines() if line.strip())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read CURVE key file {path}: {exc}") from None
+    if st.st_mode & 0o077:
+        raise ValueError(f"CURVE key file {path} is readable by others; chmod 600 {path}")
+    if not zmq.has("curve"):
+        raise ValueError("this libzmq has no CURVE support")
+    try:
+        return Curve(fields["public"].strip().encode(), fields["secret"].strip().encode())
+    except KeyError:
+        raise ValueError(f"CURVE key file {path} must hold 'public KEY' and 'secret KEY' lines "
+                         f"(aggnet job curve-keys makes one)") from None
+
+
+def _apply_curve(sock, curve: Curve | None, server: bool) -> None:
+    if curve is None:
+        return
+    if server:
+        sock.curve_secretkey = curve.secret
+        sock.curve_publickey = curve.public
+        sock.curve_server = True
+    else:
+        public, secret = zmq.curve_keypair()
+        sock.curve_serverkey = curve.public
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+
+
 def _split(frames) -> tuple:
     header = frames[0].buffer if frames else _EMPTY
     if len(frames) == 1:
@@ -51,9 +105,10 @@ def _split(frames) -> tuple:
 
 
 class ZmqListener(Listener):
-    def __init__(self, addr: Address):
+    def __init__(self, addr: Address, curve: Curve | None = None):
         self._sock = _context().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        _apply_curve(self._sock, curve, server=True)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
         self._sock.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
@@ -96,7 +151,7 @@ class ZmqListener(Listener):
 
 
 class ZmqConnection(Connection):
-    def __init__(self, addrs: Sequence[Address]):
+    def __init__(self, addrs: Sequence[Address], curve: Curve | None = None):
         self.addresses = list(addrs)
         ctx = _context()
         self._socks = []
@@ -107,6 +162,10 @@ class ZmqConnection(Connection):
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
             s.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+            # a send with no way out (a refused CURVE handshake, a full
+            # queue to a stuck peer) raises instead of blocking for ever
+            s.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+            _apply_curve(s, curve, server=False)
             try:
                 s.connect(zmq_endpoint(addr))
             except zmq.ZMQError as exc:
@@ -164,8 +223,8 @@ class ZmqConnection(Connection):
 
 
 class ZmqTransport(Transport):
-    def listen(self, address: Address, **options) -> Listener:
-        return ZmqListener(address)
+    def listen(self, address: Address, curve: Curve | None = None, **options) -> Listener:
+        return ZmqListener(address, curve)
 
-    def connect(self, addresses: Sequence[Address], **options) -> Connection:
-        return ZmqConnection(addresses)
+    def connect(self, addresses: Sequence[Address], curve: Curve | None = None, **options) -> Connection:
+        return ZmqConnection(addresses, curve)
