@@ -73,8 +73,15 @@ class ChunkClient(Client):
         self.chunk_bytes = self.config.chunk_bytes_for(scheme)
         self._segments: list = []
         self._conn = None
+        self._transport_options = {}
+        if self.config.server_key is not None:
+            if scheme != "zmq+tcp":
+                raise ValueError(f"server_key (CURVE) protects zmq+tcp addresses, not {self.address}")
+            from .transport.zmq import Curve
+
+            self._transport_options["curve"] = Curve(self.config.server_key.encode())
         self.shards = self._discover()
-        self._conn = connect(self.shards)
+        self._conn = connect(self.shards, **self._transport_options)
         self._join()
 
     def _wakeup(self) -> None:
@@ -112,8 +119,11 @@ class ChunkClient(Client):
             if now >= next_send:
                 for e in endpoints:
                     if e not in replies:
-                        conn.send(e, packed, payload)
-                next_send = now + 0.5
+                        try:
+                            conn.send(e, packed, payload)
+                        except TransportError:
+                            pass  # no connection yet (or a refused handshake): the deadline decides
+                next_send = time.monotonic() + 0.5
             got = _next_header(conn, min(0.5, deadline - now))
             if got is None:
                 continue
@@ -123,16 +133,25 @@ class ChunkClient(Client):
                 exc = JobMismatch if code == wire.ErrorCode.JOB_MISMATCH else AggregationError
                 raise exc(f"aggregator {conn.addresses[msg.peer]} refused {self._context()}: {text}")
             if h.msg_type == want and msg.peer in endpoints:
-                replies[msg.peer] = wire.parse_json(msg.payload)
+                try:
+                    replies[msg.peer] = wire.parse_json(msg.payload)
+                except wire.WireError:
+                    self.stats.dropped_replies += 1
         return replies
 
     def _discover(self) -> list[str]:
         deadline = time.monotonic() + self.config.connect_timeout
-        with connect([self.address]) as ctl:
+        with connect([self.address], **self._transport_options) as ctl:
             reply = self._request_reply(ctl, [0], Header(MsgType.HELLO), None, MsgType.HELLO_OK, deadline)[0]
         shards = reply.get("shards")
-        if not shards or not isinstance(shards, list):
-            raise AggregationError(f"service at {self.address} answered without a shard list: {reply}")
+        if not shards or not isinstance(shards, list) or len(shards) > 1024 or \
+                not all(isinstance(a, str) for a in shards):
+            raise AggregationError(f"service at {self.address} answered without a shard list: {str(reply)[:200]}")
+        try:
+            for a in shards:
+                parse(a)
+        except ValueError as exc:
+            raise AggregationError(f"service at {self.address} listed a bad shard address: {exc}") from None
         return shards
 
     def _join(self) -> None:
@@ -143,7 +162,7 @@ class ChunkClient(Client):
         request = {"name": self.job, "timeout": STALL_FRACTION * self.config.timeout}
         if self._shm:
             request["shm"] = {"window": self.config.window, "chunk_bytes": self.chunk_bytes}
-        payload = wire.json_payload(request)
+        payload = wire.json_payload(self._signed("JOIN", h, request))
         replies = self._request_reply(self._conn, list(range(len(self.shards))), h, payload, MsgType.JOIN_OK, deadline)
         if self._shm:
             from .shm import Segment
@@ -197,12 +216,15 @@ class ChunkClient(Client):
         #: result has not come back, failed rounds included
         self._outstanding: dict[tuple[int, int], np.ndarray | None] = {}
         self._last_progress = time.monotonic()
+        self._rejoin_needed = False
         while True:
             new, closing = self._take_submitted()
-            for req in new:
-                self._admit(req)
             if closing:
                 return
+            if new and self._rejoin_needed and not self._active:
+                new = self._rejoin(new)
+            for req in new:
+                self._admit(req)
             self._send_ready()
             msg = self._conn.recv(_TICK if self._active else 0.5)
             while msg is not None:
@@ -213,15 +235,30 @@ class ChunkClient(Client):
                     msg = self._conn.recv(0)
             self._check_progress()
 
+    def _rejoin(self, new: list) -> list:
+        """Join every shard again before the next all-reduce: a shard that
+        was restarted lost the job (a shard that kept it answers the same
+        JOIN again). Returns the requests to go on with."""
+        self._rejoin_needed = False
+        try:
+            self._join()
+        except Exception as exc:
+            self._rejoin_needed = True
+            for req in new:
+                self._fail(req, exc, poison=False)
+            return []
+        log.info("%s joined its shards again", self._context())
+        self.stats.rejoins += 1
+        return new
+
     def _admit(self, req: ChunkRequest) -> None:
         rotation = req.round if req.key is None else req.key
         req.chunks = chunking.plan(req.buf.size, self.chunk_bytes // req.enc.wire_itemsize,
                                    len(self.shards), rotation)
-        if not req.chunks:
-            self._complete(req)
-            return
         self._active[req.round] = req
-        req.remaining = len(req.chunks)
+        # every chunk, and the agreement on the buffer's size
+        req.remaining = len(req.chunks) + 1
+        self._start_plan_agreement(req)
         for c in req.chunks:
             req.queues.setdefault(c.shard, []).append(c)
             self._to_send[c.shard].append((req, c))
@@ -229,6 +266,50 @@ class ChunkClient(Client):
             self._start_scale_agreement(req)
         if not self._active or len(self._active) == 1:
             self._last_progress = time.monotonic()
+
+    def _start_plan_agreement(self, req: ChunkRequest) -> None:
+        """A MAX over workers of the buffer's size, wire dtype and op, and of
+        their negations: equal only when every worker sent the same. Without
+        it a worker whose buffer is a prefix of another's finishes, and the
+        other times out blaming a rank that did nothing wrong."""
+        size = req.buf.size
+        mine = np.array([size >> 31, size & 0x7FFFFFFF, int(req.enc.wire)], np.int32)
+        req.plan = mine
+        shard = req.round % len(self.shards)
+        h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=wire.PLAN_INDEX, sender=self.rank,
+                   flags=Flag.OP_MAX | Flag.LITTLE_ENDIAN, dtype=DType.INT32, count=6, world=self.world_size)
+        self._conn.send(shard, h.pack(), np.concatenate([mine, -mine]))
+
+    def _on_plan(self, req: ChunkRequest, h: Header, payload) -> None:
+        agreed = np.frombuffer(payload, np.int32, h.count) if h.count == 6 else None
+        if agreed is not None and (agreed[:3] == req.plan).all() and (-agreed[3:] == req.plan).all():
+            req.remaining -= 1
+            if req.remaining == 0:
+                self._complete(req)
+            return
+        if agreed is None:
+            text = f"the buffer-size agreement came back with {h.count} values, not 6"
+        else:
+            lo = (int(-agreed[3]) << 31) + int(-agreed[4])
+            hi = (int(agreed[0]) << 31) + int(agreed[1])
+            text = (f"this worker all-reduces {req.buf.size} elements, the job's workers between {lo} and {hi}"
+                    if lo != hi or hi != req.buf.size else
+                    "the workers disagree on the buffer's dtype or codec")
+        self._fail_round(req, JobMismatch(f"{self._context()}: round {req.round}: {text}; all workers must "
+                                          f"all-reduce the same buffers in the same order"))
+
+    def _fail_round(self, req: ChunkRequest, exc: Exception) -> None:
+        """Fail one all-reduce and give back its window. Over shared memory
+        the rings' numbering may now differ between workers, so the client
+        cannot go on; over sockets the next all-reduce can."""
+        for c in req.chunks:
+            if (req.round, c.index) in self._outstanding:
+                staging = self._outstanding.pop((req.round, c.index))
+                self._inflight[c.shard] -= 1
+                if staging is not None:
+                    self._staging.append(staging)
+        self.stats.errors += 1
+        self._fail(req, exc, poison=self._shm)
 
     def _start_scale_agreement(self, req: ChunkRequest) -> None:
         k = req.enc.k
@@ -307,9 +388,11 @@ class ChunkClient(Client):
             h = wire.unpack_header(msg.header)
             wire.check_payload(h, len(msg.payload))
         except wire.WireError as exc:
-            log.warning("dropped a malformed message from %s: %s", self._conn.addresses[msg.peer], exc)
+            self.stats.dropped_replies += 1
+            log.debug("dropped a malformed message from %s: %s", self._conn.addresses[msg.peer], exc)
             return
         if h.job_id != self.job_id:
+            self.stats.dropped_replies += 1
             return
         if h.msg_type == MsgType.RESULT:
             self._on_result(msg.peer, h, msg.payload)
@@ -317,7 +400,7 @@ class ChunkClient(Client):
             self._on_error(msg.peer, h, *wire.parse_error(msg.payload))
 
     def _on_result(self, shard: int, h: Header, payload) -> None:
-        if h.index != wire.SCALE_INDEX:
+        if h.index not in (wire.SCALE_INDEX, wire.PLAN_INDEX):
             key = (h.round, h.index)
             if key not in self._outstanding:
                 return  # not ours, or a duplicate
@@ -332,12 +415,18 @@ class ChunkClient(Client):
         if h.index == wire.SCALE_INDEX:
             self._on_scale(req, shard, h, payload)
             return
+        if h.index == wire.PLAN_INDEX:
+            self._on_plan(req, h, payload)
+            return
+        if h.index >= len(req.chunks):
+            self.stats.dropped_replies += 1
+            return
         c = req.chunks[h.index]
         if h.count != c.count or h.offset != c.offset:
-            self._fail(req, JobMismatch(
+            self._fail_round(req, JobMismatch(
                 f"{self._context()}: round {req.round} chunk {c.index} came back with {h.count} elements at "
                 f"offset {h.offset}, sent {c.count} at {c.offset}; all workers must all-reduce the same sizes in the same order"
-            ), poison=True)
+            ))
             return
         shift = kernels.quant_shift(h.exponent, self.world_size) if req.enc.quantized else 0
         if h.flags & Flag.SHM:
@@ -358,10 +447,10 @@ class ChunkClient(Client):
         agreed = np.frombuffer(payload, np.int16, h.count)
         q = req.queues.get(shard, ())
         if agreed.size != len(q):
-            self._fail(req, JobMismatch(
+            self._fail_round(req, JobMismatch(
                 f"{self._context()}: round {req.round} has {len(q)} chunks on shard {shard} here but "
                 f"{agreed.size} at the aggregator; all workers must all-reduce the same sizes in the same order"
-            ), poison=True)
+            ))
             return
         for c, e in zip(q, agreed):
             req.exponents[c.index] = e
@@ -388,10 +477,15 @@ class ChunkClient(Client):
                 wire.ErrorCode.JOB_MISMATCH.value: JobMismatch}.get(code, AggregationError)
         exc = kind(f"{self._context()}: {where}: {text}")
         req = self._active.get(h.round)
-        if req is not None:
-            self._fail(req, exc, poison=True)
-        else:
-            self._fail_all(exc, poison=True)
+        if req is None:
+            # a round that already failed (a stall of chunks it never sent),
+            # or nothing of ours: it fails nothing
+            self.stats.dropped_replies += 1
+            log.debug("%s: an ERROR for no pending all-reduce: %s", self._context(), text)
+            return
+        if code == wire.ErrorCode.NOT_JOINED.value:
+            self._rejoin_needed = True
+        self._fail_round(req, exc)
 
     def _check_progress(self) -> None:
         if not self._active:
@@ -403,8 +497,12 @@ class ChunkClient(Client):
                           ([s for s in range(len(self.shards)) if self._inflight[s]] + list(r.scale_pending))})
         where = ", ".join(f"shard {s} at {self.shards[s]}" for s in waiting) or "no shard"
         rounds = sorted(self._active)
-        self._fail_all(AggregationTimeout(
+        exc = AggregationTimeout(
             f"{self._context()}: no progress for {idle:.1f}s on round(s) {rounds}, waiting on {where}; "
-            f"is the aggregator running and are all {self.world_size} workers calling allreduce?"
-        ), poison=True)
+            f"is the aggregator running and are all {self.world_size} workers calling allreduce?")
+        for req in list(self._active.values()):
+            self._fail_round(req, exc)
+        # a shard that died and came back has forgotten the job
+        self._rejoin_needed = True
+        self._last_progress = time.monotonic()
 

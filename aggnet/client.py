@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import keys
 from .address import parse
 from .codec import Encoding
 from .config import ClientConfig
@@ -59,6 +60,13 @@ class ClientStats:
     results: int = 0
     retransmissions: int = 0
     fast_retransmissions: int = 0  #: of which sent early, on later results
+    #: replies dropped: malformed, from an address that is not the
+    #: aggregator's, or naming nothing this client waits for
+    dropped_replies: int = 0
+    #: ERRORs and timeouts that failed one of this client's all-reduces
+    errors: int = 0
+    #: times the client joined its aggregator again (after a restart)
+    rejoins: int = 0
     seconds: float = 0.0  #: wall time from submission to completion, summed
 
 
@@ -155,10 +163,14 @@ class Client(ABC):
         self.world_size = world_size
         self.stats = ClientStats()
         self._embedded = None
+        self._key = keys.parse_key(self.config.job_key) if self.config.job_key else None
         if address is None:
-            from .embedded import local_aggregator
+            from .embedded import local_aggregator, read_job_key
 
             self._embedded, address = local_aggregator(job, rank, self.config)
+            if self._key is None:
+                self._key = (keys.parse_key(self._embedded.key) if self._embedded is not None
+                             else read_job_key(job, self.config.connect_timeout))
         self.address = str(parse(address))
         self._lock = threading.Lock()
         self._submitted: collections.deque[Request] = collections.deque()
@@ -178,6 +190,13 @@ class Client(ABC):
 
     def _context(self) -> str:
         return f"job {self.job!r} rank {self.rank} at {self.address}"
+
+    def _signed(self, kind: str, h, fields: dict) -> dict:
+        """``fields`` with the job key's signature over them and ``h``'s
+        job, rank and world (unchanged without a key)."""
+        if self._key is not None:
+            fields = {**fields, "auth": keys.sign(self._key, kind, h.job_id, h.sender, h.world, fields)}
+        return fields
 
     # -- what each protocol provides ---------------------------------------------
 

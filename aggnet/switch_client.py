@@ -69,6 +69,7 @@ class SwitchRequest(Request):
     local_nonfinite: int = 0
     buf_f: np.ndarray | None = None
     buf_i: np.ndarray | None = None
+    fingerprint: np.ndarray | None = None  #: priming payload (dg.fingerprint)
 
 
 class SwitchClient(Client):
@@ -137,7 +138,7 @@ class SwitchClient(Client):
         self.probe_off = np.zeros(16, np.int64)
         self.next_slots = np.zeros(s, np.int64)
         self.finished = np.zeros(s, np.int64)
-        self.state = np.zeros(3, np.int64)
+        self.state = np.zeros(4, np.int64)
         # each slot's destination: the aggregator's shard that owns it
         ip, port = self.aggregator
         delta = np.zeros(s, np.int64)
@@ -145,6 +146,8 @@ class SwitchClient(Client):
             delta = (self.base + np.arange(s, dtype=np.int64)) // self.shard_slots
         self.slot_dest = addr_key((ip, port)) + delta
         self.sharded = bool(delta.any())
+        # results and probe answers count only from the aggregator's ports
+        self.src_lo, self.src_hi = int(self.slot_dest.min()), int(self.slot_dest.max())
         self.template = np.frombuffer(Header(MsgType.PUSH, job_id=self.job_id, sender=self.member_rank,
                                              dtype=DType.INT32, count=k, world=self.members).pack(), np.uint8).copy()
         self.wbits = (self.world_size - 1).bit_length()
@@ -157,7 +160,7 @@ class SwitchClient(Client):
             info["slots"] = self.config.slots
         if self.config.elements is not None:
             info["elements"] = self.config.elements
-        payload = wire.json_payload(info)
+        payload = wire.json_payload(self._signed("JOIN", h, info))
         packed = h.pack_for(payload) + payload
         sock = self.dsock.sock
         deadline = time.monotonic() + self.config.connect_timeout
@@ -305,6 +308,7 @@ class SwitchClient(Client):
         req.seq = self._next_seq
         self._next_seq += 1
         req.used = min(s, req.blocks)
+        req.fingerprint = dg.fingerprint(req.buf.size, req.enc.quantized, k)
         req.first_slot = self._cursor
         self._cursor = (self._cursor + req.used) % s
         req.slots_left = req.used
@@ -335,7 +339,7 @@ class SwitchClient(Client):
         self.rid[slots] = req.seq
         dg.start_uses(self.packets, slots, slots.size, self.template, self.elements, req.round, self.tags,
                       self.busy, self.kind, self.block, req.buf_f, req.buf_i, req.enc.quantized, req.buf.size,
-                      self.wbits, req.first_slot, req.exps if req.exps is not None else _NO_EXPS)
+                      self.wbits, req.first_slot, req.exps if req.exps is not None else _NO_EXPS, req.fingerprint)
         self._send_slots(slots, retransmit=False)
 
     def _send_slots(self, slots: np.ndarray, retransmit: bool) -> None:
@@ -393,12 +397,17 @@ class SwitchClient(Client):
             if n == 0:
                 break
             total += n
-            m, probes = dg.classify_results(dsock.arena, dsock.offsets, dsock.lengths, n, self.job_id, self.slots,
-                                            self.packet_bytes, self.tags, self.busy, self.res_slot, self.res_off,
-                                            self.probe_off)
+            m, probes, dropped = dg.classify_results(
+                dsock.arena, dsock.offsets, dsock.lengths, dsock.sources, n, self.src_lo, self.src_hi, self.job_id,
+                self.slots, self.packet_bytes, self.tags, self.busy, self.res_slot, self.res_off, self.probe_off)
+            self.stats.dropped_replies += dropped
             for q in range(probes):
                 off = int(self.probe_off[q])
-                self._on_probe(bytes(dsock.arena[off:off + HEADER_SIZE]))
+                try:
+                    self._on_probe(bytes(dsock.arena[off:off + HEADER_SIZE]))
+                except Exception:  # no reply, however odd, stops this client
+                    self.stats.dropped_replies += 1
+                    log.debug("%s: dropped a PROBE_OK it could not read", self._context(), exc_info=True)
             if m:
                 self._on_results(m)
             if not self._reqs:
@@ -434,11 +443,22 @@ class SwitchClient(Client):
         st = self.state
         st[:] = 0
         st[2] = -1
+        st[3] = 0
         dg.advance(self.dsock.arena, res_slot, res_off, count, self.packets, self.template, self.elements, req.round,
                    self.tags, self.busy, self.kind, self.block, req.buf_f, req.buf_i, req.enc.quantized, req.buf.size,
                    self.wbits, req.enc.multiplier, req.used, req.blocks,
-                   req.exps if req.exps is not None else _NO_EXPS, self.next_slots, self.finished, st)
+                   req.exps if req.exps is not None else _NO_EXPS, self.next_slots, self.finished, st,
+                   req.fingerprint, self.world_size)
         nn, nf, bad_block = int(st[0]), int(st[1]), int(st[2])
+        if st[3]:
+            # every worker sees the same sums, so every one stops here; the
+            # slots' uses no longer line up between them, so nothing goes on
+            self.stats.errors += 1
+            self._stop_everything(JobMismatch(
+                f"{self._context()}: round {req.round}: the workers' buffers differ in size or dtype (this one "
+                f"all-reduces {req.buf.size} {'float32' if req.enc.quantized else 'int32'} elements); all workers "
+                f"must all-reduce the same buffers in the same order. Close this client and start again"))
+            return
         if bad_block >= 0:
             self._nonfinite(req, bad_block)
         if nn:
@@ -584,8 +604,9 @@ class SwitchClient(Client):
             f"Is rank {missing[0] if missing else '?'} alive and calling allreduce in the same order?"))
 
 
-def query_stats(address: str, timeout: float = 5.0) -> dict:
-    """The counters of a switch-mode aggregator (STATS over UDP)."""
+def query_stats(address: str, timeout: float = 5.0, payload: bytes = b"") -> dict:
+    """The counters of a switch-mode aggregator (STATS over UDP); ``payload``
+    names the job and carries the signature (aggnet.stats_cli.stats_request)."""
     addr = parse(address)
     try:
         dest = (socket.gethostbyname(addr.host), addr.port)
@@ -593,7 +614,7 @@ def query_stats(address: str, timeout: float = 5.0) -> dict:
         raise AggregatorUnreachable(f"cannot resolve {address}: {exc}") from None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.settimeout(timeout)
-        s.sendto(Header(MsgType.STATS).pack(), dest)
+        s.sendto(Header(MsgType.STATS).pack_for(payload) + payload, dest)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -606,6 +627,8 @@ def query_stats(address: str, timeout: float = 5.0) -> dict:
                 h = wire.unpack_header(data)
                 if h.msg_type == MsgType.STATS_OK:
                     return wire.parse_json(memoryview(data)[HEADER_SIZE:])
+                if h.msg_type == MsgType.ERROR:
+                    raise AggregationError(f"{address} refused STATS: {wire.parse_error(memoryview(data)[HEADER_SIZE:])[1]}")
             except wire.WireError:
                 continue
     raise AggregatorUnreachable(f"no STATS answer from {address} within {timeout:g}s: is "

@@ -140,31 +140,43 @@ def _next_tag(tags, s):
 
 
 @_jit
-def classify_results(arena, offsets, lengths, n, job_id, slots, packet_bytes, tags, busy,
+def classify_results(arena, offsets, lengths, srcs, n, src_lo, src_hi, job_id, slots, packet_bytes, tags, busy,
                      out_slot, out_off, probe_off):
-    """Pick the results that answer an outstanding use (right job, slot,
-    tag, size) out of ``n`` received datagrams; mark their slots idle.
-    Returns (results, probes): probe answers' offsets go to ``probe_off``."""
+    """Pick the results that answer an outstanding use (from the
+    aggregator's ports ``src_lo..src_hi``, right job, slot, tag, size) out
+    of ``n`` received datagrams; mark their slots idle. Returns (results,
+    probes, dropped): probe answers' offsets go to ``probe_off``; dropped
+    counts what came from elsewhere or is malformed (not duplicates)."""
     m = 0
     probes = 0
+    dropped = 0
     for i in range(n):
+        if srcs[i] < src_lo or srcs[i] > src_hi:
+            dropped += 1
+            continue
         length = lengths[i]
         if length < HEADER_SIZE:
+            dropped += 1
             continue
         o = offsets[i]
         p = arena[o:o + length]
         if be16(p, O_MAGIC) != MAGIC or p[O_VERSION] != VERSION or be32(p, O_JOB) != job_id:
+            dropped += 1
             continue
         index = be32(p, O_INDEX)
         if index >= np.uint32(slots):
+            dropped += 1
             continue
         t = p[O_TYPE]
         if t == T_PROBE_OK:
             if length == HEADER_SIZE and probes < probe_off.size:
                 probe_off[probes] = o
                 probes += 1
+            else:
+                dropped += 1
             continue
         if t != T_RESULT or length != packet_bytes or p[O_DTYPE] != D_INT32:
+            dropped += 1
             continue
         s = np.int64(index)
         if not busy[s] or be32(p, O_REF) != tags[s]:
@@ -173,7 +185,7 @@ def classify_results(arena, offsets, lengths, n, job_id, slots, packet_bytes, ta
         out_slot[m] = s
         out_off[m] = o
         m += 1
-    return m, probes
+    return m, probes, dropped
 
 
 @_inline
@@ -211,10 +223,11 @@ def _build_use(packets, s, template, k, kind, block, exponent, next_exponent, ta
 
 @_jit
 def start_uses(packets, slots_in, count, template, k, rnd, tags, busy, kind, block,
-               buf_f, buf_i, quantized, nelem, wbits, first_slot, local_exps):
-    """The first use of each slot in ``slots_in[:count]`` for a request:
-    a priming use (quantized floats: carries the slot's first block's
-    exponent) or the slot's first data block (int32)."""
+               buf_f, buf_i, quantized, nelem, wbits, first_slot, local_exps, fingerprint):
+    """The first use of each slot in ``slots_in[:count]`` for a request: a
+    priming use. It carries the request's fingerprint (its size, whether
+    quantized), which the sum shows all workers agree on, and, quantized,
+    the exponent of the slot's first block."""
     slots_total = tags.size
     for i in range(count):
         s = slots_in[i]
@@ -222,30 +235,49 @@ def start_uses(packets, slots_in, count, template, k, rnd, tags, busy, kind, blo
         t = _next_tag(tags, s)
         busy[s] = True
         block[s] = pos
-        if quantized:
-            kind[s] = KIND_PRIMING
-            _build_use(packets, s, template, k, KIND_PRIMING, pos, 0, local_exps[pos], t, rnd,
-                       buf_f, buf_i, quantized, nelem, wbits)
-        else:
-            kind[s] = KIND_DATA
-            _build_use(packets, s, template, k, KIND_DATA, pos, 0, 0, t, rnd, buf_f, buf_i, quantized, nelem, wbits)
+        kind[s] = KIND_PRIMING
+        _build_use(packets, s, template, k, KIND_PRIMING, pos, 0, local_exps[pos] if quantized else 0, t, rnd,
+                   buf_f, buf_i, quantized, nelem, wbits)
+        for e in range(fingerprint.size):
+            put32(packets[s], HEADER_SIZE + 4 * e, fingerprint[e])
+
+
+def fingerprint(nelem: int, quantized: bool, k: int) -> np.ndarray:
+    """A request's priming payload: each byte d of its size (and a byte for
+    the encoding) as d and d*d. Summed over W workers these equal W*d and
+    W*d*d on every byte only when every worker sent the same d (equality in
+    Cauchy-Schwarz), so a switch that only adds tells every worker whether
+    the buffers agree. Fits the first 18 values of a packet (fewer bytes,
+    the low ones, when K is smaller)."""
+    data = list(int(nelem).to_bytes(8, "little")) + [1 if quantized else 0]
+    n = min(len(data), k // 2)
+    out = np.empty(2 * n, np.int32)
+    for i in range(n):
+        out[2 * i], out[2 * i + 1] = data[i], data[i] * data[i]
+    return out
 
 
 @_jit
 def advance(arena, res_slot, res_off, m, packets, template, k, rnd, tags, busy, kind, block,
             buf_f, buf_i, quantized, nelem, wbits, multiplier, used, blocks, local_exps,
-            next_slots, finished, state):
+            next_slots, finished, state, fp, world):
     """Take ``m`` results of one request: decode data results into the
     caller's buffer, and build each slot's next use of this request.
     Slots with nothing left in this request go to ``finished``.
     ``state`` = [next uses built, slots finished, first block after a
-    NaN/Inf marker or -1]."""
+    NaN/Inf marker or -1, 1 when a priming sum shows the workers'
+    buffers differ (``fp``: this request's fingerprint; ``world``: the
+    contributions every sum holds)]."""
     nn = 0
     nf = 0
     for i in range(m):
         s = res_slot[i]
         p = arena[res_off[i]:res_off[i] + HEADER_SIZE + 4 * k]
         b = block[s]
+        if kind[s] == KIND_PRIMING:
+            for e in range(fp.size):
+                if np.int64(np.int32(be32(p, HEADER_SIZE + 4 * e))) != np.int64(fp[e]) * world:
+                    state[3] = 1  # the workers' buffers differ
         if kind[s] == KIND_DATA:
             start = b * k
             n = min(k, nelem - start)

@@ -1,0 +1,493 @@
+"""An aggregator nobody can crash or hijack: hostile control messages,
+members that leave mid-chunk, buffers that disagree, clients that keep
+their heads. Every test here runs against real `aggnet serve` processes
+over real sockets."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from aggnet import Client, keys, wire
+from aggnet.errors import AggregationError, AggregationTimeout, JobMismatch
+from aggnet.hosts.process import ServiceProcess
+from aggnet.stats_cli import query, stats_request
+from aggnet.transport import connect
+from aggnet.wire import Header, MsgType
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _job() -> str:
+    return f"h-{uuid.uuid4().hex[:8]}"
+
+
+def _ask(address: str, h: Header, payload: bytes = b"", timeout: float = 5.0):
+    """One control message to ``address``; (header, payload) of the reply."""
+    with connect([address]) as conn:
+        conn.send(0, h.pack_for(payload) if payload else h.pack(), payload or None)
+        msg = conn.recv(timeout)
+    assert msg is not None, f"no reply from {address}"
+    return wire.unpack_header(msg.header), bytes(msg.payload)
+
+
+def _shards(address: str) -> list[str]:
+    h, payload = _ask(address, Header(MsgType.HELLO))
+    return json.loads(payload)["shards"]
+
+
+def _allreduce_pair(address: str, job: str, size=(1000, 1000), **opts):
+    """Two ranks all-reduce int32 buffers; each rank's result or error."""
+    def run(rank):
+        with Client(address, job=job, rank=rank, world_size=2, **opts) as c:
+            buf = np.full(size[rank], rank + 1, np.int32)
+            try:
+                c.allreduce(buf).result(timeout=60)
+            except Exception as exc:  # the test looks at what each rank got
+                return exc
+            return buf
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return list(pool.map(run, range(2)))
+
+
+@pytest.fixture(scope="module")
+def service():
+    with ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2) as svc:
+        yield svc
+
+
+def _alive_and_serving(address: str) -> None:
+    r = _allreduce_pair(address, _job())
+    assert all(isinstance(b, np.ndarray) and (b == 3).all() for b in r), r
+
+
+# -- one schema for control messages ----------------------------------------------------
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"name": "x", "timeout": "abc"}, "timeout"),
+    ({"name": "x", "timeout": float("nan")}, "timeout"),
+    ({"name": "x", "timeout": 0}, "timeout"),
+    ({"name": 7}, "name"),
+    ({"name": "x", "shm": {"window": 2 ** 70, "chunk_bytes": 1024}}, "window"),
+    ({"name": "x", "shm": {"window": 4, "chunk_bytes": "big"}}, "chunk_bytes"),
+    ({"name": "x", "shm": [1, 2]}, "shm"),
+    ({"name": "x", "auth": {"nonce": "zz", "ts": 1, "mac": "00"}}, "nonce"),
+])
+def test_a_malformed_join_is_refused_naming_the_field_and_the_service_goes_on(service, fields, field):
+    shard = _shards(service.address)[0]
+    payload = json.dumps(fields).encode() if "nan" not in str(fields) else \
+        b'{"name": "x", "timeout": NaN}'
+    h, reply = _ask(shard, Header(MsgType.JOIN, job_id=99, sender=0, world=2), payload)
+    assert h.msg_type == MsgType.ERROR
+    code, text = wire.parse_error(reply)
+    assert code == "malformed" and field in text, text
+    assert service.alive()
+    stats = query(service.address)
+    assert stats["totals"].get(f"dropped_field_{field}", 0) >= 1, stats["totals"]
+
+
+def test_a_huge_shared_memory_join_leaves_no_file_and_no_crash():
+    with ServiceProcess(f"shm://{os.path.join(_tmpdir(), 'h.sock')}", shards=1) as svc:
+        shard = _shards(svc.address)[0]
+        before = set(os.listdir("/dev/shm"))
+        with connect([shard]) as conn:
+            def ask(h, payload=b""):
+                conn.send(0, h.pack_for(payload) if payload else h.pack(), payload or None)
+                msg = conn.recv(5.0)
+                return wire.unpack_header(msg.header), bytes(msg.payload)
+            for window, chunk in ((1024, 256 << 20), (1, 64)):
+                payload = json.dumps({"name": "big", "shm": {"window": window, "chunk_bytes": chunk}}).encode()
+                h, reply = ask(Header(MsgType.JOIN, job_id=5, sender=0, world=32), payload)
+                if window == 1024:
+                    assert h.msg_type == MsgType.ERROR and "exceed" in wire.parse_error(reply)[1]
+                else:
+                    assert h.msg_type == MsgType.JOIN_OK
+            assert svc.alive()
+            # the small one joined; leaving removes its rings too
+            ask(Header(MsgType.LEAVE, job_id=5, sender=0, world=32))
+        time.sleep(0.2)
+        assert set(os.listdir("/dev/shm")) - before == set()
+
+
+def _tmpdir() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="agh-")
+
+
+def test_the_control_endpoint_counts_what_it_drops(service):
+    with connect([service.address]) as conn:
+        conn.send(0, b"\x00" * 7)
+        conn.send(0, Header(MsgType.PUSH).pack())
+        for _ in range(2):
+            assert conn.recv(5.0) is not None
+    totals = query(service.address)["totals"]
+    assert totals.get("dropped_malformed_short", 0) >= 1 and totals.get("dropped_unexpected_type", 0) >= 1
+
+
+def test_an_internal_error_is_counted_and_the_shard_goes_on():
+    from aggnet.hosts import service as service_mod
+
+    svc = service_mod.start(f"inproc://boom-{uuid.uuid4().hex[:6]}", 1)
+    try:
+        shard = svc.in_process_shards[0]
+        real = shard._on_leave
+        shard._on_leave = lambda *a: (_ for _ in ()).throw(RuntimeError("injected"))
+        h, reply = _ask(svc.shards[0].address, Header(MsgType.LEAVE, job_id=1))
+        assert h.msg_type == MsgType.ERROR and "goes on" in wire.parse_error(reply)[1]
+        shard._on_leave = real
+        assert shard.counters["internal_error"] == 1
+        _alive_and_serving(svc.address)
+    finally:
+        svc.stop()
+
+
+# -- members that leave, buffers that disagree ------------------------------------------
+
+
+def test_a_worker_leaving_with_a_chunk_open_fails_the_others_not_the_service(service):
+    job = _job()
+    c0 = Client(service.address, job=job, rank=0, world_size=2, timeout=20)
+    c1 = Client(service.address, job=job, rank=1, world_size=2, timeout=20)
+    try:
+        pending = c0.allreduce(np.ones(300_000, np.float32))
+        time.sleep(0.3)  # its chunks reach the shards; rank 1 sends nothing yet
+        c0.close()
+        with pytest.raises(Exception):
+            pending.result(timeout=5)
+        t0 = time.monotonic()
+        with pytest.raises(AggregationTimeout) as err:
+            c1.allreduce(np.ones(300_000, np.float32)).result(timeout=30)
+        assert time.monotonic() - t0 < 10, "the departure is told at once, not after the stall timeout"
+        assert "rank(s) [0] left" in str(err.value) or "rank 0 left" in str(err.value), str(err.value)
+    finally:
+        c0.close()
+        c1.close()
+    assert service.alive()
+    _alive_and_serving(service.address)
+
+
+@pytest.mark.parametrize("sizes", [(1000, 1500), (600_000, 300_000)])
+def test_buffers_of_different_sizes_are_a_job_mismatch_on_every_rank(service, sizes):
+    results = _allreduce_pair(service.address, _job(), sizes, timeout=20)
+    for r in results:
+        assert isinstance(r, JobMismatch), results
+        assert "same" in str(r)
+    _alive_and_serving(service.address)
+
+
+def test_a_failed_allreduce_leaves_the_client_usable(service):
+    """An ERROR fails the request it names: the next all-reduce works."""
+    job = _job()
+
+    def run(rank):
+        with Client(service.address, job=job, rank=rank, world_size=2, timeout=20) as c:
+            try:
+                c.allreduce(np.ones(100 + 50 * rank, np.int32)).result(timeout=30)
+            except JobMismatch:
+                pass
+            buf = np.full(5000, rank + 1, np.int32)
+            c.allreduce(buf).result(timeout=30)
+            return buf
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for buf in pool.map(run, range(2)):
+            assert (buf == 3).all()
+
+
+# -- job keys -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    path = os.path.join(_tmpdir(), "keys.json")
+    key = keys.write_job_key(path, "secure")
+    subprocess.run([sys.executable, "-m", "aggnet", "job", "admin", "--keys", path], check=True,
+                   capture_output=True)
+    with ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2, args=["--keys", path]) as svc:
+        yield svc, key, path
+
+
+def test_a_keyed_service_takes_signed_joins_only(keyed):
+    svc, key, _ = keyed
+    r = _allreduce_pair(svc.address, "secure", job_key=key)
+    assert all(isinstance(b, np.ndarray) and (b == 3).all() for b in r), r
+    with pytest.raises(AggregationError, match="not signed"):
+        Client(svc.address, job="secure", rank=0, world_size=2, connect_timeout=5)
+    with pytest.raises(AggregationError, match="not signed with"):
+        Client(svc.address, job="secure", rank=0, world_size=2, connect_timeout=5, job_key=keys.new_key())
+    with pytest.raises(AggregationError, match="no key for job"):
+        Client(svc.address, job="other", rank=0, world_size=2, connect_timeout=5, job_key=key)
+
+
+def test_a_replayed_join_from_another_connection_is_refused(keyed):
+    svc, key, _ = keyed
+    shard = _shards(svc.address)[0]
+    h = Header(MsgType.JOIN, job_id=12345, sender=0, world=2)
+    fields = {"name": "secure", "timeout": 30.0}
+    payload = wire.json_payload({**fields, "auth": keys.sign(bytes.fromhex(key), "JOIN", 12345, 0, 2, fields)})
+    first, _ = _ask(shard, h, payload)
+    assert first.msg_type == MsgType.JOIN_OK
+    again, reply = _ask(shard, h, payload)  # a new connection: another peer
+    assert again.msg_type == MsgType.ERROR and "replay" in wire.parse_error(reply)[1]
+    # a forged rank: the signature covers the rank
+    forged = Header(MsgType.JOIN, job_id=12345, sender=1, world=2)
+    other, reply = _ask(shard, forged, payload)
+    assert other.msg_type == MsgType.ERROR and "not signed with" in wire.parse_error(reply)[1]
+
+
+def test_stats_show_a_job_only_to_its_key_or_the_admin_key(keyed):
+    svc, key, path = keyed
+    with Client(svc.address, job="secure", rank=0, world_size=1, job_key=key):
+        anyone = query(svc.address)
+        assert all(not s["jobs"] for s in anyone["shards"]), anyone
+        mine = query(svc.address, payload=stats_request("secure", bytes.fromhex(key)))
+        assert any("secure" in s["jobs"] for s in mine["shards"])
+        admin = query(svc.address, payload=stats_request(admin_key=keys.Keyring.load(path).admin))
+        assert any("secure" in s["jobs"] for s in admin["shards"])
+        with pytest.raises(Exception, match="not signed with"):
+            query(svc.address, payload=stats_request("secure", bytes.fromhex(keys.new_key())))
+
+
+def test_serving_other_hosts_without_keys_says_so_and_bad_addresses_are_refused():
+    r = subprocess.run([sys.executable, "-m", "aggnet", "serve", "--mode", "switch", "--listen", "foo://x:1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "foo" in r.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "aggnet", "serve", "--listen", "zmq+tcp://0.0.0.0:0",
+                             "--shards", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("aggnet serving")
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "WITHOUT job keys" in err and "--keys" in err
+    r = subprocess.run([sys.executable, "-m", "aggnet", "stats", "zmq+tcp://127.0.0.1:9", "--timeout", "0.5"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "no answer" in r.stderr
+
+
+def test_serve_listens_on_this_machine_only_by_default():
+    from aggnet import serve
+
+    import argparse
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    assert p.parse_args([]).listen is None
+    assert "127.0.0.1" in serve.DEFAULT_SERVICE_LISTEN
+
+
+# -- CURVE ----------------------------------------------------------------------------------
+
+
+def test_curve_protects_a_tcp_service():
+    path = os.path.join(_tmpdir(), "curve")
+    from aggnet.transport.zmq import make_curve_keys
+
+    public = make_curve_keys(path)
+    with ServiceProcess("zmq+tcp://127.0.0.1:0", shards=1, args=["--curve-secret-file", path]) as svc:
+        r = _allreduce_pair(svc.address, _job(), server_key=public)
+        assert all(isinstance(b, np.ndarray) and (b == 3).all() for b in r), r
+        from aggnet.errors import AggregatorUnreachable
+
+        with pytest.raises(AggregatorUnreachable):
+            Client(svc.address, job=_job(), rank=0, world_size=1, connect_timeout=2)
+
+
+# -- faults ---------------------------------------------------------------------------------
+
+
+def test_a_killed_shard_is_named_and_restarted_and_the_job_goes_on():
+    with ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2, args=["--restart"]) as svc:
+        job = _job()
+        clients = [Client(svc.address, job=job, rank=r, world_size=2, timeout=3, connect_timeout=30)
+                   for r in range(2)]
+        try:
+            bufs = [np.full(400_000, r + 1, np.float32) for r in range(2)]
+            for f in [c.allreduce(b) for c, b in zip(clients, bufs)]:
+                f.result(timeout=30)
+            pid = query(svc.address)["shards"][1]["pid"]
+            os.kill(pid, 9)
+            errors = []
+            for f in [c.allreduce(np.ones(400_000, np.float32)) for c in clients]:
+                try:
+                    f.result(timeout=30)
+                except (AggregationError, AggregationTimeout) as exc:
+                    errors.append(str(exc))
+            assert len(errors) == 2 and all("shard" in e for e in errors), errors
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                stats = query(svc.address)
+                if stats["restarts"] and all(s is not None for s in stats["shards"]):
+                    break
+                time.sleep(0.2)
+            bufs = [np.full(400_000, r + 1, np.float32) for r in range(2)]
+            for f in [c.allreduce(b) for c, b in zip(clients, bufs)]:
+                f.result(timeout=60)
+            assert all((b == 3).all() for b in bufs)
+            assert all(c.stats.rejoins >= 1 for c in clients)
+        finally:
+            for c in clients:
+                c.close()
+        assert svc.alive()
+
+
+def test_a_killed_worker_is_named_and_its_job_freed(service):
+    job = _job()
+    code = f"""
+import numpy as np, time
+from aggnet import Client
+c = Client({service.address!r}, job={job!r}, rank=1, world_size=2)
+print("joined", flush=True)
+time.sleep(60)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "joined"
+        with Client(service.address, job=job, rank=0, world_size=2, timeout=2) as c:
+            proc.kill()
+            proc.wait()
+            with pytest.raises(AggregationTimeout, match=r"rank\(s\) \[1\]"):
+                c.allreduce(np.ones(1000, np.float32)).result(timeout=30)
+    finally:
+        proc.kill()
+    # rank 0 left; rank 1 never will, but the job's slots are all given up
+    stats = query(service.address)
+    assert all(s["jobs"].get(job, {}).get("open_slots", 0) == 0 for s in stats["shards"])
+
+
+# -- the embedded default ---------------------------------------------------------------------
+
+
+def test_the_embedded_aggregator_outlives_rank_0_and_leaves_no_files():
+    from aggnet.embedded import embedded_address, key_path
+
+    job = _job()
+    sock = embedded_address(job).split("://", 1)[1]
+    c0 = Client(job=job, rank=0, world_size=2)
+    c1 = Client(job=job, rank=1, world_size=2)
+    try:
+        bufs = [np.full(1000, r + 1, np.int32) for r in range(2)]
+        for f in [c.allreduce(b) for c, b in zip((c0, c1), bufs)]:
+            f.result(timeout=30)
+        c0.close()  # rank 0 finishes first
+        time.sleep(1.5)
+        assert os.path.exists(sock), "rank 0 leaving stopped the aggregator under rank 1"
+        # rank 1 alone cannot complete a world-2 all-reduce, but the
+        # service is there to tell it who is missing
+        c1.config = c1.config.replace(timeout=2.0)
+        with pytest.raises((AggregationTimeout, AggregationError)) as err:
+            c1.allreduce(np.ones(10, np.int32)).result(timeout=30)
+        assert "0" in str(err.value)
+    finally:
+        c0.close()
+        c1.close()
+    deadline = time.monotonic() + 15
+    left = [sock, sock + ".lock", key_path(job)]
+    while time.monotonic() < deadline and any(os.path.exists(p) for p in left):
+        time.sleep(0.1)
+    assert not [p for p in left if os.path.exists(p)]
+
+
+# -- the switch path ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def switch_keyed():
+    path = os.path.join(_tmpdir(), "keys.json")
+    key = keys.write_job_key(path, "sw")
+    with ServiceProcess("udp://127.0.0.1:0", shards=1, args=["--mode", "switch", "--keys", path,
+                                                              "--elements", "256"]) as svc:
+        yield svc, key
+
+
+def _switch_pair(address, job, sizes=(3000, 3000), dtype=np.int32, **opts):
+    def run(rank):
+        with Client(address, job=job, rank=rank, world_size=2, **opts) as c:
+            buf = np.full(sizes[rank], rank + 1, dtype)
+            try:
+                c.allreduce(buf).result(timeout=60)
+            except Exception as exc:
+                return exc
+            return buf
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return list(pool.map(run, range(2)))
+
+
+def test_switch_mode_takes_signed_joins_only(switch_keyed):
+    svc, key = switch_keyed
+    r = _switch_pair(svc.address, "sw", job_key=key)
+    assert all(isinstance(b, np.ndarray) and (b == 3).all() for b in r), r
+    with pytest.raises(AggregationError, match="not signed"):
+        Client(svc.address, job="sw", rank=0, world_size=2, connect_timeout=5)
+    # a recorded JOIN sent again from another address is a replay
+    h = Header(MsgType.JOIN, job_id=wire_job_id("sw"), sender=0, world=2)
+    fields = {"name": "sw", "world": 2}
+    payload = wire.json_payload({**fields, "auth": keys.sign(bytes.fromhex(key), "JOIN", h.job_id, 0, 2, fields)})
+    host, port = svc.address.split("//")[1].rsplit(":", 1)
+    replies = []
+    for _ in range(2):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.settimeout(3)
+            s.sendto(h.pack_for(payload) + payload, (host, int(port)))
+            replies.append(wire.unpack_header(s.recv(65536)))
+    assert replies[0].msg_type == MsgType.JOIN_OK and replies[1].msg_type == MsgType.ERROR
+    totals = query(svc.address)["totals"]
+    assert totals.get("dropped_auth_replay", 0) >= 1 and totals.get("dropped_auth_missing", 0) >= 1
+
+
+def wire_job_id(name: str) -> int:
+    from aggnet.client import job_id_of
+
+    return job_id_of(name)
+
+
+@pytest.mark.parametrize("sizes, dtype", [((3000, 4000), np.int32), ((2000, 2600), np.float32)])
+def test_switch_buffers_of_different_sizes_are_a_job_mismatch_on_every_rank(switch_keyed, sizes, dtype):
+    svc, key = switch_keyed
+    results = _switch_pair(svc.address, "sw", sizes, dtype, job_key=key, timeout=10)
+    for r in results:
+        assert isinstance(r, JobMismatch), results
+
+
+def test_switch_client_drops_results_from_anyone_but_the_aggregator(switch_keyed):
+    svc, key = switch_keyed
+    stop = threading.Event()
+    forged = Header(MsgType.RESULT, job_id=wire_job_id("sw"), dtype=wire.DType.INT32, count=256, ref=2)
+
+    def forge(clients):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            while not stop.is_set():
+                for c in clients:
+                    for slot in range(8):
+                        forged.index = slot
+                        for tag in range(1, 4):
+                            forged.ref = tag
+                            s.sendto(forged.pack() + np.full(256, 7 << 24, ">i4").tobytes(),
+                                     ("127.0.0.1", c.dsock.address[1]))
+                time.sleep(0.001)
+    clients = [Client(svc.address, job="sw", rank=r, world_size=2, job_key=key) for r in range(2)]
+    t = threading.Thread(target=forge, args=(clients,), daemon=True)
+    t.start()
+    try:
+        for _ in range(20):
+            bufs = [np.full(5000, r + 1, np.int32) for r in range(2)]
+            for f in [c.allreduce(b) for c, b in zip(clients, bufs)]:
+                f.result(timeout=30)
+            assert all((b == 3).all() for b in bufs)
+        assert sum(c.stats.dropped_replies for c in clients) > 0
+    finally:
+        stop.set()
+        t.join()
+        for c in clients:
+            c.close()
