@@ -205,8 +205,13 @@ def _serve_switch(args, keyring) -> int:
              "packet by default (at most %d), UDP I/O %s%s", svc.address, svc.shards, svc.address.port,
              svc.address.port + svc.shards - 1, args.pool, svc.default_elements, svc.regs.max_elements, svc.io,
              f", rack {args.rack_id} of {args.racks} under {args.parent}" if args.parent else "")
-    print(f"aggnet serving {svc.address} shards={svc.shards} pid={os.getpid()}", flush=True)
     parent_pid = args.parent_pid
+
+    def started() -> None:
+        # once the shards are forked: the metrics thread must not be
+        # copied into them, and launchers wait for the serving line
+        _metrics(args, svc.stats, "switch")
+        print(f"aggnet serving {svc.address} shards={svc.shards} pid={os.getpid()}", flush=True)
 
     def should_stop() -> bool:
         if parent_pid is not None:
@@ -217,7 +222,7 @@ def _serve_switch(args, keyring) -> int:
         return stop.is_set()
 
     try:
-        svc.serve(should_stop, started=lambda: _metrics(args, svc.stats, "switch"))
+        svc.serve(should_stop, started=started)
     finally:
         svc.close()
     log.info("aggnet switch-mode aggregator stopped")

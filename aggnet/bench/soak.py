@@ -1,0 +1,388 @@
+"""``aggnet soak``: many all-reduces in a row, watching every process for leaks.
+
+A leak that costs a few hundred bytes or one file descriptor per all-reduce
+is invisible in a test of ten and takes a training job down after a day.
+This runs N all-reduces (default 10,000) through each kind of aggregator
+and samples the resident memory (VmRSS), open file descriptors and threads
+of every worker and every aggregator process (shard children included) at
+the end of warm-up, at points in between and at the end, while the workers
+are paused between two all-reduces, so the samples compare like with like.
+
+* ``switch``: a switch-mode aggregator (one shard: the relay forwards to
+  one port) behind :class:`~aggnet.emulation.lossy_relay.LossyRelay`,
+  which drops each datagram with probability ``--loss`` in both
+  directions, so retransmission runs all the time, as on a real lossy
+  fabric (no root needed, unlike iptables on lo).
+* ``service``: the sharded ZeroMQ service over zmq+tcp; TCP recovers its
+  own losses below aggnet, so no loss is applied there.
+
+Workers are spawned processes: nothing of this process (the relay's
+sockets and thread) is inherited into the counts. Every worker knows every
+rank's inputs and checks every result: int32 exactly, float32 within the
+quantization bound (switch) or float32 rounding (service); a running CRC of
+the results also shows every worker held the same bytes. The exit status
+is 1 when a result was wrong, a process failed, or memory grew more than
+``--max-rss-growth-mb``.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import platform
+import sys
+import time
+import uuid
+import zlib
+
+import numpy as np
+
+#: all-reduces before the first sample: allocator pools, JIT-compiled
+#: kernels and socket buffers reach their working size first
+WARMUP = 100
+#: samples after warm-up (the last one at the end)
+SAMPLES = 8
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--allreduces", type=int, default=10000, help="all-reduces per worker (default %(default)s)")
+    p.add_argument("--loss", type=float, default=0.01,
+                   help="switch kind: drop probability of each datagram, both directions (default %(default)s)")
+    p.add_argument("--kind", choices=["switch", "service", "both"], default="both",
+                   help="aggregator: switch mode over UDP, the ZeroMQ service over tcp, or both (default both)")
+    p.add_argument("--elements", type=int, default=65536,
+                   help="values per all-reduce buffer, alternately int32 and float32 (default %(default)s)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default %(default)s)")
+    p.add_argument("--max-rss-growth-mb", type=float, default=None,
+                   help="exit 1 when a process's RSS grew more than this from warm-up to the end")
+    p.add_argument("--json", default=None, help="write the full record (every sample) here")
+
+
+# -- /proc ----------------------------------------------------------------------
+
+
+def proc_sample(pid: int) -> dict | None:
+    """RSS (kB), open fds and threads of ``pid``; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return {"rss_kb": int(fields["VmRSS"].split()[0]), "fds": fds, "threads": int(fields["Threads"])}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (shard processes), from the parent ids
+    in /proc/*/stat: no psutil needed."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return sorted(out)
+
+
+# -- the workers ----------------------------------------------------------------
+
+
+def _inputs(rank: int, elements: int):
+    """Rank ``rank``'s base int32 and float32 inputs (every rank can make
+    every other's: results are checked without talking)."""
+    rng = np.random.default_rng(rank + 1)
+    return (rng.integers(-(2**20), 2**20, elements, dtype=np.int32),
+            rng.standard_normal(elements).astype(np.float32))
+
+
+def _float_tolerance(floats: list, exact: np.ndarray, world: int, block: int | None) -> np.ndarray:
+    """Per-element bound on the float32 error. Switch protocol (``block``
+    values per packet): each block is quantized to int32 with the exponent
+    of its largest value over all workers, half a step per worker, plus
+    float32 rounding of the sum. Service: float32 summation, at most
+    world - 1 roundings of partial sums."""
+    if block is None:
+        return max(world - 1, 1) * sum(np.abs(f.astype(np.float64)) for f in floats) * 2.0**-23
+    from aggnet.kernels import quant_shift
+
+    tol = np.empty(exact.size)
+    for b in range(0, exact.size, block):
+        s = slice(b, b + block)
+        e = max(int(np.frexp(np.max(np.abs(f[s])))[1]) for f in floats)
+        tol[s] = world * 2.0 ** -quant_shift(e, world) / 2
+    return tol + np.abs(exact) * 2.0**-23
+
+
+def _worker(rank: int, world: int, address: str, job: str, n: int, elements: int, points: list, conn) -> None:
+    """N all-reduces, alternately int32 (even) and float32 (odd), each
+    checked; at each point in ``points`` it reports and waits for the
+    driver to sample and say go."""
+    from aggnet import Client
+
+    try:
+        bases = [_inputs(r, elements) for r in range(world)]
+        want_int = sum(b[0].astype(np.int64) for b in bases).astype(np.int32)  # |sum| < 2**31: no wrap
+        exact = sum(b[1].astype(np.float64) for b in bases)
+        ibuf, fbuf = np.empty(elements, np.int32), np.empty(elements, np.float32)
+        iwant, err = np.empty(elements, np.int32), np.empty(elements)
+        with Client(address, job=job, rank=rank, world_size=world, timeout=30) as c:
+            block = c.elements if address.startswith("udp://") else None
+            tol = _float_tolerance([b[1] for b in bases], exact, world, block)
+            failures = {"int32": 0, "float32": 0}
+            first_failure = None
+            crc, busy, done = 0, 0.0, 0
+            for point in points:
+                t0 = time.perf_counter()
+                for i in range(done, point):
+                    if i % 2 == 0:
+                        np.add(bases[rank][0], i, out=ibuf)
+                        c.allreduce(ibuf).result(120)
+                        np.add(want_int, world * i, out=iwant)
+                        ok, buf, kind = bool(np.array_equal(ibuf, iwant)), ibuf, "int32"
+                    else:
+                        # a power-of-two scale moves the exponents (and the
+                        # quantization steps) about without rounding
+                        scale = 2.0 ** (i % 9 - 4)
+                        np.multiply(bases[rank][1], np.float32(scale), out=fbuf)
+                        c.allreduce(fbuf).result(120)
+                        np.multiply(exact, scale, out=err)
+                        np.subtract(fbuf, err, out=err)
+                        np.abs(err, out=err)
+                        err *= 1 / scale
+                        ok, buf, kind = bool(np.all(err <= tol)), fbuf, "float32"
+                    if not ok:
+                        failures[kind] += 1
+                        if first_failure is None:
+                            first_failure = f"all-reduce {i} ({kind}) gave a wrong result"
+                    crc = zlib.crc32(buf, crc)
+                busy += time.perf_counter() - t0
+                done = point
+                s = c.stats
+                conn.send({"at": point, "busy_s": busy, "failures": dict(failures), "first_failure": first_failure,
+                           "crc": crc, "retransmissions": s.retransmissions,
+                           "fast_retransmissions": s.fast_retransmissions, "errors": s.errors, "rejoins": s.rejoins,
+                           "chunks_sent": s.chunks_sent, "results": s.results})
+                if conn.recv() != "go":
+                    return
+    except BaseException as exc:  # the driver reports it and stops the run
+        conn.send({"error": f"rank {rank}: {type(exc).__name__}: {exc}"})
+
+
+# -- the driver -----------------------------------------------------------------
+
+
+class SoakFailed(RuntimeError):
+    pass
+
+
+def checkpoints(n: int) -> list[int]:
+    warm = max(1, min(WARMUP, n // 3))
+    return sorted({warm, *(warm + (n - warm) * k // SAMPLES for k in range(1, SAMPLES + 1))})
+
+
+def _gather(conns: list, procs: list, service, timeout: float) -> list[dict]:
+    """One report from every worker; raises as soon as a worker or the
+    aggregator fails."""
+    got: dict[int, dict] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < len(conns):
+        if time.monotonic() > deadline:
+            raise SoakFailed(f"workers {sorted(set(range(len(conns))) - set(got))} did not report in {timeout:g}s")
+        if not service.alive():
+            raise SoakFailed(f"the aggregator (pid {service.pid}) exited with status {service.process.poll()}")
+        for r, conn in enumerate(conns):
+            if r in got or not conn.poll(0.05):
+                continue
+            try:
+                msg = conn.recv()
+            except EOFError:
+                raise SoakFailed(f"worker {r} exited with status {procs[r].exitcode}") from None
+            if "error" in msg:
+                raise SoakFailed(msg["error"])
+            got[r] = msg
+    return [got[r] for r in range(len(conns))]
+
+
+def _sample(roles: dict, service) -> dict:
+    """A sample of every known process; shard processes are looked up
+    afresh each time, so one that died or was replaced shows."""
+    for pid in descendants(service.pid):
+        roles.setdefault(pid, f"aggregator child {pid}")
+    return {pid: proc_sample(pid) for pid in roles}
+
+
+def run_soak(kind: str, allreduces: int, loss: float, elements: int, workers: int) -> dict:
+    """One soak of ``kind`` ("switch" or "service"); returns its record."""
+    from aggnet.emulation.lossy_relay import LossyRelay
+    from aggnet.hosts.process import ServiceProcess
+
+    points = checkpoints(allreduces)
+    if kind == "switch":
+        service = ServiceProcess("udp://127.0.0.1:0", shards=1, args=["--mode", "switch"])
+    else:
+        service = ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2)
+    relay = None
+    record = {"kind": kind, "allreduces": allreduces, "workers": workers, "elements": elements,
+              "loss": loss if kind == "switch" else None, "warmup": points[0], "points": points}
+    ctx = multiprocessing.get_context("spawn")
+    procs, conns = [], []
+    try:
+        addresses = [service.address] * workers
+        if kind == "switch":
+            host, port = service.address[len("udp://"):].rsplit(":", 1)
+            relay = LossyRelay((host, int(port)), workers, drop=loss, seed=1).start()
+            addresses = relay.addresses
+        job = f"soak-{uuid.uuid4().hex[:8]}"
+        for r in range(workers):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(r, workers, addresses[r], job, allreduces, elements, points, theirs),
+                            daemon=True)
+            p.start()
+            theirs.close()
+            procs.append(p)
+            conns.append(mine)
+        roles = {service.pid: "aggregator"}
+        roles.update({pid: f"aggregator child {pid}" for pid in descendants(service.pid)})
+        roles.update({p.pid: f"worker {r}" for r, p in enumerate(procs)})
+        if relay is not None:
+            roles[os.getpid()] = "relay (driver)"
+        samples, reports = [], []
+        t0 = time.monotonic()
+        for prev, point in zip([0] + points, points):
+            # generous: even at 10% loss a segment runs at tens of all-reduces/s
+            reps = _gather(conns, procs, service, timeout=120 + 0.5 * (point - prev))
+            samples.append({"at": point, "t": time.monotonic() - t0,
+                            "procs": {str(pid): s for pid, s in _sample(roles, service).items()}})
+            reports.append(reps)
+            for conn in conns:
+                conn.send("go")
+        record["wall_s"] = time.monotonic() - t0
+        record["aggregator_alive"] = service.alive()
+    except SoakFailed as exc:
+        record["error"] = str(exc)
+        record["aggregator_alive"] = service.alive()
+        return record
+    finally:
+        for conn in conns:
+            try:
+                conn.send("stop")  # to a worker still waiting at a sample point (after a failure)
+            except OSError:
+                pass
+        for p in procs:
+            p.join(15 if "error" not in record else 1)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if relay is not None:
+            relay.stop()
+            record["relay"] = dict(relay.counters)
+        service.stop()
+    final = reports[-1]
+    # a segment takes as long as its slowest worker; the pauses to sample are left out
+    busy = [max(rep[r]["busy_s"] for r in range(workers)) for rep in reports]
+    timed = busy[-1] - busy[0]
+    record.update({
+        "allreduces_per_s": (allreduces - points[0]) / timed if timed > 0 else None,
+        "failures": {k: sum(f["failures"][k] for f in final) for k in ("int32", "float32")},
+        "first_failure": next((f["first_failure"] for f in final if f["first_failure"]), None),
+        "results_agree": len({f["crc"] for f in final}) == 1,
+        "client_stats": [{k: v for k, v in f.items() if k not in ("at", "busy_s", "failures", "first_failure", "crc")}
+                         for f in final],
+        "samples": samples,
+        "processes": _summarize(roles, samples),
+    })
+    return record
+
+
+def _summarize(roles: dict, samples: list) -> list[dict]:
+    """Per process: start (warm-up), end and max of RSS, fds and threads."""
+    rows = []
+    for pid, role in roles.items():
+        seen = [s["procs"].get(str(pid)) for s in samples]
+        live = [s for s in seen if s]
+        row = {"process": role, "pid": pid, "present_start": bool(seen[0]), "present_end": bool(seen[-1])}
+        for key in ("rss_kb", "fds", "threads"):
+            row[key] = {"start": seen[0][key] if seen[0] else None, "end": seen[-1][key] if seen[-1] else None,
+                        "max": max(s[key] for s in live) if live else None}
+        rows.append(row)
+    return rows
+
+
+def problems(record: dict, max_rss_growth_mb: float | None = None) -> list[str]:
+    """What makes this soak a failure."""
+    out = []
+    if "error" in record:
+        return [f"{record['kind']}: {record['error']}"]
+    if any(record["failures"].values()):
+        out.append(f"{record['kind']}: wrong results {record['failures']} (first: {record['first_failure']})")
+    if not record["results_agree"]:
+        out.append(f"{record['kind']}: the workers' results differ")
+    if not record["aggregator_alive"]:
+        out.append(f"{record['kind']}: the aggregator exited during the soak")
+    for row in record["processes"]:
+        if not (row["present_start"] and row["present_end"]):
+            out.append(f"{record['kind']}: {row['process']} was not there from warm-up to the end")
+        elif max_rss_growth_mb is not None:
+            growth = (row["rss_kb"]["end"] - row["rss_kb"]["start"]) / 1024
+            if growth > max_rss_growth_mb:
+                out.append(f"{record['kind']}: {row['process']} RSS grew {growth:.1f} MB (> {max_rss_growth_mb:g})")
+    return out
+
+
+def _print_record(r: dict) -> None:
+    loss = f"{r['loss']:g} loss through the relay" if r["kind"] == "switch" else \
+        "zmq+tcp: no loss applied (TCP retransmits below aggnet)"
+    print(f"\n{r['kind']}: {r['allreduces']} all-reduces x {r['workers']} workers of {r['elements']} values, {loss}")
+    if "error" in r:
+        print(f"  FAILED: {r['error']}")
+        return
+    print(f"{'process':>24} {'pid':>7} {'RSS MB start':>12} {'end':>7} {'max':>7} {'growth':>7} "
+          f"{'fds start':>9} {'end':>4} {'max':>4} {'thr start':>9} {'end':>4}")
+    mb = lambda kb: f"{kb / 1024:.1f}" if kb is not None else "-"  # noqa: E731
+    num = lambda v: str(v) if v is not None else "-"  # noqa: E731
+    for p in r["processes"]:
+        rss, fds, thr = p["rss_kb"], p["fds"], p["threads"]
+        growth = mb(rss["end"] - rss["start"]) if rss["start"] is not None and rss["end"] is not None else "-"
+        print(f"{p['process']:>24} {p['pid']:>7} {mb(rss['start']):>12} {mb(rss['end']):>7} {mb(rss['max']):>7} "
+              f"{growth:>7} {num(fds['start']):>9} {num(fds['end']):>4} {num(fds['max']):>4} "
+              f"{num(thr['start']):>9} {num(thr['end']):>4}")
+    retrans = sum(s["retransmissions"] for s in r["client_stats"])
+    rate = f"{r['allreduces_per_s']:.1f}" if r["allreduces_per_s"] else "-"
+    relay = r.get("relay")
+    seen = f", relay dropped {relay.get('dropped', 0)} of {relay.get('seen', 0)} datagrams" if relay else ""
+    print(f"  {rate} all-reduces/s after warm-up ({r['wall_s']:.1f} s in all); retransmissions {retrans}{seen}; "
+          f"wrong results {r['failures']}; workers agree: {r['results_agree']}; "
+          f"aggregator alive: {r['aggregator_alive']}")
+
+
+def main(args) -> int:
+    kinds = ["switch", "service"] if args.kind == "both" else [args.kind]
+    if args.allreduces < 3 or args.workers < 1 or args.elements < 1 or not 0 <= args.loss < 1:
+        print("aggnet soak: needs --allreduces >= 3, --workers >= 1, --elements >= 1 and 0 <= --loss < 1",
+              file=sys.stderr)
+        return 2
+    records = [run_soak(k, args.allreduces, args.loss, args.elements, args.workers) for k in kinds]
+    found = []
+    for r in records:
+        _print_record(r)
+        found += problems(r, args.max_rss_growth_mb)
+    summary = [{k: v for k, v in r.items() if k not in ("samples", "points")} for r in records]
+    print("\n" + json.dumps(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"system_info": {"host": platform.node(), "python": platform.python_version(),
+                                       "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")},
+                       "runs": records, "problems": found}, f, indent=1)
+        print(f"wrote {args.json}")
+    for line in found:
+        print(f"PROBLEM: {line}")
+    return 1 if found else 0

@@ -1,0 +1,40 @@
+"""A short soak (``aggnet soak``) of both aggregator kinds: every result
+right at 1% loss, and no process of the job growing in memory or file
+descriptors between warm-up and the end."""
+
+from __future__ import annotations
+
+import pytest
+
+from aggnet.bench.soak import problems, run_soak
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["switch", "service"])
+def test_short_soak_is_correct_and_bounded(kind):
+    r = run_soak(kind, allreduces=300, loss=0.01, elements=65536, workers=2)
+    assert "error" not in r, r["error"]
+    assert r["failures"] == {"int32": 0, "float32": 0}, r["first_failure"]
+    assert r["results_agree"]
+    assert r["aggregator_alive"]
+    assert problems(r, max_rss_growth_mb=30) == []
+    roles = [p["process"] for p in r["processes"]]
+    assert roles.count("worker 0") == 1 and roles.count("worker 1") == 1
+    if kind == "service":  # the shard processes are watched too
+        assert sum(role.startswith("aggregator child") for role in roles) == 2
+    else:  # the loss was there, and was recovered from
+        assert r["relay"]["dropped"] > 0
+        assert sum(s["retransmissions"] for s in r["client_stats"]) > 0
+    for p in r["processes"]:
+        assert (p["rss_kb"]["end"] - p["rss_kb"]["start"]) / 1024 < 30, p
+        assert p["fds"]["end"] <= p["fds"]["start"] + 2, p
+
+
+def test_problems_names_growth_beyond_the_limit():
+    row = {"process": "worker 0", "pid": 1, "present_start": True, "present_end": True,
+           "rss_kb": {"start": 100_000, "end": 150_000, "max": 150_000}}
+    record = {"kind": "switch", "failures": {"int32": 0, "float32": 0}, "first_failure": None,
+              "results_agree": True, "aggregator_alive": True, "processes": [row]}
+    assert problems(record) == []
+    assert problems(record, max_rss_growth_mb=100) == []
+    assert problems(record, max_rss_growth_mb=30) == ["switch: worker 0 RSS grew 48.8 MB (> 30)"]
