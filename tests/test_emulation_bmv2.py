@@ -3,6 +3,8 @@ DDP demo through it, end to end."""
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from aggnet.emulation import rack_runs
@@ -50,3 +52,70 @@ def test_ddp_demo_through_bmv2():
             switch.stop()
     assert any("via aggnet (float32) through udp://10.77.0.253" in line for line in lines), lines
     assert any("test accuracy" in line for line in lines), lines
+
+
+_WORKER = """
+import sys, numpy as np
+from aggnet import Client
+rank, job = int(sys.argv[1]), sys.argv[2]
+with Client("{address}", job=job, rank=rank, world_size=2, elements=64, timeout=60) as c:
+    for _ in range(20):
+        buf = np.full(64 * 200, rank + 1, np.int32)
+        c.allreduce(buf).result(timeout=120)
+        assert (buf == 3).all(), buf[:8]
+print("exact")
+"""
+
+_FOREIGN = """
+import socket, sys, time
+from aggnet import wire
+from aggnet.client import job_id_of
+from aggnet.wire import DType, Flag, Header, MsgType
+job, dest = sys.argv[1], ("{ip}", {port})
+jid = job_id_of(job)
+join = Header(MsgType.JOIN, job_id=jid, sender=0, world=2).pack()
+payload = b"\\x7f" * 256
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    end = time.monotonic() + 4
+    sent = 0
+    while time.monotonic() < end:
+        for slot in range(32):
+            for tag in (1, 2, 3):
+                push = Header(MsgType.PUSH, job_id=jid, sender=0, index=slot, ref=tag, dtype=DType.INT32, count=64,
+                              world=2, flags=Flag.VERSION if tag & 1 else 0)
+                s.sendto(push.pack() + payload, dest)
+                sent += 1
+        s.sendto(join, dest)
+        time.sleep(0.002)
+print(sent)
+"""
+
+
+def test_bmv2_admits_only_installed_members():
+    """A host the control plane did not install can neither join a job nor
+    add to its sums (the admission table keys on the job, the rank and the
+    source address)."""
+    import sys
+
+    from aggnet.emulation.rack_runs import SWITCH_IP, SWITCH_PORT
+
+    with Rack(3, aggregator=False, bridge=False, prefix="agx") as rack:
+        switch = rack_runs.RackSwitch(rack)
+        try:
+            job = "admitted"
+            members = [f"{h.ip},{rack.mac(h)},{i}" for i, h in enumerate(rack.workers[:2])]
+            switch.ctl("add-job", job, "--slots", "32", *[x for m in members for x in ("--member", m)])
+            code = _WORKER.format(address=switch.address)
+            procs = [rack.popen(h, [sys.executable, "-c", code, str(i), job], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for i, h in enumerate(rack.workers[:2])]
+            foreign = rack.run(rack.workers[2], [sys.executable, "-c", _FOREIGN.format(ip=SWITCH_IP, port=SWITCH_PORT),
+                                                 job], timeout=120)
+            outs = [p.communicate(timeout=300) for p in procs]
+            counters = switch.counters()
+        finally:
+            switch.stop()
+    assert all(o[0].strip() == "exact" for o in outs), outs
+    assert int(foreign.stdout) > 1000
+    # BMv2 takes what its queue holds of the flood; every one it took was refused
+    assert counters["drops"].get("not_admitted", 0) > 1000, counters["drops"]
+    assert set(counters["drops"]) <= {"not_admitted", "type", "duplicate"}, counters["drops"]
