@@ -284,8 +284,8 @@ def json_payload(obj) -> bytes:
 def parse_json(payload) -> dict:
     try:
         obj = json.loads(bytes(payload) or b"{}")
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError("json", f"control payload is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, a 5000-digit number, nested too deep
+        raise WireError("json", f"control payload is not JSON: {str(exc)[:200]}") from None
     if not isinstance(obj, dict):
         raise WireError("json", "control payload must be a JSON object")
     return obj

@@ -134,9 +134,11 @@ class ZmqListener(Listener):
     def send(self, peer, header: bytes, payload=None) -> bool:
         frames = [peer, header] if payload is None else [peer, header, payload]
         try:
-            self._sock.send_multipart(frames, copy=False)
+            # never block on one peer: one that reads none of its replies
+            # (its queue full) must not stall everybody else's
+            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
+            if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 return False
             raise TransportError(f"send from {self.address} failed: {exc}") from None
         return True
