@@ -21,6 +21,7 @@ MODULE_COMMANDS = (
     ("emulate", "aggnet.emulation.cli", "run inside an emulated rack (network namespaces; needs root)"),
     ("demo", "aggnet.demo", "train a small model with DDP through aggnet"),
     ("pcap", "aggnet.pcap_cli", "decode the aggnet messages of a packet capture (needs aggnet[pcap])"),
+    ("fuzz", "aggnet.fuzz", "send hostile datagrams or messages at an aggregator, then show its drop counters"),
 )
 
 
