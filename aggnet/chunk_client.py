@@ -59,6 +59,11 @@ class ChunkRequest(Request):
     #: shards whose chunks are not sent (their exponents held NaN/Inf): every
     #: worker sees the same agreed exponents, so all skip the same chunks
     skip_shards: set = field(default_factory=set)
+    plan: np.ndarray | None = None  #: size, wire dtype: what the buffer-size agreement compares
+    plan_done: bool = False
+    #: an error that came before the buffer-size agreement: reported once
+    #: the agreement shows the sizes match (else JobMismatch is)
+    held_error: Exception | None = None
 
 
 class ChunkClient(Client):
@@ -281,8 +286,12 @@ class ChunkClient(Client):
         self._conn.send(shard, h.pack(), np.concatenate([mine, -mine]))
 
     def _on_plan(self, req: ChunkRequest, h: Header, payload) -> None:
+        req.plan_done = True
         agreed = np.frombuffer(payload, np.int32, h.count) if h.count == 6 else None
         if agreed is not None and (agreed[:3] == req.plan).all() and (-agreed[3:] == req.plan).all():
+            if req.held_error is not None:
+                self._fail_round(req, req.held_error)
+                return
             req.remaining -= 1
             if req.remaining == 0:
                 self._complete(req)
@@ -485,6 +494,12 @@ class ChunkClient(Client):
             return
         if code == wire.ErrorCode.NOT_JOINED.value:
             self._rejoin_needed = True
+        if not req.plan_done and h.index != wire.PLAN_INDEX and kind is not JobMismatch:
+            # a chunk given up because another worker stopped: if that was
+            # over a buffer of another size, the agreement on the way says
+            # so, and that is the error worth reporting
+            req.held_error = req.held_error or exc
+            return
         self._fail_round(req, exc)
 
     def _check_progress(self) -> None:

@@ -158,6 +158,10 @@ class Shard:
                                f"joined with world size {h.world}; all workers must agree", "world_mismatch")
         shm = info.get("shm")
         if shm is not None:
+            if self.listener.address.scheme != "shm":
+                raise ControlError(ErrorCode.REFUSED, f"shared memory is offered to workers on the aggregator's "
+                                                      f"host only (shm:// addresses), not over "
+                                                      f"{self.listener.address.scheme}", "field_shm")
             control.check_shm(h.world, shm)
         created = job is None
         if created:

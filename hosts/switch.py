@@ -359,6 +359,7 @@ class SwitchService:
         # its packets for a slot come from and where results go
         layout = (h.offset, h.ref) if h.ref else (0, 0)
         job = self.jobs.get(h.job_id)
+        created = job is None
         if job is None:
             k = asked or min(self.default_elements, fits)
             if k > kmax:
@@ -392,6 +393,8 @@ class SwitchService:
             # a sharded member's ports: at most 64, all in the port range
             ports = (layout[0] + job.slots - 1) // layout[1] + 1
             if layout[0] >= 1 << 32 or ports > 64 or src[1] + ports - 1 > 0xFFFF:
+                if created:
+                    self._remove(job)  # a refused JOIN installs nothing
                 raise ControlError(ErrorCode.MALFORMED,
                                    f"JOIN's shard layout (base {layout[0]}, {layout[1]} slots per shard) puts job "
                                    f"{name!r}'s {job.slots} slots on {ports} ports from {src[1]}; at most 64, "
