@@ -638,8 +638,6 @@ def _dealer(ctx, endpoint: str):
 
 def _shard_map(ctx, endpoint: str) -> list[str]:
     """The shards' addresses, from the control endpoint's HELLO_OK."""
-    import zmq
-
     s = _dealer(ctx, endpoint)
     try:
         s.send_multipart([Header(MsgType.HELLO).pack()])
