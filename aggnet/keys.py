@@ -146,6 +146,24 @@ class Keyring:
         return True
 
 
+    def stats_view(self, h, payload, peer) -> set | None:
+        """Which jobs' tables a STATS may see: None for all (an open
+        aggregator, or the admin key), a job's own with its key, none (the
+        totals only) unsigned. Raises ControlError for a bad signature."""
+        if not self.enforced:
+            return None
+        from . import control
+
+        info = control.parse(control.STATS, payload, "STATS")
+        if "admin" in info:
+            self.verify("STATS", h.job_id, h.sender, h.world, None, info, peer, admin=True)
+            return None
+        if "job" in info:
+            self.verify("STATS", h.job_id, h.sender, h.world, info["job"], info, peer)
+            return {info["job"]}
+        return set()
+
+
 def write_job_key(path: str, name: str, key: str | None = None) -> str:
     """Add (or replace) job ``name``'s key in the keys file at ``path``,
     created 0600; returns the key."""

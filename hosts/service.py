@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from aggnet import control, keys, wire
+from aggnet import keys, wire
 from aggnet.control import ControlError
 from aggnet.keys import Keyring
 from aggnet.processes import die_with_parent
@@ -167,7 +167,7 @@ class Service:
             self._send(peer, MsgType.HELLO_OK, wire.json_payload(self.shard_map()))
         elif h.msg_type == MsgType.STATS:
             try:
-                jobs = self._stats_view(peer, h, payload)
+                jobs = self.keyring.stats_view(h, payload, peer)
             except ControlError as exc:
                 self.counters[f"dropped_{exc.reason}"] += 1
                 self._send(peer, MsgType.ERROR, wire.error_payload(exc.code, str(exc)))
@@ -179,20 +179,6 @@ class Service:
                 ErrorCode.REFUSED,
                 f"the control endpoint {self.address} answers HELLO and STATS; send {h.msg_type.name} to a shard "
                 f"(the HELLO reply lists them)"))
-
-    def _stats_view(self, peer, h: Header, payload) -> set | None:
-        """Which jobs a STATS may see (None: all): with keys, a job's
-        counters need its key and every job's the admin key."""
-        if not self.keyring.enforced:
-            return None
-        info = control.parse(control.STATS, payload, "STATS")
-        if "admin" in info:
-            self.keyring.verify("STATS", h.job_id, h.sender, h.world, None, info, peer, admin=True)
-            return None
-        if "job" in info:
-            self.keyring.verify("STATS", h.job_id, h.sender, h.world, info["job"], info, peer)
-            return {info["job"]}
-        return set()
 
     def _send(self, peer, msg_type: MsgType, payload: bytes) -> None:
         self.control.send(peer, Header(msg_type).pack_for(payload), payload)

@@ -117,7 +117,7 @@ class Shard:
                 self._reply(peer, Header(MsgType.HELLO_OK), wire.json_payload(
                     {"service": "aggnet", "version": wire.VERSION, "shards": [str(self.listener.address)]}))
             elif t == MsgType.STATS:
-                self._reply(peer, Header(MsgType.STATS_OK), wire.json_payload(self._stats_for(peer, h, payload)))
+                self._reply(peer, Header(MsgType.STATS_OK), wire.json_payload(self.stats(self.keyring.stats_view(h, payload, peer))))
             else:
                 self._drop(peer, "unexpected_type", ErrorCode.REFUSED,
                            f"an aggregator does not accept {t.name} messages", h)
@@ -454,17 +454,3 @@ class Shard:
                 for job in self.jobs.values() if jobs is None or job.name in jobs
             },
         }
-
-    def _stats_for(self, peer, h: Header, payload) -> dict:
-        """What a STATS may see: with keys, a job's counters need its key
-        and the whole table the admin key; anyone gets the totals."""
-        if not self.keyring.enforced:
-            return self.stats()
-        info = control.parse(control.STATS, payload, "STATS")
-        if "admin" in info:
-            self.keyring.verify("STATS", h.job_id, h.sender, h.world, None, info, peer, admin=True)
-            return self.stats()
-        if "job" in info:
-            self.keyring.verify("STATS", h.job_id, h.sender, h.world, info["job"], info, peer)
-            return self.stats({info["job"]})
-        return self.stats(set())

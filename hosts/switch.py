@@ -302,7 +302,7 @@ class SwitchService:
             self._parent_refused(h, payload)
         elif h.msg_type == MsgType.STATS:
             try:
-                view = self._stats_view(h, payload, src)
+                view = self.keyring.stats_view(h, payload, src)
             except ControlError as exc:
                 self.control_counters[f"dropped_{exc.reason}"] += 1
                 self._error(src, h, exc.code, str(exc))
@@ -326,20 +326,6 @@ class SwitchService:
         self.control_counters[f"refused_{code.value}"] += 1
         self._reply(dest, MsgType.ERROR, wire.error_payload(code, text),
                     Header(MsgType.ERROR, job_id=h.job_id, sender=h.sender))
-
-    def _stats_view(self, h: Header, payload, src) -> set | None:
-        """Which jobs a STATS may see (None: all): with keys, a job's table
-        needs its key and every job's the admin key."""
-        if not self.keyring.enforced:
-            return None
-        info = control.parse(control.STATS, payload, "STATS")
-        if "admin" in info:
-            self.keyring.verify("STATS", h.job_id, h.sender, h.world, None, info, src, admin=True)
-            return None
-        if "job" in info:
-            self.keyring.verify("STATS", h.job_id, h.sender, h.world, info["job"], info, src)
-            return {info["job"]}
-        return set()
 
     def _join(self, h: Header, payload, src, raw) -> None:
         info = control.parse(control.JOIN, payload, "JOIN")
