@@ -28,11 +28,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import kernels
-from .client import Client
-from .config import ClientConfig
-from .errors import AggnetError, AggregatorUnreachable, NonFiniteError
-from .wire import DType
+from .. import kernels
+from ..client import Client
+from ..config import ClientConfig
+from ..errors import AggnetError, AggregatorUnreachable, NonFiniteError
+from ..wire import DType
 
 __all__ = ["AggnetState", "allreduce_hook"]
 
