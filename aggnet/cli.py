@@ -11,6 +11,8 @@ import importlib
 MODULE_COMMANDS = (
     ("serve", "aggnet.serve", "run an aggregator (service or switch mode)"),
     ("stats", "aggnet.stats_cli", "print a running aggregator's counters"),
+    ("up", "aggnet.up", "start the aggregators a topology file places on this machine; install its P4 jobs"),
+    ("down", "aggnet.down", "stop what aggnet up started for a topology file"),
     ("job", "aggnet.jobs_cli", "job keys: aggnet job create NAME --keys FILE"),
     ("bench", "aggnet.bench.allreduce", "all-reduce benchmark: aggnet beside gloo and memory copy"),
     ("bench-ddp", "aggnet.bench.ddp", "DDP step time with the aggnet hook beside gloo"),

@@ -40,10 +40,11 @@ import tomllib
 from dataclasses import dataclass, field
 
 from .address import AddressError, parse
+from .protocol import SWITCH_PORT
 
 #: aggregator kinds, with the protocol family they speak
 KINDS = {"p4": "switch", "host-switch": "switch", "service": "service"}
-_FAMILY_TEXT = {"switch": "the switch protocol (UDP)", "service": "chunks over messages (the sharded service)"}
+_FAMILY_TEXT = {"switch": "the switch protocol over UDP", "service": "chunks over messages"}
 #: address schemes each kind can be reached at
 _SCHEMES = {
     "p4": ("udp",),
@@ -317,7 +318,8 @@ class _Reader:
             self.check_root(root, racks)
         for r in racks:
             if r.aggregator.kind == "p4":
-                self.check_p4_rack(r, hosts)
+                self.check_p4_rack(r, hosts, root if len(racks) > 1 else None)
+        self.check_addresses(racks, root if len(racks) > 1 else None)
         return Topology(tuple(racks), root, job, pph, links, hosts, self.name)
 
     def hosts(self, data) -> dict:
@@ -401,12 +403,12 @@ class _Reader:
             agg_data = rd.get("aggregator")
             if not isinstance(agg_data, dict):
                 self.fail(f"rack {name!r} needs an [racks.aggregator] table with kind and address", i, "racks")
-            agg = self.aggregator(agg_data, f"rack {name!r}'s aggregator", i, "racks.aggregator")
+            agg = self.aggregator(agg_data, f"the aggregator of rack {name!r}", i, "racks.aggregator")
             fallback = None
             if "fallback" in rd:
                 if not isinstance(rd["fallback"], dict):
                     self.fail(f"rack {name!r}: fallback must be a table with kind and address", i, "racks", "fallback")
-                fallback = self.aggregator(rd["fallback"], f"rack {name!r}'s fallback", i, "racks.fallback")
+                fallback = self.aggregator(rd["fallback"], f"the fallback of rack {name!r}", i, "racks.fallback")
                 if fallback.kind != "host-switch" or agg.kind != "p4":
                     self.fail(f"rack {name!r}: a fallback stands in for a P4 switch and is a host in switch mode "
                               f"(kind = \"host-switch\"); this rack's aggregator is {agg.kind!r} and its fallback "
@@ -508,19 +510,59 @@ class _Reader:
             if parse(root.address).scheme not in _ROOT_SERVICE_SCHEMES:
                 self.fail(f"the root service takes racks' partials over zmq+tcp:// (or zmq+ipc:// on one host), "
                           f"not {root.address!r}", None, "root", "address")
-            shards = {r.aggregator.shards for r in racks} | {root.shards}
-            if len(shards) > 1:
+            # unset means one per core of each machine, which need not agree
+            given = {"the root": root.shards, **{f"rack {r.name!r}": r.aggregator.shards for r in racks}}
+            if len(set(given.values())) > 1 or None in given.values():
+                text = ", ".join(f"{k} {'unset (one per core of its machine)' if v is None else v}"
+                                 for k, v in given.items())
                 self.fail(f"a service root and its service racks must have the same number of shards (chunk i of "
-                          f"rack shard s goes to root shard s); the file gives {sorted(map(str, shards))}: set shards "
-                          f"the same on the root and every rack", None, "root", "shards")
+                          f"rack shard s goes to root shard s); the file gives {text}: set shards = N, the same "
+                          f"N, on the root and every rack", None, "root", "shards")
         if len(racks) > 32:
             self.fail(f"{len(racks)} racks under one root; a root takes at most 32 racks")
 
-    def check_p4_rack(self, r: Rack, hosts: dict) -> None:
+    def check_addresses(self, racks: list[Rack], root: Aggregator | None) -> None:
+        """Two aggregators of one machine on one address: the second could
+        not bind (a switch-mode host with N shards takes N ports)."""
+        places = [(f"the aggregator of rack {r.name!r}", r.aggregator, r.index, "racks.aggregator") for r in racks]
+        places += [(f"the fallback of rack {r.name!r}", r.fallback, r.index, "racks.fallback")
+                   for r in racks if r.fallback]
+        if root is not None:
+            places.append(("the root", root, None, "root"))
+        taken: dict = {}
+        for what, agg, rack, table in places:
+            a = parse(agg.address)
+            if a.path:
+                keys = [(agg.host, a.path)]
+            else:
+                ports = agg.shards if agg.kind == "host-switch" and agg.shards else 1
+                keys = [(agg.host, a.scheme == "udp", a.host, a.port + i) for i in range(ports)]
+            for key in keys:
+                if key in taken:
+                    other, other_where = taken[key]
+                    self.fail(f"{what} ({agg.address}) and {other} ({other_where}) both need "
+                              f"{'path' if a.path else 'port'} {key[-1]}; give each aggregator its own (a "
+                              f"host-switch with shards = N listens on N ports from its address's)",
+                              rack, table, "address")
+            where = self.where(rack, table, "address")
+            for key in keys:
+                taken[key] = (what, where)
+
+    def check_p4_rack(self, r: Rack, hosts: dict, root: Aggregator | None = None) -> None:
         agg = r.aggregator
         if agg.ports and len(agg.ports) != r.members:
             self.fail(f"rack {r.name!r}: its P4 switch lists {len(agg.ports)} ports for {r.members} workers; give "
                       f"one port per worker, in rank order", r.index, "racks.aggregator", "ports")
+        # the program takes and sends the switch protocol on one UDP port
+        # only (AGG_UDP_PORT in p4/aggnet/wire.p4)
+        address = parse(agg.address)
+        if address.port != SWITCH_PORT:
+            self.fail(f"rack {r.name!r}: a P4 switch takes the switch protocol on UDP port {SWITCH_PORT} only; make "
+                      f"its address udp://{address.host}:{SWITCH_PORT}", r.index, "racks.aggregator", "address")
+        if root is not None and parse(root.address).port != SWITCH_PORT:
+            self.fail(f"the P4 switch of rack {r.name!r} sends the rack's partial sums to UDP port {SWITCH_PORT} of "
+                      f"the root; make the root's address udp://{parse(root.address).host}:{SWITCH_PORT}",
+                      None, "root", "address")
 
 
 def _ranges(values: list[int]) -> str:

@@ -87,12 +87,14 @@ class SwitchControl:
 
     def __init__(self, grpc_addr: str = "127.0.0.1:9559", device_id: int = 0, *, switch_ip: str = "10.77.0.253",
                  switch_mac: str = "02:a6:6e:00:00:fe", thrift_port: int = 9090, netns: str | None = None,
-                 election_id: tuple[int, int] = (0, 1)):
+                 election_id: tuple[int, int] = (0, 1), thrift_host: str | None = None):
         self.grpc_addr = grpc_addr
         self.device_id = device_id
         self.switch_ip = switch_ip
         self.switch_mac = switch_mac
         self.thrift_port = thrift_port
+        #: where BMv2's runtime CLI server is (None: this machine, or netns)
+        self.thrift_host = thrift_host
         self.netns = netns
         self.election_id = election_id
         self._sh = None
@@ -258,6 +260,8 @@ class SwitchControl:
 
     def _cli(self, commands: str) -> str:
         cmd = [find_tool("simple_switch_CLI") or "simple_switch_CLI", "--thrift-port", str(self.thrift_port)]
+        if self.thrift_host:
+            cmd += ["--thrift-ip", self.thrift_host]
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]
         r = subprocess.run(cmd, input=commands, capture_output=True, text=True, timeout=120)
