@@ -71,6 +71,11 @@ class ChunkClient(Client):
 
     _request_class = ChunkRequest
 
+    @property
+    def owner_results(self) -> bool:
+        # a rack's aggregator knows only its own members, not the job's ranks
+        return self.members == self.world_size
+
     def _connect(self) -> None:
         #: same-host shared-memory payloads (shm:// addresses)
         scheme = parse(self.address).scheme
@@ -161,7 +166,8 @@ class ChunkClient(Client):
 
     def _join(self) -> None:
         deadline = time.monotonic() + self.config.connect_timeout
-        h = Header(MsgType.JOIN, job_id=self.job_id, sender=self.rank, world=self.world_size)
+        # at its aggregator a worker is one of `members` (its rack's workers)
+        h = Header(MsgType.JOIN, job_id=self.job_id, sender=self.member_rank, world=self.members)
         # the aggregator names silent workers before the client's own
         # deadline runs out, so the error says who is missing
         request = {"name": self.job, "timeout": STALL_FRACTION * self.config.timeout}
@@ -190,7 +196,7 @@ class ChunkClient(Client):
     def _leave(self, conn) -> None:
         """Tell every shard, and wait (briefly) for each to echo the LEAVE:
         a connection closed right behind its last message may lose it."""
-        h = Header(MsgType.LEAVE, job_id=self.job_id, sender=self.rank, world=self.world_size).pack()
+        h = Header(MsgType.LEAVE, job_id=self.job_id, sender=self.member_rank, world=self.members).pack()
         waiting = set()
         for i in range(len(conn.addresses)):
             try:
@@ -258,8 +264,9 @@ class ChunkClient(Client):
 
     def _admit(self, req: ChunkRequest) -> None:
         rotation = req.round if req.key is None else req.key
-        req.chunks = chunking.plan(req.buf.size, self.chunk_bytes // req.enc.wire_itemsize,
-                                   len(self.shards), rotation)
+        elements = self.chunk_bytes // req.enc.wire_itemsize
+        req.chunks = (chunking.plan(req.buf.size, elements, len(self.shards), rotation) if req.bounds is None
+                      else chunking.plan_owned(req.bounds, elements, len(self.shards), rotation))
         self._active[req.round] = req
         # every chunk, and the agreement on the buffer's size
         req.remaining = len(req.chunks) + 1
@@ -281,8 +288,9 @@ class ChunkClient(Client):
         mine = np.array([size >> 31, size & 0x7FFFFFFF, int(req.enc.wire)], np.int32)
         req.plan = mine
         shard = req.round % len(self.shards)
-        h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=wire.PLAN_INDEX, sender=self.rank,
-                   flags=Flag.OP_MAX | Flag.LITTLE_ENDIAN, dtype=DType.INT32, count=6, world=self.world_size)
+        h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=wire.PLAN_INDEX,
+                   sender=self.member_rank, flags=Flag.OP_MAX | Flag.LITTLE_ENDIAN, dtype=DType.INT32, count=6,
+                   world=self.members)
         self._conn.send(shard, h.pack(), np.concatenate([mine, -mine]))
 
     def _on_plan(self, req: ChunkRequest, h: Header, payload) -> None:
@@ -331,8 +339,8 @@ class ChunkClient(Client):
         for shard, q in req.queues.items():
             mine = np.ascontiguousarray(exps[[c.index for c in q]])
             h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=wire.SCALE_INDEX,
-                       sender=self.rank, flags=Flag.OP_MAX | Flag.LITTLE_ENDIAN, dtype=DType.INT16,
-                       count=mine.size, world=self.world_size)
+                       sender=self.member_rank, flags=Flag.OP_MAX | Flag.LITTLE_ENDIAN, dtype=DType.INT16,
+                       count=mine.size, world=self.members)
             self._conn.send(shard, h.pack(), mine)
             req.scale_pending.add(shard)
 
@@ -374,7 +382,7 @@ class ChunkClient(Client):
         flags = Flag.LITTLE_ENDIAN
         if self._shm:
             # the payload goes into this worker's input slot; only the header travels
-            slot = self._segments[c.shard].input_slot(self.rank, seq)
+            slot = self._segments[c.shard].input_slot(self.member_rank, seq)
             enc.encode_into(src, slot[: c.count * enc.wire_itemsize], shift)
             payload = None
             flags |= Flag.SHM
@@ -384,9 +392,11 @@ class ChunkClient(Client):
             staging = self._take_staging()
             payload = enc.encode(src, staging.view(enc.staging_dtype), shift)
         self._outstanding[(req.round, c.index)] = staging
-        h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=c.index, sender=self.rank,
-                   flags=flags, dtype=enc.wire, count=c.count, exponent=exponent,
-                   world=self.world_size, ref=seq, offset=c.offset)
+        if c.owner is not None:
+            flags |= Flag.TO_OWNER  # the result goes to rank c.owner only (in nsum)
+        h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=c.index,
+                   sender=self.member_rank, flags=flags, dtype=enc.wire, count=c.count, exponent=exponent,
+                   world=self.members, ref=seq, offset=c.offset, nsum=c.owner or 0)
         self._conn.send(c.shard, h.pack(), payload)
         self._inflight[c.shard] += 1
         self.stats.chunks_sent += 1
@@ -431,6 +441,12 @@ class ChunkClient(Client):
             self.stats.dropped_replies += 1
             return
         c = req.chunks[h.index]
+        if c.owner is not None and c.owner != self.rank:
+            # another rank's share: an acknowledgement, which frees the window
+            req.remaining -= 1
+            if req.remaining == 0:
+                self._complete(req)
+            return
         if h.count != c.count or h.offset != c.offset:
             self._fail_round(req, JobMismatch(
                 f"{self._context()}: round {req.round} chunk {c.index} came back with {h.count} elements at "
@@ -442,7 +458,9 @@ class ChunkClient(Client):
             if not self._segments:
                 return
             payload = self._segments[shard].result_slot(h.ref)[: h.payload_bytes]
-        req.enc.decode(payload, req.buf[c.offset:c.offset + c.count], shift)
+        # a reduce-scatter's share goes to its own output buffer
+        start = c.offset if req.out is None else c.offset - req.bounds[self.rank]
+        req.enc.decode(payload, (req.buf if req.out is None else req.out)[start:start + c.count], shift)
         self.stats.results += 1
         self.stats.bytes_received += len(payload)
         req.remaining -= 1

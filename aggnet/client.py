@@ -18,6 +18,7 @@ and what it is waiting on.
 from __future__ import annotations
 
 import collections
+import importlib
 import itertools
 import logging
 import threading
@@ -84,6 +85,10 @@ class Request:
     failed: bool = False
     #: the error the request ends with once its outstanding work is done
     error: Exception | None = None
+    #: a reduce-scatter: rank r's share is buf[bounds[r]:bounds[r + 1]],
+    #: and this worker's share of the result goes to ``out``
+    bounds: list | None = None
+    out: np.ndarray | None = None
 
 
 _WIRE_NAMES = {"float32": None, "int32": "int32", "float16": "fp16", "fp16": "fp16", "bfloat16": "bf16", "bf16": "bf16"}
@@ -100,16 +105,43 @@ def _codec_for_dtype(buf, dtype: str, codec: str | None) -> str | None:
     return _WIRE_NAMES[dtype]
 
 
-def _client_class(address, config: ClientConfig | None):
-    if address is None:
-        address = (config or ClientConfig.from_env()).address
-    if address is not None and parse(address).scheme == "udp":
-        from .switch_client import SwitchClient
+#: address scheme -> "module:class" of the client that speaks to that kind
+#: of aggregator, imported on first use (as the transports are): a new
+#: aggregator kind is one module and one line here or a call to
+#: :func:`register_client_kind`
+CLIENT_KINDS = {
+    "udp": "aggnet.switch_client:SwitchClient",
+    "zmq+tcp": "aggnet.chunk_client:ChunkClient",
+    "zmq+ipc": "aggnet.chunk_client:ChunkClient",
+    "shm": "aggnet.chunk_client:ChunkClient",
+    "ucx": "aggnet.chunk_client:ChunkClient",
+    "inproc": "aggnet.chunk_client:ChunkClient",
+}
+#: the kind of the embedded local aggregator (no address configured)
+_EMBEDDED_KIND = "aggnet.chunk_client:ChunkClient"
 
-        return SwitchClient
-    from .chunk_client import ChunkClient
 
-    return ChunkClient
+def register_client_kind(scheme: str, target: str) -> None:
+    """Serve ``scheme://`` addresses with the client class at ``target``
+    ("module:Class")."""
+    CLIENT_KINDS[scheme] = target
+
+
+def _client_class(address, config: ClientConfig | None, topology=None, rank=0):
+    if address is None and topology is None:
+        config = config or ClientConfig.from_env()
+        address = config.address
+        if address is None and config.topology is not None:
+            topology = config.topology
+    if address is None and topology is not None:
+        from . import topology as topo
+
+        address = topo.load(topology).place(rank).address
+    target = _EMBEDDED_KIND if address is None else CLIENT_KINDS.get(parse(address).scheme)
+    if target is None:
+        raise ValueError(f"no aggregator kind serves {address}; kinds exist for {', '.join(CLIENT_KINDS)}")
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 class Client(ABC):
@@ -118,35 +150,65 @@ class Client(ABC):
     ``address`` names them (``zmq+tcp://host:port``, ``zmq+ipc:///path``,
     ``shm:///path``, ``udp://host:port``, ``inproc://name``); None uses
     ``AGGNET_ADDRESS``, or an embedded aggregator on this machine that
-    rank 0 starts and stops. In a hierarchy of switch-protocol aggregators,
-    ``member_rank``/``members`` place the worker among the workers of its
-    own rack (``rank``/``world_size`` stay those of the whole job).
+    rank 0 starts and stops. ``topology`` (a topology file, see
+    :mod:`aggnet.topology`; ``AGGNET_TOPOLOGY``) places ``rank`` in its rack
+    instead: the rack's aggregator, the world size and the job's name come
+    from it. Without one, ``member_rank``/``members`` place the worker among
+    the workers of its own rack by hand (``rank``/``world_size`` stay those
+    of the whole job).
     """
 
     def __new__(cls, address: str | None = None, **kwargs):
         if cls is Client:
-            cls = _client_class(address, kwargs.get("config"))
+            cls = _client_class(address, kwargs.get("config"), kwargs.get("topology"), kwargs.get("rank", 0))
         return super().__new__(cls)
 
     def __init__(
         self,
         address: str | None = None,
         *,
-        job: str = "default",
+        job: str | None = None,
         rank: int = 0,
-        world_size: int = 1,
+        world_size: int | None = None,
         config: ClientConfig | None = None,
         member_rank: int | None = None,
         members: int | None = None,
+        topology=None,
         **settings,
     ):
+        self.config = config.replace(**settings) if config else ClientConfig.from_env(**settings)
+        if topology is None and address is None and self.config.address is None:
+            topology = self.config.topology
+        #: where this worker sits in a topology of racks (None: no topology)
+        self.placement = None
+        #: a rack's host aggregator, used when its P4 switch has no room or is dead
+        self.fallback_address: str | None = None
+        if topology is not None:
+            from . import topology as topo
+
+            if address is not None:
+                raise ValueError("give address or topology, not both: the topology names each rack's aggregator")
+            if member_rank is not None or members is not None:
+                raise ValueError("member_rank and members come from the topology; leave them out")
+            t = topo.load(topology)
+            if world_size is not None and world_size != t.world:
+                raise ValueError(f"world_size={world_size} but topology {t.source} holds {t.world} workers; "
+                                 f"leave world_size out or fix the topology")
+            self.placement = t.place(rank)
+            world_size, address = t.world, self.placement.address
+            member_rank, members = self.placement.member_rank, self.placement.members
+            if job is None:
+                job = t.job
+            if self.placement.rack.fallback is not None:
+                self.fallback_address = self.placement.rack.fallback.address
+        job = "default" if job is None else job
+        world_size = 1 if world_size is None else world_size
         if not isinstance(world_size, int) or world_size < 1 or world_size > 65535:
             raise ValueError(f"world_size must be an integer from 1 to 65535, got {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
         if not job or not isinstance(job, str):
             raise ValueError(f"job must be a non-empty name, got {job!r}")
-        self.config = config.replace(**settings) if config else ClientConfig.from_env(**settings)
         #: this worker's place among the workers of its own aggregator (a
         #: rack of a hierarchy); the whole job by default
         self.members = world_size if members is None else members
@@ -241,7 +303,56 @@ class Client(ABC):
         if not buf.flags.c_contiguous or not buf.flags.writeable:
             raise ValueError("allreduce needs a C-contiguous, writable buffer (results are written in place)")
         enc = self._encoding(buf, codec, op, _wire_hint)
-        flat = buf.reshape(-1)
+        return self._submit(buf.reshape(-1), buf, enc, key)
+
+    #: whether this client can have each chunk's result sent to one rank
+    #: (:meth:`reduce_scatter`); a client kind that can says so
+    owner_results = False
+
+    def reduce_scatter(self, buf, out, bounds: list[int] | None = None, op: str = "sum", codec: str | None = None,
+                       *, dtype: str | None = None, key: int | None = None,
+                       _wire_hint: DType | None = None) -> Future:
+        """Sum (or average) ``buf`` over every worker of the job; this
+        worker receives only its own share of the sum, in ``out``.
+
+        Rank ``r``'s share is ``buf[bounds[r]:bounds[r + 1]]`` (by default
+        equal shares: ``buf.size`` must divide by the world size). Each
+        worker sends all of ``buf`` and receives only its share, so it
+        moves S up and S/N down where an all-reduce moves S both ways.
+        ``buf`` is left as it was; the future resolves to ``out``. Neither
+        may be touched until it is done. Options as for :meth:`allreduce`.
+        """
+        if not self.owner_results:
+            raise NotImplementedError(
+                f"{self._context()}: this aggregator path cannot send one rank its share alone (a switch, or "
+                f"a worker in a rack of a hierarchy); all-reduce the buffer and keep your share instead")
+        if dtype is not None:
+            codec = _codec_for_dtype(buf, dtype, codec)
+        for name, a in (("buf", buf), ("out", out)):
+            if not isinstance(a, np.ndarray):
+                raise TypeError(f"reduce_scatter takes NumPy arrays, got {type(a).__name__} for {name}")
+            if not a.flags.c_contiguous:
+                raise ValueError(f"reduce_scatter needs a C-contiguous {name}")
+        if not out.flags.writeable or out.dtype != buf.dtype:
+            raise ValueError(f"reduce_scatter writes its result into out: it must be writable and of buf's dtype "
+                             f"({buf.dtype}), got {out.dtype}")
+        n = self.world_size
+        if bounds is None:
+            if buf.size % n:
+                raise ValueError(f"buf of {buf.size} elements does not split into {n} equal shares; give bounds")
+            bounds = [r * (buf.size // n) for r in range(n + 1)]
+        bounds = [int(b) for b in bounds]
+        if len(bounds) != n + 1 or bounds[0] != 0 or bounds[-1] != buf.size or \
+                any(b > e for b, e in zip(bounds, bounds[1:])):
+            raise ValueError(f"bounds must be {n + 1} non-decreasing offsets from 0 to buf.size={buf.size}, "
+                             f"got {bounds}")
+        share = bounds[self.rank + 1] - bounds[self.rank]
+        if out.size != share:
+            raise ValueError(f"rank {self.rank}'s share is {share} elements (bounds {bounds}), out holds {out.size}")
+        enc = self._encoding(buf, codec, op, _wire_hint)
+        return self._submit(buf.reshape(-1), out, enc, key, bounds=bounds, out=out.reshape(-1))
+
+    def _submit(self, flat, caller_buf, enc: Encoding, key, **extra) -> Future:
         with self._lock:
             if self._failed is not None:
                 raise ClientClosed(f"{self._context()} failed earlier and cannot continue: {self._failed}")
@@ -249,7 +360,8 @@ class Client(ABC):
                 raise ClientClosed(f"{self._context()} is closed")
             fut: Future = Future()
             fut.set_running_or_notify_cancel()
-            req = self._request_class(next(self._rounds) & 0xFFFFFFFF, flat, buf, enc, fut, key, time.monotonic())
+            req = self._request_class(next(self._rounds) & 0xFFFFFFFF, flat, caller_buf, enc, fut, key,
+                                      time.monotonic(), **extra)
             self._submitted.append(req)
         self._wakeup()
         return fut

@@ -18,6 +18,8 @@ Environment variables:
 ``AGGNET_UDP_IO``      switch protocol: gso, mmsg or plain (default: best)
 ``AGGNET_JOB_KEY``     the job's key (hex, ``aggnet job create``): signs JOINs
 ``AGGNET_SERVER_KEY``  the service's CURVE public key (zmq+tcp with CURVE)
+``AGGNET_TOPOLOGY``    a topology file: each rank finds its rack's aggregator
+``AGGNET_CODEC``       aggnet.torch's float32 wire format: float32, int32, fp16, bf16
 =====================  ====================================================
 """
 
@@ -95,6 +97,13 @@ class ClientConfig:
     #: the service's ZeroMQ CURVE public key (Z85): encrypt and check the
     #: server over zmq+tcp
     server_key: str | None = None
+    #: how aggnet.torch (the DDP hook, the process-group backend) sends
+    #: float32 tensors when not told otherwise: "float32" (None), "int32",
+    #: "fp16" or "bf16"
+    codec: str | None = None
+    #: a topology file (racks, their aggregators, the root): each rank finds
+    #: its rack's aggregator in it; used when no address is given
+    topology: str | None = None
 
     def __post_init__(self):
         if self.timeout <= 0:
@@ -119,6 +128,8 @@ class ClientConfig:
             from .keys import parse_key
 
             parse_key(self.job_key)
+        if self.codec not in (None, "float32", "int32", "fp16", "bf16"):
+            raise ValueError(f"codec must be float32, int32, fp16 or bf16, got {self.codec!r}")
         if self.server_key is not None and len(self.server_key) != 40:
             raise ValueError(f"server_key must be a 40-character Z85 CURVE public key, got {len(self.server_key)} "
                              f"characters")
@@ -139,6 +150,8 @@ class ClientConfig:
             ("udp_io", "AGGNET_UDP_IO", str),
             ("job_key", "AGGNET_JOB_KEY", str),
             ("server_key", "AGGNET_SERVER_KEY", str),
+            ("topology", "AGGNET_TOPOLOGY", str),
+            ("codec", "AGGNET_CODEC", str),
         ):
             if env.get(name):
                 try:

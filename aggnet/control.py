@@ -112,6 +112,37 @@ STATS = (
 )
 
 
+#: TABLE: create or open a sparse table (hosts/sparse.py); names of modes,
+#: optimizers and initializers are checked there against what it serves
+TABLE = (
+    Field("job", "str", 1, MAX_NAME, required=True),
+    Field("table", "str", 1, MAX_NAME, required=True),
+    Field("rows", "int", 1, 1 << 40, required=True),
+    Field("width", "int", 1, 1 << 16, required=True),
+    Field("partitions", "int", 1, 4096, required=True),
+    Field("shards", "int", 1, 1024, required=True),
+    Field("mode", "str", 1, 16, default="ps"),
+    Field("op", "str", 1, 8, default="sum"),
+    Field("optimizer", "object", required=True, schema=(
+        Field("name", "str", 1, 16, required=True),
+        Field("lr", "number", 0.0, 1e6, default=0.01),
+        Field("momentum", "number", 0.0, 1.0, default=0.0),
+        Field("lr_decay", "number", 0.0, 1e6, default=0.0),
+        Field("initial_accumulator_value", "number", 0.0, 1e6, default=0.0),
+        Field("beta1", "number", 0.0, 1.0, default=0.9),
+        Field("beta2", "number", 0.0, 1.0, default=0.999),
+        Field("eps", "number", 0.0, 1.0),  # by optimizer: torch's 1e-10 (Adagrad), 1e-8 (Adam)
+    )),
+    Field("init", "object", schema=(
+        Field("kind", "str", 1, 16, required=True),
+        Field("scale", "number", 0.0, 1e6, default=1.0),
+        Field("seed", "int", 0, (1 << 63) - 1, default=0),
+    )),
+    Field("close", "int", 0, 1, default=0),
+    AUTH,
+)
+
+
 def _parse_fields(schema: tuple, obj: dict, where: str = "") -> dict:
     out = {}
     for f in schema:

@@ -48,9 +48,11 @@ def add_arguments(s) -> None:
                    help="switch mode: the most elements per packet a job may ask for (default: 2048 or --elements)")
     s.add_argument("--io", choices=["gso", "mmsg", "plain"], default=None,
                    help="switch mode: batching of UDP I/O (default: the best the kernel offers; AGGNET_UDP_IO)")
-    s.add_argument("--parent", default=None, help="switch mode: parent aggregator (udp://host:port) for racks")
-    s.add_argument("--rack-id", type=int, default=0, help="switch mode: this rack's id at its parent")
-    s.add_argument("--racks", type=int, default=1, help="switch mode: racks under the parent")
+    s.add_argument("--parent", default=None,
+                   help="this aggregator serves a rack under a root that reduces across racks: udp://host:port in "
+                        "switch mode, the root service's zmq+tcp://host:port in service mode (same --shards)")
+    s.add_argument("--rack-id", type=int, default=0, help="this rack's id at its parent (0..racks-1)")
+    s.add_argument("--racks", type=int, default=1, help="racks under the parent")
     s.add_argument("--reclaim-idle", type=float, default=300.0, metavar="SECONDS",
                    help="switch mode: when the pool is full, a new job takes the slices of jobs that sent "
                         "nothing for this long (workers killed without LEAVE); default %(default)g")
@@ -154,9 +156,18 @@ def _serve_service(args, keyring) -> int:
         except ValueError as exc:
             print(f"aggnet serve: {exc}", file=sys.stderr)
             return 2
+    uplink = None
+    if args.parent is not None:
+        from aggnet.hosts.uplink import UplinkConfig
+
+        try:
+            uplink = UplinkConfig(args.parent, args.rack_id, args.racks)
+        except ValueError as exc:
+            print(f"aggnet serve: {exc}", file=sys.stderr)
+            return 2
     try:
         svc = service.start(args.listen, args.shards, getattr(logging, args.log_level), keyring=keyring,
-                            restart=args.restart, curve=curve)
+                            restart=args.restart, curve=curve, uplink=uplink)
     except Exception as exc:
         print(f"aggnet serve: {exc}", file=sys.stderr)
         return 1

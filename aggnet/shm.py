@@ -16,7 +16,9 @@ its input slot is free; and a first contribution to ``seq + 2*window`` needs
 the result of ``seq + window``, which needs every worker's contribution to
 ``seq + window``, which each worker sent only after copying out the result
 of ``seq``: so result slot ``seq % (2*window)`` is never overwritten while
-someone still reads it.
+someone still reads it. A reduce-scatter's chunk is read by its owner
+alone; the other workers get an empty RESULT, which frees their window the
+same way (docs/protocol.md).
 
 ::
 

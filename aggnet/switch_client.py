@@ -53,6 +53,9 @@ FAST_RETRANSMIT = 3
 TIMER_CHECK = 0.002
 #: receive batches taken before the loop looks at timers and new requests
 RECEIVES_PER_TURN = 8
+#: seconds a rack's switch may take to answer a JOIN before its workers go
+#: to the rack's fallback host aggregator (when the topology names one)
+FALLBACK_AFTER = 5.0
 _NO_F32 = np.zeros(1, np.float32)
 _NO_I32 = np.zeros(1, np.int32)
 _NO_EXPS = np.zeros(1, np.int16)
@@ -76,6 +79,8 @@ class SwitchClient(Client):
     """Client of a switch, or of an aggregator host in switch mode."""
 
     _request_class = SwitchRequest
+    #: whether this worker went to its rack's fallback host aggregator
+    fell_back = False
 
     def _connect(self) -> None:
         addr = parse(self.address)
@@ -97,7 +102,10 @@ class SwitchClient(Client):
                                     max_datagrams=16384, max_datagram_bytes=min(65536, self.path_mtu))
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
-        self._join()
+        if self.fallback_address is None:
+            self._join(self.config.connect_timeout)
+        else:
+            self._join_or_fall_back()
         self._allocate()
         # no datagram of this job is larger than a packet (PROBE_OK and
         # control replies are smaller): a receive slot per datagram is enough
@@ -152,7 +160,33 @@ class SwitchClient(Client):
                                              dtype=DType.INT32, count=k, world=self.members).pack(), np.uint8).copy()
         self.wbits = (self.world_size - 1).bit_length()
 
-    def _join(self) -> None:
+    def _join_or_fall_back(self) -> None:
+        """Join the rack's switch, or its host aggregator when the switch
+        has no room for the job or does not answer (ATP's fallback). Every
+        worker of the rack meets the same switch, so all of them fall back
+        together: a full pool refuses them all, a dead switch answers none."""
+        try:
+            self._join(min(self.config.connect_timeout, FALLBACK_AFTER))
+            return
+        except JobMismatch:
+            raise
+        except (AggregatorUnreachable, AggregationError) as exc:
+            reason = str(exc)
+        switch = self.address
+        fallback = parse(self.fallback_address)
+        try:
+            self.aggregator = (socket.gethostbyname(fallback.host), fallback.port)
+        except OSError as exc:
+            raise AggregatorUnreachable(f"cannot resolve the fallback aggregator {fallback}: {exc}") from None
+        self.address = str(fallback)
+        self.path_mtu = min(self.path_mtu, path_mtu(self.aggregator))
+        self.max_elements = elements_for_mtu(self.path_mtu)
+        log.warning("%s: falling back from switch %s to host aggregator %s: %s", self._context(), switch,
+                    self.address, reason)
+        self.fell_back = True
+        self._join(self.config.connect_timeout)
+
+    def _join(self, timeout: float) -> None:
         # at its aggregator a worker is one of `members` (its rack's workers)
         h = Header(MsgType.JOIN, job_id=self.job_id, sender=self.member_rank, world=self.members)
         info = {"name": self.job, "world": self.world_size, "max_elements": self.max_elements}
@@ -163,13 +197,13 @@ class SwitchClient(Client):
         payload = wire.json_payload(self._signed("JOIN", h, info))
         packed = h.pack_for(payload) + payload
         sock = self.dsock.sock
-        deadline = time.monotonic() + self.config.connect_timeout
+        deadline = time.monotonic() + timeout
         next_send = 0.0
         while True:
             now = time.monotonic()
             if now >= deadline:
                 raise AggregatorUnreachable(
-                    f"no aggregator answered at {self.address} within {self.config.connect_timeout:g}s "
+                    f"no aggregator answered at {self.address} within {timeout:g}s "
                     f"({self._context()}): start one with `aggnet serve --mode switch --listen {self.address}`, "
                     f"or check that the switch's control plane installed the job")
             if now >= next_send:

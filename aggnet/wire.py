@@ -43,7 +43,8 @@ Fields:
   this build does not speak, before looking at the rest.
 * ``msg_type``: :class:`MsgType`.
 * ``flags``: :class:`Flag` bits (slot version bit, payload byte order,
-  shared-memory payload, uplink, retransmission, element-wise max).
+  shared-memory payload, uplink, retransmission, element-wise max, result
+  to one rank).
 * ``dtype``: :class:`DType` of the payload.
 * ``sender``: the worker's rank in the job (a rack's id on an uplink).
 * ``job_id``: which job; aggregators keep jobs apart by this.
@@ -55,7 +56,8 @@ Fields:
 * ``exponent``: the agreed scale exponent of an int32-quantized payload.
 * ``next_exponent``: the sender's exponent proposal for its next block; a
   result carries the MAX over all senders.
-* ``nsum``: contributions summed into a result (0 in a push).
+* ``nsum``: contributions summed into a result (0 in a push, except with
+  ``TO_OWNER``: the rank the result goes to).
 * ``world``: the job's worker count (JOIN, results).
 * ``ref``: where a shared-memory payload lies (flag ``SHM``).
 * ``offset``: the element offset of this chunk in the caller's buffer.
@@ -121,6 +123,14 @@ class MsgType(enum.IntEnum):
     STATS_OK = 10  #: JSON counters
     PROBE = 11  #: switch protocol: ask a slot's state (who is missing)
     PROBE_OK = 12  #: ``nsum`` = count, ``ref`` = seen bitmap, ``world``
+    # sparse tables on aggregator hosts (hosts/sparse.py; row payloads as
+    # aggnet/sparse_layout.py says; docs/protocol.md "Sparse tables")
+    TABLE = 20  #: create or open a sparse table (JSON, control.TABLE)
+    TABLE_OK = 21  #: JSON: the table's partitions on this shard
+    SPARSE_PUSH = 22  #: a worker's gradient rows of one partition for one round
+    SPARSE_PULL = 23  #: ask for rows of one partition (``nsum``: state slot)
+    SPARSE_ROWS = 24  #: rows back (a pull), a round's sum, or an empty acknowledgement
+    SPARSE_LOAD = 25  #: set rows of one partition's state slot (restore)
 
 
 class Flag(enum.IntFlag):
@@ -131,6 +141,22 @@ class Flag(enum.IntFlag):
     UPLINK = 0x08  #: a rack's partial sent to its parent / parent's final
     RETRANSMIT = 0x10  #: a resend after a timeout
     OP_MAX = 0x20  #: element-wise MAX instead of SUM
+    #: the result goes to one rank only, named by the push's ``nsum`` (a
+    #: reduce-scatter: each rank receives only its own shard of the sum);
+    #: the other ranks get a RESULT without payload (``count`` 0) that
+    #: frees their window
+    TO_OWNER = 0x40
+
+
+#: flags the P4 program leaves undeclared: a switch multicasts every result
+#: to all members of a job and cannot deliver one rank's share, so only
+#: aggregator services honour them
+NOT_IN_P4 = Flag.TO_OWNER
+
+#: message types only aggregator hosts speak: the P4 program's enum leaves
+#: them out (a switch drops them as unknown)
+HOST_ONLY_TYPES = frozenset({MsgType.TABLE, MsgType.TABLE_OK, MsgType.SPARSE_PUSH, MsgType.SPARSE_PULL,
+                             MsgType.SPARSE_ROWS, MsgType.SPARSE_LOAD})
 
 
 class DType(enum.IntEnum):

@@ -47,6 +47,10 @@ class Slot:
     seen: int = 0  #: bitmap of ranks summed in
     nsum: int = 0
     next_exponent: int = -32768  #: MAX of the senders' next_exponent
+    #: a rack's partial went to the root; the slot waits for the final
+    sent_up: bool = False
+    #: the one rank that receives the result (a reduce-scatter's chunk), or None: all
+    owner: int | None = None
 
 
 @dataclass(eq=False)
@@ -68,6 +72,10 @@ class Job:
     departed: set = field(default_factory=set)
     #: messages and bytes of this job (STATS, metrics)
     counters: collections.Counter = field(default_factory=collections.Counter)
+    #: a rack under a root: whether the root took the job, and the JOIN_OKs
+    #: (peer, header, payload) held for the workers until it does
+    uplink_ready: bool = True
+    pending_joins: list = field(default_factory=list)
 
     def remember_done(self, key) -> None:
         self.done[key] = None

@@ -33,6 +33,7 @@ from aggnet.transport import Listener, connect, listen
 from aggnet.wire import ErrorCode, Header, MsgType
 
 from .shard import Shard
+from .uplink import Uplink, UplinkConfig
 
 log = logging.getLogger("aggnet.hosts.service")
 
@@ -80,7 +81,7 @@ def _warm_up_kernels() -> None:
 
 
 def _shard_main(index: int, address: str, report, log_level: int, keyring: Keyring | None = None,
-                curve=None) -> None:
+                curve=None, uplink: UplinkConfig | None = None, count: int = 1) -> None:
     """Entry point of a shard process."""
     die_with_parent()
     logging.basicConfig(level=log_level, format=f"%(asctime)s aggnet shard {index} %(levelname)s %(message)s")
@@ -95,7 +96,7 @@ def _shard_main(index: int, address: str, report, log_level: int, keyring: Keyri
         return
     report.send(("ready", str(listener.address)))
     report.close()
-    shard = Shard(listener, index, keyring)
+    shard = Shard(listener, index, keyring, Uplink(uplink, index, count) if uplink is not None else None)
     code = 1
     try:
         shard.serve(stop.is_set)
@@ -133,6 +134,8 @@ class Service:
     restart: bool = False
     log_level: int = logging.INFO
     curve: object = None  #: the service's CURVE key pair (zmq+tcp)
+    #: a rack under a root service: where its shards send partial sums
+    uplink: UplinkConfig | None = None
     counters: collections.Counter = field(default_factory=collections.Counter)
 
     @property
@@ -293,7 +296,7 @@ class Service:
                         handle.address)
             try:
                 handle.process = _spawn_shard(i, handle.address, self.log_level, self.keyring, self.curve,
-                                              multiprocessing.get_context("spawn"))
+                                              multiprocessing.get_context("spawn"), self.uplink, len(self.shards))
             except RuntimeError as exc:
                 log.error("%s; stopping the service", exc)
                 return False
@@ -332,10 +335,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _spawn_shard(index: int, address: str, log_level: int, keyring: Keyring, curve, ctx) -> multiprocessing.Process:
+def _spawn_shard(index: int, address: str, log_level: int, keyring: Keyring, curve, ctx,
+                 uplink: UplinkConfig | None = None, count: int = 1) -> multiprocessing.Process:
     """Start one shard process and wait until it serves at ``address``."""
     ours, theirs = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_shard_main, args=(index, address, theirs, log_level, keyring, curve),
+    p = ctx.Process(target=_shard_main, args=(index, address, theirs, log_level, keyring, curve, uplink, count),
                     name=f"aggnet-shard-{index}", daemon=True)
     p.start()
     theirs.close()
@@ -358,9 +362,11 @@ def _spawn_shard(index: int, address: str, log_level: int, keyring: Keyring, cur
 
 
 def start(listen_address: str, shards: int | None = None, log_level: int = logging.INFO,
-          keyring: Keyring | None = None, restart: bool = False, curve=None) -> Service:
+          keyring: Keyring | None = None, restart: bool = False, curve=None,
+          uplink: UplinkConfig | None = None) -> Service:
     """Start shards and bind the control endpoint; returns when every shard
-    is ready. ``inproc://`` services run their shards as threads."""
+    is ready. ``inproc://`` services run their shards as threads. With
+    ``uplink`` the service is a rack under a root service (hosts/uplink.py)."""
     keyring = keyring or Keyring()
     if keyring.enforced and keyring.admin is None:
         # the supervisor reads every shard's full table (STATS, metrics,
@@ -375,7 +381,7 @@ def start(listen_address: str, shards: int | None = None, log_level: int = loggi
         raise ValueError(f"CURVE protects zmq+tcp services; {control_addr.scheme} addresses are protected by "
                          f"file permissions (the socket's directory)")
     if control_addr.scheme == "inproc":
-        return _start_threads(control_addr, addrs, keyring)
+        return _start_threads(control_addr, addrs, keyring, uplink)
     handles = []
     # fork before any socket exists in this process: children start fast and
     # inherit nothing they should not
@@ -383,7 +389,7 @@ def start(listen_address: str, shards: int | None = None, log_level: int = loggi
     pipes = []
     for i, a in enumerate(addrs):
         ours, theirs = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_shard_main, args=(i, str(a), theirs, log_level, keyring, curve),
+        p = ctx.Process(target=_shard_main, args=(i, str(a), theirs, log_level, keyring, curve, uplink, n),
                         name=f"aggnet-shard-{i}", daemon=True)
         p.start()
         theirs.close()
@@ -405,16 +411,19 @@ def start(listen_address: str, shards: int | None = None, log_level: int = loggi
         for h in handles:
             h.process.kill()
         raise
-    svc = Service(control, handles, keyring=keyring, restart=restart, log_level=log_level, curve=curve)
-    log.info("aggnet service at %s with %d shard(s): %s", svc.address, n, ", ".join(h.address for h in handles))
+    svc = Service(control, handles, keyring=keyring, restart=restart, log_level=log_level, curve=curve,
+                  uplink=uplink)
+    log.info("aggnet service at %s with %d shard(s): %s%s", svc.address, n, ", ".join(h.address for h in handles),
+             f"; rack {uplink.rack_id} of {uplink.racks} under {uplink.parent}" if uplink else "")
     return svc
 
 
-def _start_threads(control_addr: Address, addrs: list[Address], keyring: Keyring) -> Service:
+def _start_threads(control_addr: Address, addrs: list[Address], keyring: Keyring,
+                   uplink: UplinkConfig | None = None) -> Service:
     handles = []
-    svc = Service(listen(control_addr), handles, keyring=keyring)
+    svc = Service(listen(control_addr), handles, keyring=keyring, uplink=uplink)
     for i, a in enumerate(addrs):
-        shard = Shard(listen(a), i, keyring)
+        shard = Shard(listen(a), i, keyring, Uplink(uplink, i, len(addrs)) if uplink is not None else None)
         t = threading.Thread(target=_serve_thread, args=(shard, svc.stop_event), name=f"aggnet-shard-{i}", daemon=True)
         handles.append(_ShardHandle(str(shard.listener.address), thread=t))
         svc.in_process_shards.append(shard)

@@ -27,6 +27,8 @@ from aggnet.wire import DType, ErrorCode, Flag, Header, MsgType
 from aggnet.buffers import BufferPool
 
 from .jobs import ACC_DTYPE, Job, Segment, Slot
+from .sparse import MESSAGES as SPARSE_MESSAGES, SparseTables
+from .uplink import Uplink
 
 log = logging.getLogger("aggnet.hosts.shard")
 
@@ -54,23 +56,33 @@ class Histogram:
 
 
 class Shard:
-    def __init__(self, listener: Listener, index: int = 0, keyring: Keyring | None = None):
+    def __init__(self, listener: Listener, index: int = 0, keyring: Keyring | None = None,
+                 uplink: Uplink | None = None):
         self.listener = listener
         self.index = index
         self.keyring = keyring or Keyring()
+        #: a rack under a root: complete chunks go up before they go back
+        self.uplink = uplink
         self.jobs: dict[int, Job] = {}
         self.counters: collections.Counter = collections.Counter()
         self.k = kernels.load("cpu")
         self.pool = BufferPool()
         self.latency = Histogram()
         self._next_stall_check = 0.0
+        #: sparse tables (parameter server) beside the dense chunks
+        self.sparse = SparseTables(self)
 
     # -- the loop ----------------------------------------------------------------
 
     def serve(self, should_stop) -> None:
         """Serve until ``should_stop()`` is true (checked at least every 0.2 s)."""
         while not should_stop():
-            msg = self.listener.recv(0.2)
+            if self.uplink is None:
+                msg = self.listener.recv(0.2)
+            else:
+                self.listener.wait(0.2, self.uplink.connections)
+                self.from_root()
+                msg = self.listener.recv(0)
             while msg is not None:
                 self.handle(msg.peer, msg.header, msg.payload)
                 msg = self.listener.recv(0)
@@ -78,6 +90,8 @@ class Shard:
             if now >= self._next_stall_check:
                 self._next_stall_check = now + STALL_CHECK_INTERVAL
                 self.check_stalls(now)
+                if self.uplink is not None:
+                    self.uplink.tick(now)
 
     def handle(self, peer, header_buf, payload) -> None:
         """One message in; no input from the network raises out of here."""
@@ -107,6 +121,9 @@ class Shard:
         t = h.msg_type
         if t == MsgType.PUSH:
             self._on_push(peer, h, payload)
+            return
+        if t in SPARSE_MESSAGES:
+            self.sparse.handle(peer, h, payload)
             return
         try:
             if t == MsgType.JOIN:
@@ -163,6 +180,12 @@ class Shard:
                                                       f"host only (shm:// addresses), not over "
                                                       f"{self.listener.address.scheme}", "field_shm")
             control.check_shm(h.world, shm)
+        if self.uplink is not None and self.uplink.error is not None:
+            # workers resend their JOIN until answered: the next one hears it
+            if job is not None and not job.uplink_ready:
+                self._drop_job(job)
+            raise ControlError(ErrorCode.REFUSED, f"this rack cannot reach its root: {self.uplink.error}",
+                               "uplink_failed")
         created = job is None
         if created:
             job = Job(h.job_id, name, h.world, timeout)
@@ -189,8 +212,17 @@ class Shard:
         details = {"job": name, "shard": self.index, "world": job.world}
         if shm is not None:
             details["shm"] = job.segment.describe()
-        self._reply(peer, Header(MsgType.JOIN_OK, job_id=h.job_id, sender=h.sender, world=job.world),
-                    wire.json_payload(details))
+        ok = Header(MsgType.JOIN_OK, job_id=h.job_id, sender=h.sender, world=job.world)
+        if created and self.uplink is not None:
+            job.uplink_ready = False
+        if job.uplink_ready:
+            self._reply(peer, ok, wire.json_payload(details))
+        else:
+            # the workers hear JOIN_OK once the root took the job from this
+            # rack: before that, no chunk of theirs could complete
+            job.pending_joins = [j for j in job.pending_joins if j[0] != peer]
+            job.pending_joins.append((peer, ok, wire.json_payload(details)))
+            self.uplink.join(job.job_id, job.name, job.stall_timeout)
 
     def _join_shm(self, h: Header, job: Job, want: dict) -> None:
         """Give a same-host worker the job's shared-memory rings."""
@@ -236,6 +268,8 @@ class Shard:
             "buffer-size agreement" if slot.key[1] == wire.PLAN_INDEX else f"chunk {slot.key[1]}")
 
     def _drop_job(self, job: Job) -> None:
+        if self.uplink is not None:
+            self.uplink.leave(job.job_id)
         job.slots.clear()
         if job.segment is not None:
             job.segment.close()
@@ -246,6 +280,8 @@ class Shard:
         """Release every job's resources (shared memory above all)."""
         for job in list(self.jobs.values()):
             self._drop_job(job)
+        if self.uplink is not None:
+            self.uplink.close()
 
     # -- aggregation -----------------------------------------------------------------
 
@@ -261,6 +297,11 @@ class Shard:
             return
         if h.dtype not in ACC_DTYPE:
             self._drop(peer, "bad_dtype", ErrorCode.REFUSED, f"cannot sum {h.dtype.name} payloads", h)
+            return
+        owner = h.nsum if h.flags & Flag.TO_OWNER else None  # a reduce-scatter's chunk: its one receiver
+        if owner is not None and owner >= job.world:
+            self._drop(peer, "bad_owner", ErrorCode.MALFORMED,
+                       f"the chunk's result is for rank {owner}, outside world size {job.world}", h)
             return
         seg = job.segment
         if h.flags & Flag.SHM:
@@ -303,9 +344,10 @@ class Shard:
             else:
                 buf = self.pool.take(nbytes)
                 acc = buf[:nbytes].view(acc_dtype)
-            slot = Slot(key, h.dtype, h.count, h.offset, h.exponent, op_max, buf, acc, ref=h.ref)
+            slot = Slot(key, h.dtype, h.count, h.offset, h.exponent, op_max, buf, acc, ref=h.ref, owner=owner)
             job.slots[key] = slot
-        elif (h.dtype, h.count, h.offset, h.exponent) != (slot.dtype, slot.count, slot.offset, slot.exponent) or \
+        elif (h.dtype, h.count, h.offset, h.exponent, owner) != \
+                (slot.dtype, slot.count, slot.offset, slot.exponent, slot.owner) or \
                 (seg is not None and h.ref != slot.ref):  # ring positions matter only in shared memory
             self._mismatch(job, slot, h)
             return
@@ -327,7 +369,10 @@ class Shard:
         job.counters["pushes"] += 1
         job.counters["bytes_in"] += len(payload)
         if slot.nsum == job.world:
-            self._complete(job, slot)
+            if self.uplink is not None:
+                self._send_up(job, slot)
+            else:
+                self._complete(job, slot)
 
     def _accumulate(self, slot: Slot, h: Header, payload) -> None:
         acc = slot.acc
@@ -386,18 +431,113 @@ class Shard:
             # a socket peer must not read a slot that will be reused: copy
             inline = bytes(out) if len(job.shm_members) < job.world else None
         header = h.pack()
+        # a reduce-scatter's chunk: the sum to its owner, an empty RESULT
+        # to the others (it frees their window, as a result would)
+        ack = None if slot.owner is None else Header(
+            MsgType.RESULT, job_id=job.job_id, round=slot.key[0], index=slot.key[1],
+            flags=Flag.LITTLE_ENDIAN | Flag.TO_OWNER, dtype=slot.dtype, world=job.world, offset=slot.offset).pack()
         for rank, peer in job.members.items():
-            if shm_header is not None and rank in job.shm_members:
+            if ack is not None and rank != slot.owner:
+                sent = self.listener.send(peer, ack)
+            elif shm_header is not None and rank in job.shm_members:
                 sent = self.listener.send(peer, shm_header)
             else:
                 sent = self.listener.send(peer, header, inline)
             if not sent:
                 self.counters["send_unreachable"] += 1
+        readers = len(job.members) if slot.owner is None else 1
         self.counters["results"] += 1
-        self.counters["bytes_out"] += out.nbytes * len(job.members)
+        self.counters["bytes_out"] += out.nbytes * readers
         job.counters["results"] += 1
-        job.counters["bytes_out"] += out.nbytes * len(job.members)
+        job.counters["bytes_out"] += out.nbytes * readers
         self.latency.observe(time.monotonic() - slot.first_seen)
+
+    # -- a rack under a root (hosts/uplink.py) ----------------------------------------
+
+    def _send_up(self, job: Job, slot: Slot) -> None:
+        """The rack's partial of a complete chunk goes to the root; 16-bit
+        floats go up as the float32 they were summed in, so racks lose no
+        precision a single aggregator would keep."""
+        up = self.uplink
+        h = Header(MsgType.PUSH, job_id=job.job_id, round=slot.key[0], index=slot.key[1],
+                   sender=up.config.rack_id, world=up.config.racks,
+                   flags=Flag.LITTLE_ENDIAN | (Flag.OP_MAX if slot.op_max else 0),
+                   dtype=DType.FLOAT32 if slot.dtype in _HALF_FMT else slot.dtype, count=slot.count,
+                   exponent=slot.exponent, next_exponent=slot.next_exponent, offset=slot.offset)
+        slot.sent_up = True
+        job.counters["partials_up"] += 1
+        if not up.send_partial(h.pack(), slot.acc):
+            why = up.error or "not connected yet"
+            self._abandon(job, slot, ErrorCode.STALL, f"this rack cannot reach its root ({why}); round "
+                                                      f"{slot.key[0]} {self._what(slot)} cannot complete")
+
+    def from_root(self) -> None:
+        """What the root sent: job acceptances, finals and refusals."""
+        for h, payload in self.uplink.receive():
+            try:
+                self._on_root(h, payload)
+            except Exception:
+                self.counters["internal_error"] += 1
+                log.exception("shard %d: a message from the root failed; the shard goes on", self.index)
+
+    def _on_root(self, h: Header, payload) -> None:
+        job = self.jobs.get(h.job_id)
+        if job is None:
+            self.counters["uplink_dropped_unknown_job"] += 1
+            return
+        if h.msg_type == MsgType.JOIN_OK:
+            self.uplink.joined(job.job_id)
+            if not job.uplink_ready:
+                job.uplink_ready = True
+                log.info("shard %d: the root took job %r from rack %d", self.index, job.name,
+                         self.uplink.config.rack_id)
+                for peer, ok, details in job.pending_joins:
+                    self._reply(peer, ok, details)
+                job.pending_joins = []
+            return
+        if h.msg_type == MsgType.ERROR:
+            code, text = wire.parse_error(payload)
+            key = (h.round, h.index, False)
+            slot = job.slots.get(key) or job.slots.get((h.round, h.index, True))
+            if code == ErrorCode.NOT_JOINED and job.uplink_ready:
+                # the root lost the job (it restarted): ask again; workers
+                # that rejoin after this round's error wait for its answer
+                job.uplink_ready = False
+                self.uplink.join(job.job_id, job.name, job.stall_timeout)
+            if slot is not None and slot.sent_up:
+                self._abandon(job, slot, ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.STALL,
+                              f"the root aggregator {self.uplink.config.parent} gave up round {h.round} "
+                              f"{self._what(slot)} of job {job.name!r}: {text}")
+            elif not job.uplink_ready:
+                self.uplink.joined(job.job_id)
+                for peer, _, _ in job.pending_joins:
+                    self._reply(peer, Header(MsgType.ERROR, job_id=job.job_id), wire.error_payload(
+                        ErrorCode.REFUSED, f"the root aggregator {self.uplink.config.parent} refused job "
+                                           f"{job.name!r} from rack {self.uplink.config.rack_id}: {text}"))
+                job.pending_joins = []
+                self._drop_job(job)
+            else:
+                self.counters["uplink_errors"] += 1
+                log.warning("shard %d: the root reported for job %r: %s", self.index, job.name, text)
+            return
+        if h.msg_type != MsgType.RESULT:
+            self.counters["uplink_dropped_unexpected"] += 1
+            return
+        slot = job.slots.get((h.round, h.index, bool(h.flags & Flag.OP_MAX)))
+        if slot is None or not slot.sent_up:
+            self.counters["uplink_dropped_late"] += 1
+            return
+        if h.count != slot.count or h.payload_bytes != slot.count * slot.acc.itemsize:
+            self.counters["uplink_dropped_mismatch"] += 1
+            self._abandon(job, slot, ErrorCode.JOB_MISMATCH,
+                          f"the root returned {h.count} {h.dtype.name} for round {h.round} {self._what(slot)} of "
+                          f"job {job.name!r}, this rack summed {slot.count}; do all racks run the same job?")
+            return
+        np.copyto(slot.acc, np.frombuffer(payload, slot.acc.dtype, slot.count))
+        slot.next_exponent = h.next_exponent
+        slot.nsum = h.nsum
+        job.counters["finals_down"] += 1
+        self._complete(job, slot)
 
     def _mismatch(self, job: Job, slot: Slot, h: Header) -> None:
         text = (f"job {job.name!r} round {slot.key[0]} chunk {slot.key[1]}: rank {h.sender} sent "
@@ -429,6 +569,17 @@ class Shard:
                 waited = now - slot.first_seen
                 if waited < job.stall_timeout:
                     continue
+                if slot.sent_up:
+                    # the root times out first and names the missing rack;
+                    # only a root that says nothing at all is reported here
+                    if waited < 2 * job.stall_timeout + 1.0:
+                        continue
+                    text = (f"waited {waited:.1f}s for the root aggregator {self.uplink.config.parent} to return "
+                            f"round {slot.key[0]} {self._what(slot)} of job {job.name!r}; is the root running?")
+                    log.warning("shard %d: %s", self.index, text)
+                    self.counters["stalls"] += 1
+                    self._abandon(job, slot, ErrorCode.STALL, text)
+                    continue
                 missing = job.missing(slot.seen)
                 what = self._what(slot)
                 text = (f"waited {waited:.1f}s for rank(s) {missing} of job {job.name!r} (world size "
@@ -444,10 +595,13 @@ class Shard:
         return {
             "shard": self.index,
             "pid": os.getpid(),
+            **({"uplink": {"root_shard": self.uplink.root_shard, "error": self.uplink.error,
+                           **self.uplink.counters}} if self.uplink is not None else {}),
             "address": str(self.listener.address),
             "counters": dict(self.counters),
             "pool_buffers": self.pool.allocated,
             "histograms": {"chunk_seconds": self.latency.describe()},
+            "sparse": self.sparse.describe(jobs),
             "jobs": {
                 job.name: {"id": job.job_id, "world": job.world, "members": sorted(job.members),
                            "open_slots": len(job.slots), "counters": dict(job.counters)}

@@ -37,12 +37,12 @@ def wire_p4(elements: int = SWITCH_ELEMENTS) -> str:
         "",
         "enum bit<8> msg_type_t {",
     ]
-    members = list(wire.MsgType)
+    members = [t for t in wire.MsgType if t not in wire.HOST_ONLY_TYPES]
     for i, t in enumerate(members):
         lines.append(f"    {t.name} = {int(t)}{',' if i < len(members) - 1 else ''}")
     lines += ["}", ""]
     for f in wire.Flag:
-        if f.value:
+        if f.value and not f & wire.NOT_IN_P4:
             lines.append(f"const bit<8> FLAG_{f.name} = 0x{int(f):02X};")
     lines.append("")
     for d in wire.DType:

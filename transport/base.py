@@ -11,6 +11,7 @@ dependencies (ucxx) load only for those who ask.
 from __future__ import annotations
 
 import importlib
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -46,6 +47,12 @@ class Listener(ABC):
     @abstractmethod
     def send(self, peer: Any, header: bytes, payload=None) -> bool:
         """Send to ``peer``; False if the peer is gone (the message is dropped)."""
+
+    def wait(self, timeout: float, connections=()) -> None:
+        """Return once this listener or one of ``connections`` may have a
+        message, or after ``timeout`` seconds: a shard that also talks to a
+        parent sleeps on both. Transports without a joint poll look often."""
+        time.sleep(min(timeout, 0.001))
 
     @abstractmethod
     def close(self) -> None: ...

@@ -131,6 +131,20 @@ class ZmqListener(Listener):
         header, payload = _split(frames[1:])
         return Incoming(frames[0].bytes, header, payload)
 
+    def wait(self, timeout: float, connections=()) -> None:
+        socks = [self._sock]
+        for c in connections:
+            if getattr(c, "_ready", None):
+                return
+            socks.extend(getattr(c, "_socks", ()))
+        key = getattr(self, "_wait_key", ())
+        if len(key) != len(socks) or any(a is not b for a, b in zip(key, socks)):
+            self._wait_poller = zmq.Poller()
+            for s in socks:
+                self._wait_poller.register(s, zmq.POLLIN)
+            self._wait_key = tuple(socks)
+        self._wait_poller.poll(max(0, int(timeout * 1000)))
+
     def send(self, peer, header: bytes, payload=None) -> bool:
         frames = [peer, header] if payload is None else [peer, header, payload]
         try:

@@ -39,6 +39,10 @@ def add_arguments(p) -> None:
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per point (default %(default)s)")
     p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
     p.add_argument("--json", default=None, help="write the records to this file")
+    p.add_argument("--collective", choices=("allreduce", "reduce_scatter"), default="allreduce",
+                   help="reduce_scatter: the torch.distributed aggnet backend's reduce-scatter and all-reduce beside "
+                        "gloo and the aggnet client, over shm (aggnet/bench/collectives.py; uses --workers, "
+                        "--sizes, --shards, --reps, --json)")
 
 
 def _system_info() -> dict:
@@ -163,6 +167,11 @@ def _service_stats(address: str) -> dict:
 def main(args) -> int:
     from aggnet.config import ClientConfig
     from aggnet.hosts.process import ServiceProcess
+
+    if getattr(args, "collective", "allreduce") == "reduce_scatter":
+        from .collectives import main as collectives_main
+
+        return collectives_main(args)
 
     worlds = [int(w) for w in args.workers.split(",")]
     sizes = [parse_size(s) for s in args.sizes.split(",")]

@@ -1,12 +1,25 @@
 """aggnet for PyTorch: the pieces that plug aggnet into torch training.
 
 * :mod:`aggnet.torch.hook` -- the DDP communication hook
-  (``ddp_model.register_comm_hook(AggnetState(), allreduce_hook)``).
+  (``ddp_model.register_comm_hook(AggnetState(), allreduce_hook)``);
+* :mod:`aggnet.torch.backend` -- aggnet as a ``torch.distributed`` backend
+  (``dist.init_process_group("aggnet")``): DDP without a hook, FSDP2's
+  reduce-scatters and ``dist.all_reduce`` go through aggnet;
+* :mod:`aggnet.torch.sparse` -- sparse parameters on the service's sparse
+  tables: the hook's sparse buckets (all-reduce mode) and
+  :class:`ShardedEmbedding` (the table and its optimizer on the service).
 
 They share one configuration: the ``AGGNET_*`` environment variables, or
 the same keyword arguments, read by :class:`aggnet.ClientConfig`.
+Importing this package registers the ``"aggnet"`` backend with
+torch.distributed and does nothing else (docs/torch.md says which piece
+to pick when).
 """
 
+from . import backend
 from .hook import AggnetState, allreduce_hook
+from .sparse import ShardedEmbedding
 
-__all__ = ["AggnetState", "allreduce_hook"]
+backend.register()
+
+__all__ = ["AggnetState", "allreduce_hook", "ShardedEmbedding"]

@@ -12,9 +12,11 @@ the next buckets while this one is on the wire.
 
 Sparse gradients (``nn.Embedding(sparse=True)``) get a bucket of their own
 whose buffer is a sparse COO tensor. They never go down aggnet's dense path:
-until aggnet's sparse parameter server exists, such buckets are all-reduced
-by torch.distributed on the DDP process group (gloo supports sparse
-all-reduce), averaged or summed as ``sparse_op`` says.
+with ``sparse="aggnet"`` (the default) they go to the service's sparse
+tables in all-reduce mode (:mod:`aggnet.torch.sparse`); with
+``sparse="torch"``, or for buckets that are not float32 rows of one sparse
+dimension, torch.distributed all-reduces them on the DDP process group.
+Either way they are averaged or summed as ``sparse_op`` says.
 """
 
 import atexit
@@ -61,11 +63,16 @@ class AggnetState:
       scale agreed per chunk), ``"fp16"`` or ``"bf16"``;
     * ``op`` / ``sparse_op``: ``"avg"`` (DDP's own semantics) or ``"sum"``,
       for dense and sparse buckets separately (Parallax lets users choose);
+    * ``sparse``: ``"aggnet"`` (sparse buckets through the service's sparse
+      tables) or ``"torch"`` (torch.distributed's sparse all-reduce);
     * ``check_finite``: look for NaN/Inf in every bucket and, with
       ``on_nonfinite="raise"``, fail the step naming the bucket and the rank;
       ``"propagate"`` passes them on (AMP's GradScaler then skips the step);
     * ``job``: the aggregator job name; by default one is agreed over the
-      process group, distinct for every DDP model of the run.
+      process group, distinct for every DDP model of the run;
+    * ``topology``: a topology file of racks (:mod:`aggnet.topology`; None:
+      ``AGGNET_TOPOLOGY`` when no address is set): each rank all-reduces
+      through its rack's aggregator, and the racks through the root.
     """
 
     def __init__(
@@ -77,9 +84,11 @@ class AggnetState:
         codec: str | None = None,
         op: str = "avg",
         sparse_op: str = "avg",
+        sparse: str = "aggnet",
         check_finite: bool = True,
         on_nonfinite: str = "raise",
         config: ClientConfig | None = None,
+        topology=None,
     ):
         if codec not in _CODECS:
             raise ValueError(f"codec must be one of {list(_CODECS)}, got {codec!r}")
@@ -87,6 +96,9 @@ class AggnetState:
             raise ValueError(f"op must be one of {_OPS}, got {op!r}")
         if sparse_op not in _OPS:
             raise ValueError(f"sparse_op must be one of {_OPS}, got {sparse_op!r}")
+        if sparse not in ("aggnet", "torch"):
+            raise ValueError(f"sparse must be 'aggnet' or 'torch', got {sparse!r}")
+        self.sparse = sparse
         if on_nonfinite not in _ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {_ON_NONFINITE}, got {on_nonfinite!r}")
         if job is not None and (not isinstance(job, str) or not job):
@@ -105,7 +117,13 @@ class AggnetState:
         self.check_finite = check_finite
         self.on_nonfinite = on_nonfinite
         self.config = config or ClientConfig.from_env()
+        if codec is None:  # AGGNET_CODEC, shared with the process-group backend
+            self.codec = _CODECS[self.config.codec]
         self.address = address if address is not None else self.config.address
+        if address is not None and topology is not None:
+            raise ValueError("give address or topology, not both: the topology names each rack's aggregator")
+        self.topology = topology if topology is not None else (
+            self.config.topology if self.address is None else None)
         self.job = job or self._agree_job_name()
         self.buckets: dict[int, BucketStats] = {}
         self._client: Client | None = None
@@ -127,10 +145,14 @@ class AggnetState:
         with self._lock:
             if self._client is None:
                 try:
-                    self._client = Client(self.address, job=self.job, rank=self.rank,
-                                          world_size=self.world_size, config=self.config)
+                    if self.topology is not None:
+                        self._client = Client(topology=self.topology, job=self.job, rank=self.rank,
+                                              world_size=self.world_size, config=self.config)
+                    else:
+                        self._client = Client(self.address, job=self.job, rank=self.rank,
+                                              world_size=self.world_size, config=self.config)
                 except AggregatorUnreachable as exc:
-                    hint = ("" if self.address else
+                    hint = ("" if self.address or self.topology is not None else
                             " (no AGGNET_ADDRESS is set: the embedded aggregator serves only the workers on "
                             "rank 0's machine; for several machines start `aggnet serve` and set AGGNET_ADDRESS)")
                     raise AggregatorUnreachable(f"aggnet DDP hook, rank {self.rank}: {exc}{hint}") from None
@@ -150,6 +172,9 @@ class AggnetState:
     def close(self) -> None:
         with self._lock:
             client, self._client = self._client, None
+            sparse, self._sparse_client = getattr(self, "_sparse_client", None), None
+        if sparse is not None:
+            sparse.close()
         if client is not None:
             client.close()
         atexit.unregister(self.close)
@@ -254,7 +279,12 @@ def _dense_allreduce(state: "AggnetState", index: int, buf: torch.Tensor, bucket
 
 
 def _sparse_allreduce(state: AggnetState, buf: torch.Tensor) -> torch.futures.Future:
-    """Sparse COO buckets: torch.distributed on the DDP process group."""
+    """Sparse COO buckets: aggnet's sparse tables, or torch.distributed on
+    the DDP process group."""
+    from . import sparse
+
+    if state.sparse == "aggnet" and sparse.supports(buf):
+        return sparse.sparse_allreduce(state, buf)
     world = state.world_size
 
     def finish(f):

@@ -1,0 +1,177 @@
+"""``aggnet bench --collective reduce_scatter``: the torch.distributed
+backend beside gloo and beside aggnet's own client, in one run.
+
+N worker processes join two process groups on the same ranks: the default
+one on the ``aggnet`` backend, whose aggregator is an ``aggnet serve`` on
+``shm://`` (the kind the embedded default starts), and a gloo group. For
+every size they time, one system at a time, the two that a ratio compares
+in turns (AB, BA, ...: drift on a shared machine then falls on both):
+
+* ``reduce_scatter_tensor`` of S bytes per rank on gloo and on aggnet
+  (each rank sends S and, through aggnet, receives only its S/N share);
+* ``all_reduce`` of S bytes on aggnet through the backend, and
+  ``Client.allreduce`` of the same buffer on the same service: what the
+  process-group layer costs;
+* ``all_reduce`` on gloo, for context.
+
+A repetition's time is the slowest rank's; the table shows medians and the
+two ratios the backend answers to: aggnet reduce-scatter / gloo
+reduce-scatter and backend all-reduce / client all-reduce.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+import uuid
+
+import numpy as np
+
+from aggnet.config import format_size, parse_size
+
+from .allreduce import _free_port, _system_info, _timed
+
+
+def _timed_pair(barrier, fa, fb, reps: int) -> tuple[list[float], list[float]]:
+    """Times of ``fa`` and ``fb`` taken in turns (AB, BA, AB, ...) after a
+    warm-up of each, so that drift on a shared machine falls on both alike."""
+    fa()
+    fb()
+    times: dict = {fa: [], fb: []}
+    for i in range(reps):
+        for f in (fa, fb) if i % 2 == 0 else (fb, fa):
+            barrier.wait(120)
+            t0 = time.perf_counter()
+            f()
+            times[f].append(time.perf_counter() - t0)
+    return times[fa], times[fb]
+
+
+#: what each worker times, in this order
+SYSTEMS = ("gloo reduce_scatter", "aggnet reduce_scatter", "aggnet all_reduce", "client all_reduce",
+           "gloo all_reduce")
+
+
+def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, port: int, barrier, out) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import aggnet.torch  # noqa: F401  (registers the backend)
+    from aggnet import Client
+    from aggnet.config import ClientConfig
+
+    torch.set_num_threads(1)
+    config = ClientConfig(address=address, timeout=300.0)
+    dist.init_process_group("aggnet", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            pg_options=config, timeout=datetime.timedelta(seconds=600))
+    gloo = dist.new_group(backend="gloo")
+    client = Client(address, job=f"bench-client-{port}", rank=rank, world_size=world, config=config)
+    results = []
+    try:
+        for nbytes in sizes:
+            n = nbytes // 4 // world * world
+            inp = torch.full((n,), float(rank + 1))
+            share = torch.empty(n // world)
+            want = world * (world + 1) / 2
+            times = {}
+            times["gloo reduce_scatter"], times["aggnet reduce_scatter"] = _timed_pair(
+                barrier, lambda: dist.reduce_scatter_single(share, inp, group=gloo),
+                lambda: dist.reduce_scatter_single(share, inp), reps)
+            if float(share[0]) != want or float(share[-1]) != want:
+                raise AssertionError(f"rank {rank}: aggnet reduce_scatter gave {share[0]} .. {share[-1]}, want {want}")
+            # all-reduces of ones: every repetition multiplies by N, exactly
+            buf = torch.ones(n)
+            arr = np.ones(n, np.float32)
+            times["aggnet all_reduce"], times["client all_reduce"] = _timed_pair(
+                barrier, lambda: dist.all_reduce(buf), lambda: client.allreduce(arr).result(600), reps)
+            if float(buf[0]) != float(arr[0]) or float(buf[-1]) != float(arr[-1]):
+                raise AssertionError(f"rank {rank}: backend all_reduce gave {buf[-1]}, client {arr[-1]}")
+            buf = torch.ones(n)
+            times["gloo all_reduce"] = _timed(barrier, lambda: dist.all_reduce(buf, group=gloo), reps)
+            results.append(times)
+    finally:
+        client.close()
+        dist.destroy_process_group()
+    out.put((rank, results))
+
+
+def _run(world: int, sizes: list[int], reps: int, address: str) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(world)
+    out = ctx.Queue()
+    port = _free_port()
+    ps = [ctx.Process(target=_worker, args=(r, world, sizes, reps, address, port, barrier, out), daemon=True)
+          for r in range(world)]
+    for p in ps:
+        p.start()
+    per_rank = {}
+    try:
+        for _ in ps:
+            rank, res = out.get(timeout=3600)
+            per_rank[rank] = res
+    finally:
+        for p in ps:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    return per_rank
+
+
+def main(args) -> int:
+    from aggnet.hosts.process import ServiceProcess
+
+    try:
+        import torch.distributed  # noqa: F401
+    except ImportError:
+        print("aggnet bench --collective reduce_scatter needs torch (pip install aggnet[torch])", file=sys.stderr)
+        return 2
+    worlds = [int(w) for w in args.workers.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    run_dir = f"/tmp/aggnet-bench-{uuid.uuid4().hex[:8]}"
+    os.makedirs(run_dir, exist_ok=True)
+    records = []
+    for world in worlds:
+        # one service per world size, as `aggnet bench` does
+        service = ServiceProcess(f"shm://{run_dir}/shm.sock", args.shards)
+        try:
+            per_rank = _run(world, sizes, args.reps, service.address)
+        finally:
+            service.stop()
+        for i, nbytes in enumerate(sizes):
+            for system in SYSTEMS:
+                slowest = [max(per_rank[r][i][system][k] for r in range(world)) for k in range(args.reps)]
+                records.append({"system": system, "workers": world, "bytes": nbytes, "transport": "shm",
+                                "dtype": "float32", "median_s": statistics.median(slowest), "min_s": min(slowest),
+                                "max_s": max(slowest), "reps": args.reps})
+    ratios = _print(records)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"system_info": {**_system_info(), "loadavg": os.getloadavg()}, "records": records,
+                       "ratios": ratios}, f, indent=1)
+        print(f"wrote {len(records)} records to {args.json}")
+    return 0
+
+
+def _print(records: list[dict]) -> list[dict]:
+    print(f"{'N':>2} {'size':>7} {'system':>22} {'median ms':>10} {'min ms':>8} {'max ms':>8}")
+    for r in records:
+        print(f"{r['workers']:>2} {format_size(r['bytes']):>7} {r['system']:>22} {r['median_s'] * 1e3:10.1f} "
+              f"{r['min_s'] * 1e3:8.1f} {r['max_s'] * 1e3:8.1f}")
+    median = {(r["workers"], r["bytes"], r["system"]): r["median_s"] for r in records}
+    ratios = []
+    for world, nbytes in sorted({(r["workers"], r["bytes"]) for r in records}):
+        def m(system):
+            return median[(world, nbytes, system)]
+        rs = m("aggnet reduce_scatter") / m("gloo reduce_scatter")
+        ar = m("aggnet all_reduce") / m("client all_reduce")
+        ratios.append({"workers": world, "bytes": nbytes, "reduce_scatter_aggnet_over_gloo": rs,
+                       "all_reduce_backend_over_client": ar})
+        print(f"N={world} {format_size(nbytes)}: reduce_scatter aggnet/gloo {rs:.2f} (target <= 0.7); "
+              f"all_reduce backend/client {ar:.2f} (target <= 1.10)")
+    return ratios

@@ -1,0 +1,502 @@
+"""aggnet as a ``torch.distributed`` backend: ``init_process_group("aggnet")``.
+
+::
+
+    import aggnet.torch                      # registers the "aggnet" backend
+    dist.init_process_group("aggnet")        # or "cpu:aggnet"; torchrun's env:// works
+
+Then DDP (no comm hook needed), FSDP2 (``fully_shard``) and plain
+``dist.all_reduce`` reach aggnet's aggregators without any other change.
+
+What aggnet carries, and what it leaves to gloo
+-----------------------------------------------
+
+* ``all_reduce`` (``allreduce``, ``allreduce_coalesced``) with ``SUM`` or
+  ``AVG`` on float32, float16, bfloat16 tensors, and ``SUM`` on int32;
+* ``reduce_scatter_tensor`` / ``reduce_scatter_single``
+  (``_reduce_scatter_base``), the list form ``reduce_scatter``, and their
+  coalesced forms, with the same ops and dtypes: the aggregator returns each
+  chunk of the sum only to the rank whose share it is, so a worker sends S
+  and receives S/N (:meth:`aggnet.Client.reduce_scatter`).
+
+Everything else runs on a gloo group the backend builds on the same store:
+other ops (``MIN``, ``MAX``, ``PRODUCT``, bitwise) and dtypes (float64,
+int64, uint8, bool, sparse tensors; a reduce-scatter of those is gloo's
+all-reduce of a copy of which the rank keeps its share, since gloo's own
+reduce-scatter gives no future to chain on), ``all_gather_into_tensor`` /
+``all_gather_single`` and ``all_gather`` (aggnet has no gather path: an
+aggregator sums, and a gather through it would move S each way, more than
+gloo's ring), ``broadcast``, ``barrier``, ``send``/``recv``, ``gather``,
+``scatter``, ``reduce``, ``all_to_all``. What neither can do fails at
+once with :class:`UnsupportedCollective`, naming the collective and what
+to use instead: ``AVG`` of integer tensors, ``PREMUL_SUM``, tensors on
+other devices than the CPU. Over a switch, or for a rank in a rack of a
+hierarchy, where an aggregator cannot send one rank its share alone, a
+reduce-scatter is an all-reduce of which each rank keeps its share.
+
+How it plugs into torch (2.13), and why this way
+------------------------------------------------
+
+``dist.Backend.register_backend("aggnet", create, extended_api=True,
+devices=["cpu"])`` names the backend and its device. ``create`` returns a
+Python subclass of ``dist.ProcessGroup``; torch then uses that object as
+the group itself (it registers no per-device backend on it). A group with
+no backend for the CPU breaks every C++ path that asks for one: the group
+name that ``DeviceMesh`` (and so FSDP2) reads ("ProcessGroup name not
+set"), and the collectives that a Python subclass cannot override
+(``all_gather_single``, ``gather``, ``scatter``, ...: "No backend type
+associated with device type cpu"). So the group registers its internal
+gloo backend for the CPU (``ProcessGroup._register_backend(cpu, GLOO,
+gloo)``): the collectives aggnet carries are Python overrides (reached
+through torch's ``PyProcessGroup`` trampoline by DDP's C++ reducer too),
+and everything else falls through to gloo, as the list above says.
+
+Overrides that hand an op to gloo call a second, plain ``ProcessGroup``
+around the same gloo backend (the base class's method called on this
+object would come back to the override). Every collective that the
+trampoline lets a subclass override is overridden, even those gloo does:
+for one that is not, the trampoline runs the base class's version while
+holding the GIL, and gloo's worker thread, which may need the GIL to free
+a finished collective's tensors while it holds gloo's queue, deadlocks
+with it (seen with FSDP2's ``full_tensor()``). The plain group's binding
+lets the GIL go first.
+
+Every collective returns a :class:`AggnetWork` at once; its
+``get_future()`` completes when the result is in place (DDP's reducer and
+FSDP2 chain on it), and ``wait()`` gives up after the group's timeout
+(``init_process_group(timeout=...)``), while the aggnet client itself
+fails an operation that makes no progress for ``AGGNET_TIMEOUT`` seconds.
+
+The aggregator is chosen as the DDP hook chooses it: ``AGGNET_ADDRESS``,
+else ``AGGNET_TOPOLOGY``, else an embedded aggregator that rank 0 starts on
+its machine; ``AGGNET_CODEC`` says how float32 tensors travel. A
+:class:`aggnet.ClientConfig` passed as ``pg_options`` replaces the
+environment. Each process group is its own aggnet job (named by rank 0
+through the group's store), connected on its first aggnet collective.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import threading
+import uuid
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d
+
+from ..client import Client
+from ..config import ClientConfig
+from ..errors import AggnetError, AggregatorUnreachable
+from .hook import _CODECS, _numpy_view
+
+__all__ = ["BACKEND_NAME", "AggnetProcessGroup", "AggnetWork", "UnsupportedCollective", "register"]
+
+BACKEND_NAME = "aggnet"
+
+#: ReduceOp name -> aggnet op; the dtypes aggnet sums (int32 is never averaged)
+_OPS = {"SUM": "sum", "AVG": "avg"}
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+#: store key under which rank 0 leaves the group's aggnet job name
+_JOB_KEY = "aggnet/job"
+
+
+class UnsupportedCollective(NotImplementedError):
+    """A collective that neither aggnet nor the delegated gloo group can do."""
+
+
+class AggnetWork(dist._Work):
+    """A collective in flight: ``get_future()`` for chaining, ``wait()``
+    bounded by the group's timeout."""
+
+    def __init__(self, future: torch.futures.Future, what: str, timeout: float, failure: list | None = None):
+        super().__init__()
+        self._future = future
+        #: the error the collective ended with, raised as it is by wait()
+        #: (the future carries it wrapped in torch's RuntimeError)
+        self._failure = failure if failure is not None else []
+        self._what = what
+        self._timeout = timeout
+        self._done = threading.Event()
+        future.add_done_callback(lambda _: self._done.set())
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        limit = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 0
+        limit = limit if limit > 0 else self._timeout
+        if not self._done.wait(limit):
+            raise TimeoutError(f"aggnet backend: {self._what} did not finish within {limit:g}s; is every rank "
+                               f"calling the same collectives in the same order? (init_process_group(timeout=...) "
+                               f"sets this limit)")
+        if self._failure:
+            raise self._failure[0]
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        if not self._future.done():
+            return False
+        try:
+            self._future.wait()
+        except Exception:
+            return False
+        return True
+
+    def exception(self):
+        try:
+            self._future.wait()
+        except Exception as exc:
+            return exc
+        return None
+
+    def result(self):
+        return self._future.wait()
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+class AggnetProcessGroup(dist.ProcessGroup):
+    """One torch process group whose reductions go through aggnet."""
+
+    def __init__(self, store, rank: int, world_size: int, timeout: datetime.timedelta, *,
+                 group_name: str = "", config: ClientConfig | None = None):
+        super().__init__(rank, world_size)
+        self._rank = rank
+        self._world = world_size
+        self._timeout = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+        self.config = config if config is not None else ClientConfig.from_env()
+        self.codec = _CODECS[self.config.codec]
+        cpu = torch.device("cpu")
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout)
+        # the CPU backend of this group: what it does not override runs there
+        self._register_backend(cpu, dist.ProcessGroup.BackendType.GLOO, gloo)
+        # the same gloo backend behind a plain group, for the overrides
+        # that hand an op on (this object's own methods would recurse)
+        self._gloo = dist.ProcessGroup(store, rank, world_size)
+        self._gloo._register_backend(cpu, dist.ProcessGroup.BackendType.GLOO, gloo)
+        self._gloo._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        self.job = self._agree_job(store, group_name)
+        self._client: Client | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        atexit.register(self._close_client)
+
+    def _agree_job(self, store, group_name: str) -> str:
+        """Rank 0 names the group's aggnet job; the others read it (the
+        store is this group's own, so names never meet across groups)."""
+        if self._rank == 0:
+            store.set(_JOB_KEY, f"torch-{uuid.uuid4().hex[:10]}-{group_name or 'group'}")
+        wait = self.config.connect_timeout
+        try:
+            store.wait([_JOB_KEY], datetime.timedelta(seconds=wait))
+        except Exception as exc:
+            raise AggregatorUnreachable(
+                f"aggnet backend, rank {self._rank}: rank 0 did not name the group's aggnet job within {wait:g}s "
+                f"({exc}); is rank 0 creating the same process group?") from None
+        return store.get(_JOB_KEY).decode()
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def __repr__(self) -> str:
+        return f"AggnetProcessGroup(rank={self._rank}, world_size={self._world}, job={self.job!r})"
+
+    # -- the aggnet client --------------------------------------------------------
+
+    @property
+    def client(self) -> Client:
+        """Connected on the first aggnet collective: a group used only for
+        gloo's collectives never starts or reaches an aggregator."""
+        with self._lock:
+            if self._client is None:
+                if self._closed:
+                    raise AggnetError(f"aggnet backend, rank {self._rank}: the process group was shut down")
+                try:
+                    self._client = Client(job=self.job, rank=self._rank, world_size=self._world,
+                                          config=self.config)
+                except AggregatorUnreachable as exc:
+                    hint = ("" if self.config.address or self.config.topology else
+                            " (no AGGNET_ADDRESS is set: the embedded aggregator serves only the ranks on rank 0's "
+                            "machine; for several machines start `aggnet serve` and set AGGNET_ADDRESS)")
+                    raise AggregatorUnreachable(f"aggnet backend, rank {self._rank}: {exc}{hint}") from None
+            return self._client
+
+    def _close_client(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+            self._closed = True
+        if client is not None:
+            client.close()
+        atexit.unregister(self._close_client)
+
+    def shutdown(self) -> None:
+        """``destroy_process_group``: leave the aggnet job, then stop gloo."""
+        self._close_client()
+        self._gloo.shutdown()
+
+    def abort(self) -> None:
+        self._close_client()
+        self._gloo.abort()
+
+    # -- routing ------------------------------------------------------------------
+
+    def _route(self, what: str, tensors, op) -> bool:
+        """True: aggnet carries it; False: gloo does; raises what neither can."""
+        name = op.op.name if hasattr(op, "op") else str(op)
+        for t in tensors:
+            if t.device.type != "cpu":
+                raise UnsupportedCollective(
+                    f"aggnet backend: {what} of a {t.device.type} tensor; the aggnet backend serves CPU tensors "
+                    f"(copy the tensor to the CPU, or train on GPUs with the nccl backend and aggnet's DDP hook, "
+                    f"aggnet.torch.allreduce_hook)")
+        if name == "PREMUL_SUM":
+            raise UnsupportedCollective(
+                f"aggnet backend: {what} with ReduceOp.PREMUL_SUM; neither aggnet nor gloo supports it: multiply "
+                f"the tensor by the factor and use ReduceOp.SUM (or ReduceOp.AVG)")
+        if name == "AVG":
+            bad = sorted({str(t.dtype) for t in tensors if t.is_sparse or t.dtype not in _FLOATS})
+            if bad:
+                raise UnsupportedCollective(
+                    f"aggnet backend: {what} with ReduceOp.AVG of {', '.join(bad)} tensors; neither aggnet nor gloo "
+                    f"averages those: use ReduceOp.SUM and divide by the world size, or a float32 tensor")
+        return name in _OPS and all(
+            not t.is_sparse and t.dtype in _DTYPES and not (name == "AVG" and t.dtype == torch.int32) for t in tensors)
+
+    def _options(self, opts, kind):
+        return opts if opts is not None else kind()
+
+    # -- all-reduce -----------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        opts = self._options(opts, dist.AllreduceOptions)
+        if not self._route("all_reduce", tensors, opts.reduceOp):
+            return self._gloo.allreduce(tensors, opts)
+        op = _OPS[opts.reduceOp.op.name]
+        return self._submit("all_reduce", tensors, [(t, lambda t=t: self._allreduce_one(t, op)) for t in tensors])
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = self._options(opts, dist.AllreduceCoalescedOptions)
+        if not self._route("all_reduce_coalesced", tensors, opts.reduceOp):
+            return self._gloo.allreduce_coalesced(tensors, opts)
+        op = _OPS[opts.reduceOp.op.name]
+        return self._submit("all_reduce_coalesced", tensors,
+                            [(t, lambda t=t: self._allreduce_one(t, op)) for t in tensors])
+
+    def _allreduce_one(self, t: torch.Tensor, op: str):
+        """(aggnet future, what to do once it is done) for one tensor."""
+        work = _contiguous(t.detach())
+        arr, hint = _numpy_view(work)
+        fut = self.client.allreduce(arr, op=op, codec=self.codec if t.dtype == torch.float32 else None,
+                                    _wire_hint=hint)
+
+        def finish():
+            if not t.is_contiguous():  # the result went to a contiguous copy
+                t.detach().copy_(work)
+        return fut, finish
+
+    # -- reduce-scatter ---------------------------------------------------------------
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = self._options(opts, dist.ReduceScatterOptions)
+        if input.numel() != output.numel() * self._world:
+            raise ValueError(f"aggnet backend: reduce_scatter_tensor takes an input of world_size x output elements: "
+                             f"{self._world} x {output.numel()}, got {input.numel()}")
+        n = output.numel()
+        bounds = [r * n for r in range(self._world + 1)]
+        if not self._route("reduce_scatter_tensor", [output, input], opts.reduceOp) or output.dtype != input.dtype:
+            return self._gloo_reduce_scatter("reduce_scatter_tensor", [(output, input, bounds)], opts)
+        op = _OPS[opts.reduceOp.op.name]
+        return self._submit("reduce_scatter_tensor", [output],
+                            [(output, lambda: self._reduce_scatter_one(input, output, bounds, op))])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        opts = self._options(opts, dist.ReduceScatterOptions)
+        flat_inputs = [t for ts in input_tensors for t in ts]
+        to_gloo = not self._route("reduce_scatter", list(output_tensors) + flat_inputs, opts.reduceOp) or \
+            len({t.dtype for t in list(output_tensors) + flat_inputs}) > 1
+        parts = []
+        shares = []
+        for out, ins in zip(output_tensors, input_tensors):
+            if len(ins) != self._world or ins[self._rank].numel() != out.numel():
+                raise ValueError(f"aggnet backend: reduce_scatter takes {self._world} input tensors per output, the "
+                                 f"one of rank {self._rank} as large as the output; got {len(ins)} inputs of "
+                                 f"{[t.numel() for t in ins]} elements for {out.numel()}")
+            sizes = [t.numel() for t in ins]
+            bounds = [sum(sizes[:r]) for r in range(self._world + 1)]
+            # one contiguous buffer of every rank's part, as the aggregator cuts it
+            flat = torch.cat([t.detach().reshape(-1) for t in ins])
+            shares.append((out, flat, bounds))
+            if to_gloo:
+                continue
+            op = _OPS[opts.reduceOp.op.name]
+            parts.append((out, lambda flat=flat, out=out, bounds=bounds:
+                          self._reduce_scatter_one(flat, out, bounds, op)))
+        if to_gloo:
+            return self._gloo_reduce_scatter("reduce_scatter", shares, opts)
+        return self._submit("reduce_scatter", output_tensors, parts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        opts = self._options(opts, dist.ReduceScatterOptions)
+        shares = []
+        for out, inp in zip(outputs, inputs):
+            if inp.numel() != out.numel() * self._world:
+                raise ValueError(f"aggnet backend: reduce_scatter_tensor_coalesced takes inputs of world_size x "
+                                 f"output elements: {self._world} x {out.numel()}, got {inp.numel()}")
+            shares.append((out, inp, [r * out.numel() for r in range(self._world + 1)]))
+        if not self._route("reduce_scatter_tensor_coalesced", list(outputs) + list(inputs), opts.reduceOp) or \
+                any(o.dtype != i.dtype for o, i in zip(outputs, inputs)):
+            return self._gloo_reduce_scatter("reduce_scatter_tensor_coalesced", shares, opts)
+        op = _OPS[opts.reduceOp.op.name]
+        parts = [(out, lambda inp=inp, out=out, bounds=bounds: self._reduce_scatter_one(inp, out, bounds, op))
+                 for out, inp, bounds in shares]
+        return self._submit("reduce_scatter_tensor_coalesced", outputs, parts)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def _reduce_scatter_one(self, input: torch.Tensor, output: torch.Tensor, bounds: list[int], op: str):
+        client = self.client
+        src = _contiguous(input.detach())
+        dst = _contiguous(output.detach())
+        src_arr, hint = _numpy_view(src)
+        dst_arr, _ = _numpy_view(dst)
+        codec = self.codec if input.dtype == torch.float32 else None
+        mine = slice(bounds[self._rank], bounds[self._rank + 1])
+        if client.owner_results:
+            fut = client.reduce_scatter(src_arr.reshape(-1), dst_arr.reshape(-1), bounds, op=op, codec=codec,
+                                        _wire_hint=hint)
+            whole = None
+        else:
+            # a switch, or a rack of a hierarchy: all-reduce a copy, keep this rank's share
+            whole = src.reshape(-1).clone()
+            whole_arr, _ = _numpy_view(whole)
+            fut = client.allreduce(whole_arr, op=op, codec=codec, _wire_hint=hint)
+
+        def finish():
+            if whole is not None:
+                dst.reshape(-1).copy_(whole[mine])
+            if not output.is_contiguous():
+                output.detach().copy_(dst)
+        return fut, finish
+
+    def _gloo_reduce_scatter(self, what: str, shares, opts) -> AggnetWork:
+        """A reduce-scatter aggnet does not carry, as gloo's all-reduce of a
+        copy of which this rank keeps its share: gloo's own reduce-scatter
+        gives a work without a future, which DDP and FSDP2 need."""
+        ar = dist.AllreduceOptions()
+        ar.reduceOp = opts.reduceOp
+        futures = []
+        for out, inp, bounds in shares:
+            whole = inp.detach().reshape(-1).clone()
+            mine = whole[bounds[self._rank]:bounds[self._rank + 1]]
+            fut = self._gloo.allreduce([whole], ar).get_future()
+            futures.append(fut.then(lambda f, out=out, mine=mine: out.detach().copy_(mine.view_as(out))))
+        result = [out for out, _, _ in shares]
+
+        def finish(f):
+            for part in f.value():
+                part.wait()  # raises the first part's error
+            return result
+        done = torch.futures.collect_all(futures).then(finish)
+        return AggnetWork(done, f"{what} on rank {self._rank} (gloo)", self._timeout)
+
+    # -- gloo's collectives ---------------------------------------------------------------
+    # torch's trampoline for a Python process group holds the GIL while it
+    # runs the base class's version of these (the ones it lets a subclass
+    # override); the base version queues the op on gloo, whose worker may be
+    # waiting for the GIL to free a finished op's tensors: a deadlock. Handed
+    # to the plain gloo group here, each goes through a binding that lets
+    # the GIL go first. (The others never take the GIL on their way to gloo.)
+
+    def broadcast(self, tensors, opts=None):
+        return self._gloo.broadcast(tensors, self._options(opts, dist.BroadcastOptions))
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        return self._gloo.allgather(output_tensors, input_tensors, self._options(opts, _c10d.AllgatherOptions))
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self._gloo.all_gather_single_coalesced(outputs, inputs, self._options(opts, _c10d.AllgatherOptions))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self._gloo.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                            self._options(opts, dist.AllToAllOptions))
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts=None):
+        return self._gloo.barrier(self._options(opts, dist.BarrierOptions))
+
+    def send(self, tensors, dst_rank, tag=0):
+        return self._gloo.send(tensors, dst_rank, tag)
+
+    def recv(self, tensors, src_rank, tag=0):
+        return self._gloo.recv(tensors, src_rank, tag)
+
+    # -- futures -------------------------------------------------------------------------
+
+    def _submit(self, what: str, result, parts) -> AggnetWork:
+        """Start every part (a callable giving (aggnet future, finish)) and
+        return one work that completes when all are done and finished."""
+        what = f"{what} on rank {self._rank} (job {self.job!r})"
+        started = [start() for _, start in parts]
+        inner: torch.futures.Future = torch.futures.Future()
+        failure: list[BaseException] = []
+        left = [len(started)]
+        lock = threading.Lock()
+
+        def unwrap(f):
+            # raised inside a callback, an error reaches C++ consumers (DDP's
+            # reducer) as an error; set_exception would hand them a value
+            if failure:
+                raise failure[0]
+            return f.value()
+
+        def done(fut, finish) -> None:
+            try:
+                fut.result()
+                finish()
+            except BaseException as exc:
+                if isinstance(exc, AggnetError):  # say which collective the client's error is about
+                    exc = type(exc)(f"aggnet backend: {what}: {exc}")
+                with lock:
+                    failure.append(exc)
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                inner.set_result(list(result))
+
+        out = inner.then(unwrap)
+        if not started:
+            inner.set_result(list(result))
+        for fut, finish in started:
+            fut.add_done_callback(lambda f, finish=finish: done(f, finish))
+        return AggnetWork(out, what, self._timeout, failure)
+
+
+def _create(options, pg_options) -> AggnetProcessGroup:
+    """Called by torch for every process group created with this backend."""
+    if pg_options is not None and not isinstance(pg_options, ClientConfig):
+        raise TypeError(f"the aggnet backend takes an aggnet.ClientConfig as pg_options, got "
+                        f"{type(pg_options).__name__}")
+    return AggnetProcessGroup(options.store, options.group_rank, options.group_size, options.timeout,
+                              group_name=str(options.group_id), config=pg_options)
+
+
+def register() -> None:
+    """Make ``"aggnet"`` a torch.distributed backend (done on ``import aggnet.torch``)."""
+    if not dist.is_available():
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
