@@ -87,7 +87,8 @@ def ddp_run(rank: int, world: int, port: int, mode: str, options: dict):
                       static_graph=options.get("static_graph", False),
                       find_unused_parameters=options.get("unused", False), bucket_cap_mb=options.get("bucket_mb", 25))
             if mode == "aggnet":
-                state = AggnetState(options.get("address"), codec=options.get("codec"))
+                state = AggnetState(options.get("address"), codec=options.get("codec"),
+                                    topology=options.get("topology"))
                 states.append(state)
                 ddp.register_comm_hook(state, allreduce_hook)
             out.append(train(model, options.get("steps", 20), world, rank, options.get("sparse", False),

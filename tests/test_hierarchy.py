@@ -1,0 +1,392 @@
+"""Racks under a root, placed by a topology file: both aggregator kinds sum
+across racks exactly as one aggregator sums the whole job, under loss on
+rack and spine links, and a P4 rack falls back to its host aggregator.
+
+Every aggregator is a real ``aggnet serve`` process on loopback; loss is
+iptables dropping packets at random on the aggregators' ports (the rack
+links: to and from a rack's aggregator; the spine links: to and from the
+root), so the client and aggregator code under test is what recovers."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import uuid
+
+import numpy as np
+import pytest
+
+from aggnet import Client, stats_cli
+from aggnet.errors import AggregationError
+from aggnet.hosts.process import ServiceProcess
+from aggnet.address import parse
+from aggnet.protocol import SWITCH_PORT
+from helpers import run_workers
+
+N = 300_003  # not a multiple of any chunk or packet size
+
+
+def _job() -> str:
+    return f"hier-{uuid.uuid4().hex[:8]}"
+
+
+def data(rank: int, n: int = N):
+    """Integer-valued float32 (sums exact in any order) and int32."""
+    rng = np.random.default_rng(100 + rank)
+    return rng.integers(-1000, 1000, n).astype(np.float32), rng.integers(-(1 << 20), 1 << 20, n).astype(np.int32)
+
+
+def expected(world: int, n: int = N):
+    xs, ys = zip(*(data(r, n) for r in range(world)))
+    return np.sum(xs, axis=0, dtype=np.float64).astype(np.float32), np.sum(ys, axis=0, dtype=np.int64).astype(np.int32)
+
+
+def topology_text(kind: str, root: str | None, racks: list[str], per_rack: int, shards: int | None = None,
+                  fallbacks: list[str] | None = None, job: str = "hier") -> str:
+    extra = f", shards = {shards}" if shards else ""
+    lines = [f'job = "{job}"']
+    if root is not None:
+        lines += ["[root]", f'kind = "{"service" if kind == "service" else "host-switch"}"', f'address = "{root}"']
+        if shards:
+            lines.append(f"shards = {shards}")
+    for i, address in enumerate(racks):
+        lines += ["[[racks]]", f'name = "rack{i}"', f'ranks = "{i * per_rack}-{(i + 1) * per_rack - 1}"']
+        if kind == "p4":
+            lines.append(f'aggregator = {{ kind = "p4", address = "{address}", p4runtime = "127.0.0.1:1" }}')
+        else:
+            lines.append(f'aggregator = {{ kind = "{kind}", address = "{address}"{extra} }}')
+        if fallbacks:
+            lines.append(f'fallback = {{ kind = "host-switch", address = "{fallbacks[i]}" }}')
+    return "\n".join(lines) + "\n"
+
+
+def _worker(rank: int, topology: str, job: str, codecs, n: int = N, reps: int = 1):
+    x, y = data(rank, n)
+    out = {}
+    with Client(topology=topology, rank=rank, job=job, timeout=60, connect_timeout=30) as c:
+        for _ in range(reps):
+            for codec in codecs:
+                a = x.copy()
+                c.allreduce(a, codec=codec).result(120)
+                out[codec] = a
+            b = y.copy()
+            c.allreduce(b).result(120)
+            out["i32"] = b
+        out["fell_back"] = getattr(c, "fell_back", False)
+        out["address"] = c.address
+        out["members"] = (c.member_rank, c.members, c.world_size)
+    return out
+
+
+def run_topology(topology: str, world: int, codecs=(None,), n: int = N, threads: bool = False, reps: int = 1):
+    """Every rank's results; ``threads`` runs the workers in this process
+    (so that the test sees their log), else each in a process of its own."""
+    # run_workers runs threads for inproc:// services, processes otherwise
+    return run_workers("inproc://threads" if threads else "topology://", world, _worker, topology, _job(), codecs, n,
+                       reps, timeout=240)
+
+
+def check(results, world: int, codecs=(None,), n: int = N):
+    fx, fy = expected(world, n)
+    for r in results:
+        for codec in codecs:
+            np.testing.assert_array_equal(r[codec], fx)
+        np.testing.assert_array_equal(r["i32"], fy)
+
+
+class Racks:
+    """A root and two racks of one kind, as ``aggnet serve`` processes."""
+
+    def __init__(self, kind: str, shards: int = 2, per_rack: int = 2, root_args=(), rack_args=()):
+        self.kind = kind
+        mode = [] if kind == "service" else ["--mode", "switch"]
+        listen = "zmq+tcp://127.0.0.1:0" if kind == "service" else "udp://127.0.0.1:0"
+        self.procs = []
+        try:
+            self.root = self._start(listen, shards, [*mode, *root_args])
+            self.racks = [self._start(listen, shards, [*mode, "--parent", self.root.address, "--rack-id", str(i),
+                                                       "--racks", "2", *rack_args]) for i in range(2)]
+        except BaseException:
+            self.stop()
+            raise
+        self.topology = topology_text(kind, self.root.address, [r.address for r in self.racks], per_rack,
+                                      shards if kind == "service" else None)
+        self.world = 2 * per_rack
+
+    def _start(self, listen, shards, args):
+        p = ServiceProcess(listen, shards=shards, args=list(args))
+        self.procs.append(p)
+        return p
+
+    def ports(self, which: list) -> list[int]:
+        """Every port the given aggregators listen on (control and shards)."""
+        ports = []
+        for p in which:
+            a = parse(p.address)
+            if self.kind == "service":
+                # a service on port 0 puts its shards on any free ports
+                ports += [a.port] + [parse(s).port for s in self.stats(p)["service"]["shards"]]
+            else:
+                ports += [a.port + i for i in range(p.shards)]  # switch mode: consecutive ports
+        return ports
+
+    def stats(self, p) -> dict:
+        return stats_cli.query(p.address)
+
+    def stop(self):
+        for p in self.procs:
+            p.stop()
+
+
+@pytest.fixture(params=["service", "host-switch"])
+def racks(request):
+    r = Racks(request.param)
+    yield r
+    r.stop()
+
+
+@contextlib.contextmanager
+def drops(ports: list[int], probability: float, proto: str):
+    """Drop packets to and from ``ports`` on loopback at random."""
+    counted = {"dropped": 0}
+    if not probability:
+        yield counted
+        return
+    if os.geteuid() != 0 or shutil.which("iptables") is None:
+        pytest.skip("random drops need root and iptables (apt-get install iptables)")
+    chain = f"AGGNET-{uuid.uuid4().hex[:8].upper()}"
+    spec = ",".join(str(p) for p in sorted(set(ports)))
+    rules = [["-p", proto, "-m", "multiport", "--dports", spec], ["-p", proto, "-m", "multiport", "--sports", spec]]
+
+    def ipt(*args):
+        subprocess.run(["iptables", "-w", "5", *args], check=True, capture_output=True, timeout=30)
+
+    try:
+        ipt("-N", chain)
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"iptables cannot add a chain here: {exc.stderr.decode().strip()}")
+    try:
+        for r in rules:
+            ipt("-A", chain, *r)  # counts every packet
+            ipt("-A", chain, *r, "-m", "statistic", "--mode", "random", "--probability", str(probability), "-j", "DROP")
+        ipt("-I", "INPUT", "-i", "lo", "-j", chain)
+        yield counted
+        listing = subprocess.run(["iptables", "-w", "5", "-L", chain, "-v", "-x", "-n"], capture_output=True,
+                                 text=True, timeout=30).stdout
+        rows = [line.split() for line in listing.splitlines()[2:] if line.strip()]
+        counted["dropped"] = sum(int(r[0]) for r in rows if r[2] == "DROP")
+        counted["packets"] = sum(int(r[0]) for r in rows if r[2] != "DROP")
+    finally:
+        subprocess.run(["iptables", "-w", "5", "-D", "INPUT", "-i", "lo", "-j", chain], capture_output=True, timeout=30)
+        subprocess.run(["iptables", "-w", "5", "-F", chain], capture_output=True, timeout=30)
+        subprocess.run(["iptables", "-w", "5", "-X", chain], capture_output=True, timeout=30)
+
+
+def test_two_racks_sum_like_one_aggregator(racks):
+    """Float32 (integer data: any order sums exactly) and int32 bit-identical
+    to the one-aggregator sum, and every worker placed by the topology."""
+    codecs = (None, "int32") if racks.kind == "service" else (None,)
+    results = run_topology(racks.topology, racks.world, codecs)
+    check(results, racks.world, codecs)
+    assert [r["members"] for r in results] == [(0, 2, 4), (1, 2, 4), (0, 2, 4), (1, 2, 4)]
+    assert [r["address"] for r in results] == [racks.racks[0].address] * 2 + [racks.racks[1].address] * 2
+
+
+def test_service_racks_carry_one_partial_per_chunk_across_racks():
+    """Cross-rack bytes per all-reduce are R·S up and R·S down, whatever the
+    number of workers per rack (4 here), plus the small agreements."""
+    r = Racks("service", per_rack=4)
+    try:
+        n = 1 << 20
+        run_topology(r.topology, r.world, (None,), n)
+        nbytes = 4 * n
+        for rack in r.racks:
+            shards = r.stats(rack)["shards"]
+            up = sum(s["uplink"]["bytes_up"] for s in shards)
+            down = sum(s["uplink"]["bytes_down"] for s in shards)
+            # two all-reduces (float32 and int32 buffers) of S bytes each
+            assert 2 * nbytes <= up <= 2 * nbytes * 1.05, up
+            assert 2 * nbytes <= down <= 2 * nbytes * 1.05, down
+    finally:
+        r.stop()
+
+
+@pytest.mark.parametrize("where", ["rack", "spine"])
+@pytest.mark.parametrize("loss", [0.01, 0.1])
+def test_loss_on_rack_and_spine_links_recovers_exactly(racks, where, loss):
+    ports = racks.ports(racks.racks if where == "rack" else [racks.root])
+    proto = "tcp" if racks.kind == "service" else "udp"
+    # enough packets that 1% of them is sure to be some (a hundred or more)
+    n = 400_003
+    with drops(ports, loss, proto) as counted:
+        results = run_topology(racks.topology, racks.world, (None,), n, reps=4 if loss < 0.05 else 1)
+    check(results, racks.world, (None,), n)
+    assert counted["dropped"] > 0, counted
+
+
+def test_a_service_rack_refuses_workers_when_the_root_has_other_shards():
+    root = ServiceProcess("zmq+tcp://127.0.0.1:0", shards=1)
+    rack = ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2,
+                          args=["--parent", root.address, "--rack-id", "0", "--racks", "2"])
+    try:
+        with pytest.raises(AggregationError, match="root .* has 1 shard.*this rack 2.*same --shards"):
+            Client(rack.address, job=_job(), rank=0, world_size=4, member_rank=0, members=2, connect_timeout=10)
+    finally:
+        rack.stop()
+        root.stop()
+
+
+def _switch_address() -> str:
+    """A P4 switch's address (the program's UDP port) on a loopback IP
+    that nothing else in the suite uses."""
+    while True:
+        ip = f"127.0.{np.random.randint(1, 250)}.{np.random.randint(2, 250)}"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind((ip, SWITCH_PORT))
+            except OSError:
+                continue
+        return f"udp://{ip}:{SWITCH_PORT}"
+
+
+def test_a_dead_switch_falls_back_to_the_racks_host_aggregator(caplog):
+    """A P4 rack whose switch answers nothing: its workers go to the host
+    aggregator the topology names, say so once each, and sum exactly."""
+    # a P4 switch sends partials to the program's port: the root listens there
+    root = ServiceProcess(_switch_address(), shards=1, args=["--mode", "switch"])
+    fallbacks = [ServiceProcess("udp://127.0.0.1:0", shards=1,
+                                args=["--mode", "switch", "--parent", root.address, "--rack-id", str(i), "--racks", "2"])
+                 for i in range(2)]
+    try:
+        dead = [_switch_address() for _ in range(2)]
+        topo = topology_text("p4", root.address, dead, 2, fallbacks=[f.address for f in fallbacks])
+        with caplog.at_level(logging.WARNING, logger="aggnet.client"):
+            results = run_topology(topo, 4, (None,), 50_000, threads=True)
+        check(results, 4, (None,), 50_000)
+        assert all(r["fell_back"] for r in results)
+        assert [r["address"] for r in results] == [fallbacks[0].address] * 2 + [fallbacks[1].address] * 2
+        lines = [m for m in caplog.messages if "falling back" in m]
+        assert len(lines) == 4 and all("no aggregator answered" in m for m in lines), lines
+    finally:
+        for p in fallbacks + [root]:
+            p.stop()
+
+
+def test_a_full_switch_pool_falls_back_to_the_racks_host_aggregator(caplog):
+    """The switch (here a host speaking the same protocol, with a 4-slot
+    pool that another job holds) refuses the job for lack of room."""
+    switch = ServiceProcess(_switch_address(), shards=1, args=["--mode", "switch", "--pool", "4"])
+    fallback = ServiceProcess("udp://127.0.0.1:0", shards=1, args=["--mode", "switch"])
+    try:
+        with Client(switch.address, job=_job(), rank=0, world_size=1, slots=4, connect_timeout=10) as holder:
+            holder.allreduce(np.ones(10, np.int32)).result(30)
+            topo = topology_text("p4", None, [switch.address], 2, fallbacks=[fallback.address])
+            with caplog.at_level(logging.WARNING, logger="aggnet.client"):
+                results = run_topology(topo, 2, (None,), 50_000, threads=True)
+        check(results, 2, (None,), 50_000)
+        assert all(r["fell_back"] for r in results)
+        lines = [m for m in caplog.messages if "falling back" in m]
+        assert len(lines) == 2 and all("no room" in m for m in lines), lines
+    finally:
+        fallback.stop()
+        switch.stop()
+
+
+def test_without_a_fallback_a_dead_switch_is_an_error_naming_it():
+    topo = topology_text("p4", None, [_switch_address()], 1)
+    with pytest.raises(Exception, match="no aggregator answered"):
+        Client(topology=topo, rank=0, connect_timeout=1.5)
+
+
+def test_client_takes_topology_from_the_environment(tmp_path, monkeypatch):
+    svc = ServiceProcess("zmq+tcp://127.0.0.1:0", shards=1)
+    try:
+        path = tmp_path / "one.toml"
+        path.write_text(topology_text("service", None, [svc.address], 1))
+        monkeypatch.delenv("AGGNET_ADDRESS", raising=False)
+        monkeypatch.setenv("AGGNET_TOPOLOGY", str(path))
+        with Client(rank=0) as c:
+            a = np.arange(10, dtype=np.float32)
+            c.allreduce(a).result(30)
+            assert c.address == svc.address and c.job == "hier" and c.world_size == 1
+        with pytest.raises(ValueError, match="world_size=3 but topology .* holds 1"):
+            Client(rank=0, world_size=3)
+    finally:
+        svc.stop()
+
+
+def test_ddp_through_two_racks_trains_like_one_process():
+    """DDP with the aggnet hook placed by a topology (service racks under
+    a service root) computes what one process computes on the global batch."""
+    pytest.importorskip("torch", reason="DDP needs PyTorch (pip install aggnet[torch])")
+    import ddp_workers as W
+    from test_torch_hook import STEPS, free_port, rel_diff
+
+    r = Racks("service", per_rack=2)
+    try:
+        results = run_workers("spawn://", 4, W.ddp_run, 4, free_port(), "aggnet", {"topology": r.topology},
+                              timeout=240, start_method="spawn")
+        reference = W.single_process(4, STEPS)
+        for res in results:
+            assert res["calls"] == [STEPS]
+            assert rel_diff(res["params"][0], reference) <= 1e-6
+        assert sum(s["uplink"]["partials_up"] for s in r.stats(r.racks[0])["shards"]) > 0
+    finally:
+        r.stop()
+
+
+def test_a_restarted_root_shard_takes_the_racks_back_and_the_job_goes_on():
+    """The root loses the job when a shard of it restarts: the round in
+    flight fails naming the root, the racks join it again, and the next
+    all-reduce is exact."""
+    import threading
+    import time
+
+    r = Racks("service", root_args=["--restart"])
+    try:
+        clients = [None] * 4
+
+        def connect(rank):
+            clients[rank] = Client(topology=r.topology, rank=rank, job=job, timeout=8, connect_timeout=30)
+
+        job = _job()
+        ts = [threading.Thread(target=connect, args=(k,)) for k in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+
+        def round_(fill):
+            bufs = [np.full(200_000, fill(k), np.float32) for k in range(4)]
+            futures = [c.allreduce(b) for c, b in zip(clients, bufs)]
+            errors = []
+            for f in futures:
+                try:
+                    f.result(timeout=60)
+                except AggregationError as exc:
+                    errors.append(str(exc))
+            return bufs, errors
+
+        bufs, errors = round_(lambda k: k + 1)
+        assert not errors and all((b == 10).all() for b in bufs)
+        os.kill(r.stats(r.root)["shards"][0]["pid"], 9)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            s = r.stats(r.root)
+            if s["restarts"] and all(x is not None for x in s["shards"]):
+                break
+            time.sleep(0.2)
+        _, errors = round_(lambda k: 1)
+        assert errors and all("root" in e for e in errors), errors
+        bufs, errors = round_(lambda k: 2 * k)
+        assert not errors, errors
+        assert all((b == 12).all() for b in bufs)
+    finally:
+        for c in clients:
+            if c is not None:
+                c.close()
+        r.stop()

@@ -1,0 +1,231 @@
+"""Sparse tables on the aggregator service: push/pull over real shard
+processes and sockets, the DDP hook's sparse buckets (all-reduce mode),
+ShardedEmbedding (PS mode), checkpoints across a restart of the service,
+and refusals that change nothing."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from aggnet import sparse_layout
+from aggnet.errors import AggregationError
+from aggnet.hosts.process import ServiceProcess
+from aggnet.sparse_client import SparseClient
+from aggnet.wire import MsgType
+from helpers import RunningService, run_workers
+
+STEPS = 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def service():
+    svc = RunningService("zmq+ipc", shards=2)
+    yield svc
+    svc.stop()
+
+
+def shard_list(address: str) -> list[str]:
+    from aggnet import wire
+    from aggnet.transport import connect
+
+    with connect([address]) as conn:
+        conn.send(0, wire.Header(MsgType.HELLO).pack())
+        msg = conn.recv(10.0)
+    assert msg is not None
+    return wire.parse_json(msg.payload)["shards"]
+
+
+def rel_diff(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / max(np.linalg.norm(np.asarray(b)), 1e-30))
+
+
+# -- push, pull and all-reduce over worker processes ------------------------------------
+
+ROWS, WIDTH = 23, 5  # an odd width and rows that do not split evenly
+
+
+def worker_rows(rank: int, step: int):
+    """Each worker's rows for a step: many repeats within the worker (10
+    indices out of 6 values) and across workers (the ranges overlap)."""
+    rng = np.random.default_rng(100 * step + rank)
+    idx = rng.integers(rank * 3, rank * 3 + 6, 10)
+    if step == 1 and rank == 0:
+        idx = np.array([], np.int64)  # a worker that touched nothing still steps
+    return idx, rng.standard_normal((idx.size, WIDTH)).astype(np.float32)
+
+
+def push_pull_worker(rank: int, shards: list, world: int):
+    with SparseClient(shards, job="pp", rank=rank, world_size=world, timeout=20) as sc:
+        store = sc.table("store", ROWS, WIDTH, mode="ps", optimizer="sum", partitions=3)
+        ar = sc.table("ar", ROWS, WIDTH, mode="allreduce", partitions=4)
+        pulled, reduced = [], []
+        for step in range(3):
+            idx, rows = worker_rows(rank, step)
+            store.push(idx, rows).result(20)
+            pulled.append(store.pull(np.array([4, 0, 4, 22, 7])).result(20))
+            reduced.append(ar.allreduce(idx, rows).result(20))
+        return pulled, reduced
+
+
+def test_push_sums_rows_and_allreduce_returns_every_workers_sum(service):
+    world = 3
+    res = run_workers(service.address, world, push_pull_worker, shard_list(service.address), world, timeout=60)
+    table = np.zeros((ROWS, WIDTH), np.float64)
+    for step in range(3):
+        total = np.zeros((ROWS, WIDTH), np.float64)
+        touched = set()
+        for rank in range(world):
+            idx, rows = worker_rows(rank, step)
+            np.add.at(total, idx, rows)
+            touched |= set(idx.tolist())
+        table += total
+        for rank in range(world):
+            pulled, reduced = res[rank]
+            np.testing.assert_allclose(pulled[step], table[[4, 0, 4, 22, 7]], rtol=1e-6, atol=1e-6)
+            idx, rows = reduced[step]
+            assert idx.tolist() == sorted(touched)
+            np.testing.assert_allclose(rows, total[idx], rtol=1e-6, atol=1e-6)
+            # every worker got the very same bits
+            assert np.array_equal(rows, res[0][1][step][1])
+
+
+# -- refusals ---------------------------------------------------------------------------
+
+def _raw(sc: SparseClient, t, msg_type, p, rnd, idx, rows, slot=0):
+    """A row message built by hand, past the client's own checks: what a
+    buggy or hostile worker could send."""
+    h = t._header(msg_type, p, rnd, len(idx), slot)
+    payload = np.asarray(idx, "<i8").tobytes() + (b"" if rows is None else np.asarray(rows, "<f4").tobytes())
+    return sc._submit(sc._exchange, [(t._shard(p), h, payload)], 5.0, "raw").result(10)
+
+
+def test_bad_pushes_fail_clearly_and_change_nothing(service):
+    with SparseClient(shard_list(service.address), job="bad", rank=0, world_size=1, timeout=5) as sc:
+        t = sc.table("t", 10, 4, mode="ps", optimizer="sgd", lr=1.0, partitions=2,
+                     init={"kind": "uniform", "scale": 1.0, "seed": 3})
+        before = t.pull(np.arange(10)).result(10)
+        assert np.abs(before).max() > 0  # initialized on the server
+        with pytest.raises(IndexError, match=r"rows 0\.\.9.*e\.g\. 10.*nothing was sent"):
+            t.push([1, 10], np.ones((2, 4), np.float32))
+        with pytest.raises(ValueError, match=r"rows of 4 floats.*got shape \(2, 3\)"):
+            t.push([1, 2], np.ones((2, 3), np.float32))
+        # the same mistakes reaching the shard: refused there too
+        with pytest.raises(AggregationError, match=r"row index 7 of table 't' is in another partition"):
+            _raw(sc, t, MsgType.SPARSE_PUSH, 0, 1, [1, 7], np.ones((2, 4)))
+        with pytest.raises(AggregationError, match=r"row index 12 of table 't' is outside the table's rows \[0, 10\)"):
+            _raw(sc, t, MsgType.SPARSE_PUSH, 1, 1, [6, 12], np.ones((2, 4)))
+        with pytest.raises(AggregationError, match=r"rows of 3 floats; the table's rows are 4 floats"):
+            _raw(sc, t, MsgType.SPARSE_PUSH, 0, 1, [1, 2], np.ones((2, 3)))
+        with pytest.raises(AggregationError, match=r"NaN/Inf"):
+            _raw(sc, t, MsgType.SPARSE_PUSH, 0, 1, [1], np.full((1, 4), np.nan))
+        ghost = sc.table("ghost", 10, 4, partitions=2)
+        ghost.close()  # gone from the shards: it does not exist any more
+        with pytest.raises(AggregationError, match=r"does not exist on shard .* open it first"):
+            _raw(sc, ghost, MsgType.SPARSE_PUSH, 0, 1, [1], np.ones((1, 4)))
+        with pytest.raises(AggregationError, match=r"every worker must open it alike"):
+            sc.tables.pop("t")
+            try:
+                sc.table("t", 10, 8, mode="ps", optimizer="sgd", lr=1.0, partitions=2)
+            finally:
+                sc.tables["t"] = t
+        after = t.pull(np.arange(10)).result(10)
+        assert np.array_equal(before, after)
+        # a good push still works afterwards, and rounds go on
+        t.push([3], np.ones((1, 4), np.float32)).result(10)
+        np.testing.assert_allclose(t.pull([3]).result(10)[0], before[3] - 1.0, rtol=1e-6)
+    counters = service.stats()["totals"]
+    for reason in ("out_of_range", "width", "nonfinite", "unknown_table", "spec_mismatch"):
+        assert counters.get(f"dropped_sparse_{reason}", 0) >= 1, (reason, counters)
+
+
+def test_a_table_past_the_memory_bound_is_refused(tmp_path):
+    svc = ServiceProcess(f"zmq+ipc://{tmp_path}/m.sock", 2, env={"AGGNET_SPARSE_MEMORY": "1M"})
+    try:
+        with SparseClient(shard_list(svc.address), job="mem", rank=0, world_size=1, timeout=5) as sc:
+            with pytest.raises(AggregationError, match=r"needs \d+ bytes on shard .* may use 1048576 bytes.*"
+                                                       r"AGGNET_SPARSE_MEMORY"):
+                sc.table("big", 100_000, 4, mode="ps", optimizer="adam")  # 2 x 1.6 MB per shard
+            small = sc.table("small", 1000, 4, mode="ps", optimizer="adam")
+            small.push([1], np.ones((1, 4), np.float32)).result(10)
+    finally:
+        svc.stop()
+
+
+# -- torch: all-reduce mode under the DDP hook -------------------------------------------
+
+@pytest.mark.parametrize("world,opt", [(2, "sgd"), (3, "sgd"), (2, "adagrad"), (3, "adagrad")])
+def test_ddp_sparse_buckets_through_tables_match_torch_and_single_process(service, world, opt):
+    pytest.importorskip("torch")
+    import sparse_workers as W
+
+    res = run_workers("spawn://", world, W.hook_run, world, free_port(), service.address, opt, STEPS,
+                      timeout=120, start_method="spawn")
+    ref_embed, ref_head = W.single_process(world, STEPS, opt, opt)
+    for r in res:
+        agg, tor = r["aggnet"], r["torch"]
+        assert np.array_equal(agg["embed"], res[0]["aggnet"]["embed"])  # identical on every rank
+        assert rel_diff(agg["embed"], ref_embed) <= 1e-6
+        assert rel_diff(agg["embed"], tor["embed"]) <= 1e-6
+        for a, b in zip(agg["head"], ref_head):
+            assert rel_diff(a, b) <= 1e-6
+        assert agg["dense_calls"] == STEPS  # the dense bucket still went through aggnet
+        assert agg["sparse_bytes"][0] > 0 and tor["sparse_bytes"] is None
+
+
+# -- torch: PS mode ---------------------------------------------------------------------
+
+def test_sharded_embedding_matches_single_process_for_each_server_optimizer(service):
+    pytest.importorskip("torch")
+    import sparse_workers as W
+
+    opts = ["sgd", "momentum", "adagrad", "adam"]
+    res = run_workers("spawn://", 2, W.ps_run, 2, free_port(), service.address, opts, STEPS, timeout=120,
+                      start_method="spawn")
+    for opt in opts:
+        ref_embed, ref_head = W.single_process(2, STEPS, opt, "sgd", cover=opt == "momentum")
+        moved = rel_diff(ref_embed, W.initial()[0].numpy())
+        assert moved > 1e-3, (opt, moved)  # training really changed the table
+        for r in res:
+            assert rel_diff(r[opt]["embed"], ref_embed) <= 1e-5, opt
+            for a, b in zip(r[opt]["head"], ref_head):
+                assert rel_diff(a, b) <= 1e-5, opt
+
+
+def test_checkpoint_restart_restore_continues_identically(tmp_path):
+    pytest.importorskip("torch")
+    import sparse_workers as W
+
+    steps = 6
+    first = RunningService("zmq+ipc", shards=2)
+    try:
+        straight = run_workers("spawn://", 2, W.checkpoint_run, 2, free_port(), first.address, "save",
+                               str(tmp_path), steps, timeout=120, start_method="spawn")
+    finally:
+        first.stop()
+    meta = (tmp_path / "table" / "meta.json").read_text()
+    assert '"step": 6' in meta and '"exp_avg_sq"' in meta
+    second = RunningService("zmq+ipc", shards=2)  # a new service: nothing of the table is left
+    try:
+        restored = run_workers("spawn://", 2, W.checkpoint_run, 2, free_port(), second.address, "restore",
+                               str(tmp_path), steps, timeout=120, start_method="spawn")
+    finally:
+        second.stop()
+    for a, b in zip(straight, restored):
+        assert np.array_equal(a["embed"], b["embed"])
+        for x, y in zip(a["head"], b["head"]):
+            assert np.array_equal(x, y)
+
+
+def test_layout_puts_every_row_in_exactly_one_partition():
+    for rows, parts in ((1, 1), (23, 3), (1000, 7), (5, 5)):
+        edges = sparse_layout.bounds(rows, parts)
+        assert edges[0] == 0 and edges[-1] == rows and (np.diff(edges) >= 1).all()
