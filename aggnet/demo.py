@@ -82,8 +82,10 @@ def train(rank: int, world: int, args, mode: str, report=None) -> dict:
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     params = sum(p.numel() for p in model.parameters())
     if rank == 0:
-        how = (f"aggnet ({args.codec}) through {state.address or 'an embedded local aggregator'}"
-               if state else "torch.distributed gloo")
+        topology = getattr(state, "topology", None)
+        where = state.address if state and state.address else (
+            f"the racks of {topology}" if topology else "an embedded local aggregator")
+        how = f"aggnet ({args.codec}) through {where}" if state else "torch.distributed gloo"
         print(f"[{mode}] {world} DDP workers, MLP 64-{args.hidden}-{args.hidden}-10 ({params:,} parameters, "
               f"{params * 4 / 2**20:.1f} MiB of gradients per step), gradients via {how}", flush=True)
     g = torch.Generator().manual_seed(args.seed)

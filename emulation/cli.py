@@ -1,5 +1,7 @@
 """``aggnet emulate``: all-reduce, benchmark or DDP demo inside an emulated
-rack (network namespaces, shaped links, optional loss), torn down after."""
+rack (network namespaces, shaped links, optional loss), torn down after;
+with ``--topology FILE``, across the racks of a topology file under a spine
+(emulation.fabric_cli)."""
 
 from __future__ import annotations
 
@@ -19,9 +21,18 @@ def add_arguments(p) -> None:
                    help="allreduce: one all-reduce, checked; bench: aggnet beside gloo, bytes and times; "
                         "bench-ddp: DDP step time with the aggnet hook beside gloo; "
                         "demo: DDP training, one worker per namespace")
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--rate", type=float, default=100.0, help="Mbit/s of every worker link (0: unshaped)")
-    p.add_argument("--size", default="16MiB", help="all-reduce size (allreduce, bench)")
+    p.add_argument("--topology", default=None, metavar="FILE",
+                   help="emulate the racks of this topology file under a spine (allreduce, bench, demo); "
+                        "--racks, --workers, --rate, --uplink-rate and --mtu replace what it says")
+    p.add_argument("--racks", type=int, default=None, help="with --topology: number of racks")
+    p.add_argument("--workers", type=int, default=None, help="workers (per rack with --topology; default 4)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="Mbit/s of every worker link (0: unshaped; default 100, or the topology's host_mbit)")
+    p.add_argument("--uplink-rate", type=float, default=None,
+                   help="with --topology: Mbit/s of every rack uplink, each way (0: unshaped; default: uplink_mbit)")
+    p.add_argument("--prefix", default="agf", help="with --topology: prefix of the namespaces' names")
+    p.add_argument("--size", default=None, help="all-reduce size (allreduce, bench; default 16MiB, 32MiB with "
+                                                "--topology)")
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--drop", type=float, default=0.0, help="random drop probability of aggregation datagrams")
     p.add_argument("--duplicate", type=float, default=0.0, help="random duplication probability")
@@ -32,7 +43,7 @@ def add_arguments(p) -> None:
                    help="host: a Linux bridge ToR and an aggregator host in switch mode (link N x rate); "
                         "bmv2: the P4 program on BMv2 in the ToR's place")
     p.add_argument("--hidden", type=int, default=None, help="demo: hidden width (BMv2 is slow: try 32)")
-    p.add_argument("--mtu", type=int, default=9000,
+    p.add_argument("--mtu", type=int, default=None,
                    help="MTU of every link (default 9000, jumbo frames; 1500 for a plain Ethernet rack); the "
                         "aggregator's packets are sized to fit it")
     p.add_argument("--shards", type=int, default=None, help="aggregator host's shard processes (default: cores)")
@@ -43,6 +54,17 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
+    if args.topology is not None:
+        from . import fabric_cli
+
+        return fabric_cli.main(args)
+    if args.racks is not None or args.uplink_rate is not None:
+        print("aggnet emulate: --racks and --uplink-rate shape the racks of a --topology FILE", file=sys.stderr)
+        return 2
+    args.workers = 4 if args.workers is None else args.workers
+    args.rate = 100.0 if args.rate is None else args.rate
+    args.size = args.size or "16MiB"
+    args.mtu = args.mtu or 9000
     logging.basicConfig(level=logging.INFO, format="%(asctime)s aggnet %(levelname)s %(message)s", stream=sys.stderr)
     nbytes = parse_size(args.size)
     bmv2 = args.switch == "bmv2"

@@ -62,6 +62,28 @@ def sh(*cmd: str, check: bool = True, ns: str | None = None, timeout: float = 30
     return r
 
 
+def shape(ns: str, dev: str, rate_mbit: float, mtu: int = 9000, queue_bytes: int = 4 << 20) -> None:
+    """Shape what ``dev`` sends to ``rate_mbit`` (tbf: the rate, a burst of
+    a few jumbo frames, and a queue deep enough for a window of in-flight
+    packets, as a switch port's buffer)."""
+    burst = max(64 * 1024, 4 * mtu)
+    sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst),
+       "limit", str(queue_bytes), ns=ns)
+
+
+def remove_namespaces(names: list[str]) -> None:
+    """Kill whatever runs in the namespaces, then delete them (which
+    deletes their interfaces and the veth ends cabled to them)."""
+    for n in names:
+        for pid in sh("ip", "netns", "pids", n, check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+    for n in names:
+        sh("ip", "netns", "del", n, check=False)
+
+
 @dataclass
 class Host:
     name: str  #: namespace
@@ -74,18 +96,28 @@ class Rack:
     """The rack; use as a context manager (``with Rack(4, rate_mbit=100) as rack``)."""
 
     def __init__(self, workers: int, rate_mbit: float | None = None, *, mtu: int = 9000, prefix: str = "agn",
-                 aggregator: bool = True, queue_bytes: int = 4 << 20, bridge: bool = True):
+                 aggregator: bool = True, queue_bytes: int = 4 << 20, bridge: bool = True,
+                 subnet: str = SUBNET, gateway: int | None = None):
         """``bridge=False`` leaves the ToR's ports unconnected, for BMv2 to
-        attach to (emulation.bmv2)."""
+        attach to (emulation.bmv2). ``subnet`` (three octets) and
+        ``gateway`` (a host number in it) let racks of a fabric tell their
+        hosts apart and reach each other: every host routes what is not in
+        its rack through ``subnet.gateway``, a router the fabric plugs into
+        the ToR (emulation.fabric)."""
         if not 1 <= workers <= 32:
             raise ValueError(f"a rack holds 1 to 32 workers, got {workers}")
+        if gateway is not None and not workers < gateway < AGG_HOST:
+            raise ValueError(f"gateway must be a host number of {subnet}.0/24 that no worker or aggregator "
+                             f"has ({workers + 1}..{AGG_HOST - 1}), got {gateway}")
         self.prefix = prefix
+        self.subnet = subnet
+        self.gateway = None if gateway is None else f"{subnet}.{gateway}"
         self.rate_mbit = rate_mbit
         self.mtu = mtu
         self.queue_bytes = queue_bytes
         self.tor = f"{prefix}-tor"
-        self.workers = [Host(f"{prefix}-w{i}", f"{SUBNET}.{i + 1}", "eth0", f"p{i}") for i in range(workers)]
-        self.aggregator = Host(f"{prefix}-agg", f"{SUBNET}.{AGG_HOST}", "eth0", "pagg") if aggregator else None
+        self.workers = [Host(f"{prefix}-w{i}", f"{subnet}.{i + 1}", "eth0", f"p{i}") for i in range(workers)]
+        self.aggregator = Host(f"{prefix}-agg", f"{subnet}.{AGG_HOST}", "eth0", "pagg") if aggregator else None
         self.bridge = bridge
         self._up = False
         self._procs: list[subprocess.Popen] = []
@@ -134,6 +166,8 @@ class Rack:
             sh("ip", "link", "set", f"tmp{i}", "name", h.dev, ns=h.name)
             sh("ip", "addr", "add", f"{h.ip}/24", "dev", h.dev, ns=h.name)
             sh("ip", "link", "set", h.dev, "up", ns=h.name)
+            if self.gateway:
+                sh("ip", "route", "add", "default", "via", self.gateway, "dev", h.dev, ns=h.name)
             if self.bridge:
                 sh("ip", "link", "set", h.port, "master", "br0", ns=self.tor)
             else:
@@ -156,11 +190,7 @@ class Rack:
                  f"{self.rate_mbit:g} Mbit/s" if self.rate_mbit else "unshaped")
 
     def _shape(self, ns: str, dev: str, rate_mbit: float) -> None:
-        # tbf: the rate, a burst of a few jumbo frames, and a queue deep
-        # enough for a window of in-flight packets (a switch port's buffer)
-        burst = max(64 * 1024, 4 * self.mtu)
-        sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst),
-           "limit", str(self.queue_bytes), ns=ns)
+        shape(ns, dev, rate_mbit, self.mtu, self.queue_bytes)
 
     def teardown(self, stale: bool = False) -> None:
         """Stop what runs in the rack and delete its namespaces."""
@@ -175,15 +205,7 @@ class Rack:
             return
         if stale and mine:
             log.info("removing namespaces left by an earlier run: %s", mine)
-        for n in mine:
-            pids = sh("ip", "netns", "pids", n, check=False).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-        for n in mine:
-            sh("ip", "netns", "del", n, check=False)
+        remove_namespaces(mine)
         self._up = False
         if not stale:
             try:

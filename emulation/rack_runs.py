@@ -42,7 +42,7 @@ def aggregator_address(rack: Rack) -> str:
     return f"udp://{rack.aggregator.ip}:{SWITCH_PORT}"
 
 
-def _collect(procs: list, timeout: float, what: str) -> list[dict]:
+def collect(procs: list, timeout: float, what: str) -> list[dict]:
     """The JSON line each worker printed last; any failure or a run past
     ``timeout`` kills them all and says which."""
     outs = []
@@ -88,7 +88,7 @@ def run_system(rack: Rack, system: str, nbytes: int, reps: int, address: str | N
                "--bytes", str(nbytes), "--reps", str(reps), "--master", f"{rack.workers[0].ip}:29500",
                "--job", job]
         procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = _collect(procs, timeout, f"{system} all-reduce")
+    outs = collect(procs, timeout, f"{system} all-reduce")
     after = rack.counters()
     if switch is not None and system == "aggnet":
         switch.remove(job)
@@ -119,7 +119,7 @@ def run_ddp_bench(rack: Rack, steps: int, width: int, systems: str = "gloo,aggne
                "--master", f"{rack.workers[0].ip}:29502", "--steps", str(steps), "--width", str(width),
                "--systems", systems]
         procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    got = [(rec["rank"], rec["parameters"], rec["times"]) for rec in _collect(procs, timeout, "DDP benchmark")]
+    got = [(rec["rank"], rec["parameters"], rec["times"]) for rec in collect(procs, timeout, "DDP benchmark")]
     names = [s.strip() for s in systems.split(",") if s.strip()]
     return summarize(got, names, steps, world, 8)
 

@@ -1,9 +1,11 @@
 """One worker of an emulated rack: ``python -m aggnet.emulation.worker``.
 
 Runs inside a worker's namespace, all-reduces a buffer through aggnet (the
-address in AGGNET_ADDRESS) or through torch.distributed gloo, and prints
-one JSON line: times per repetition, a checksum of the result, and the
-client's counters.
+address in AGGNET_ADDRESS, or its rack's aggregator in ``--topology``) or
+through torch.distributed gloo, and prints one JSON line: times per
+repetition, a checksum of the result, and the client's counters. With
+``--dtype int32`` every worker also rebuilds every rank's data and says
+whether the result is bit-identical to their sum.
 """
 
 from __future__ import annotations
@@ -17,9 +19,19 @@ import time
 import numpy as np
 
 
-def _data(rank: int, n: int) -> np.ndarray:
+def _data(rank: int, n: int, dtype: str = "float32") -> np.ndarray:
     rng = np.random.default_rng(rank)
+    if dtype == "int32":
+        # room for 1024 workers' sum in an int32
+        return rng.integers(-(1 << 20), 1 << 20, n, dtype=np.int32)
     return rng.standard_normal(n).astype(np.float32)
+
+
+def _expected(world: int, n: int) -> np.ndarray:
+    total = np.zeros(n, np.int64)
+    for r in range(world):
+        total += _data(r, n, "int32")
+    return total.astype(np.int32)
 
 
 def _barrier_aggnet(client) -> None:
@@ -35,21 +47,28 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--master", default="10.77.0.1:29500", help="gloo rendezvous (rank 0's address)")
     p.add_argument("--job", default="rack")
+    p.add_argument("--topology", default=None, help="aggnet: find this rank's rack aggregator in this file")
+    p.add_argument("--dtype", choices=["float32", "int32"], default="float32",
+                   help="int32: check the result bit for bit against the sum")
     args = p.parse_args(argv)
     n = args.bytes // 4
     times, sums = [], []
     stats = {}
+    exact = None
     if args.system == "aggnet":
         from aggnet import Client
 
-        with Client(job=args.job, rank=args.rank, world_size=args.world) as c:
+        where = ({"topology": args.topology} if args.topology else {"world_size": args.world})
+        with Client(job=args.job, rank=args.rank, **where) as c:
             for _ in range(args.reps):
-                x = _data(args.rank, n)
+                x = _data(args.rank, n, args.dtype)
                 _barrier_aggnet(c)
                 t0 = time.perf_counter()
                 c.allreduce(x).result(3600)
                 times.append(time.perf_counter() - t0)
                 sums.append(float(np.sum(x, dtype=np.float64)))
+                if args.dtype == "int32":
+                    exact = bool(np.array_equal(x, _expected(args.world, n))) and exact is not False
             stats = dict(c.stats.__dict__)
             for name in ("io", "elements", "slots"):  # the switch path's batching and packet size
                 if hasattr(c, name):
@@ -61,15 +80,17 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world)
         for _ in range(args.reps):
-            x = torch.from_numpy(_data(args.rank, n))
+            x = torch.from_numpy(_data(args.rank, n, args.dtype))
             dist.barrier()
             t0 = time.perf_counter()
             dist.all_reduce(x)
             times.append(time.perf_counter() - t0)
             sums.append(float(x.double().sum()))
+            if args.dtype == "int32":
+                exact = bool(np.array_equal(x.numpy(), _expected(args.world, n))) and exact is not False
         dist.destroy_process_group()
     print(json.dumps({"rank": args.rank, "times": times, "checksums": sums, "stats": stats,
-                      "pid": os.getpid()}), flush=True)
+                      "exact": exact, "pid": os.getpid()}), flush=True)
     return 0
 
 

@@ -1,0 +1,269 @@
+"""Racks under a spine in network namespaces: the multi-rack emulation.
+
+Each rack is an ``emulation.netns.Rack`` on a subnet of its own (workers,
+a Linux-bridge ToR, the aggregator host in switch mode). A spine namespace
+is cabled to every ToR by an uplink veth whose spine end holds the rack's
+gateway address: the spine routes between racks (so gloo's ring crosses
+racks through it, as a real fabric's would) and runs the root aggregator
+on an address of its own. Each uplink is shaped with tbf at the uplink
+rate in both directions, and its spine end's counters are the rack's
+cross-rack bytes.
+
+::
+
+    rack i:  w0..wN-1 ──┐ host_mbit
+             agg ───────┤ N x host_mbit          spine (router, root at 10.77.0.1)
+                        ToR (br0) ── uplink ═══ uplink_mbit both ways ═══ r<i>
+
+Namespaces are named from one prefix (``agf0-w1``, ``agf0-tor``,
+``agf-spine``); a crashed run's leftovers under the prefix are removed
+when the next one starts, and everything goes on exit, error, Ctrl-C and
+SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+from aggnet.address import parse
+from aggnet.hosts.process import ServiceProcess
+
+from .fabric_plan import GATEWAY_HOST, ROOT_IP, Names, Plan
+from .netns import EmulationError, Host, Rack, can_emulate, remove_namespaces, sh, shape
+
+log = logging.getLogger("aggnet.emulation")
+
+
+class Fabric:
+    """The plan built in namespaces; use as a context manager."""
+
+    def __init__(self, plan: Plan, *, prefix: str = "agf", queue_bytes: int = 4 << 20):
+        if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", prefix):
+            raise ValueError(f"prefix must be 1-8 lowercase letters and digits, starting with a letter; got {prefix!r}")
+        self.plan = plan
+        self.prefix = prefix
+        self.names = Names(prefix, "netns")
+        self.queue_bytes = queue_bytes
+        self.spine = self.names.spine()
+        self.racks: list[Rack] = []
+        self.aggregators: list[ServiceProcess] = []  #: rack aggregators, in rack order
+        self.root: ServiceProcess | None = None
+        self.topology_path: str | None = None
+        self._dir: str | None = None
+        self._old_term = None
+
+    # -- who is where -------------------------------------------------------------
+
+    @property
+    def workers(self) -> list[tuple[int, Rack, Host]]:
+        """(global rank, rack, host) of every worker, in rank order."""
+        return [(rp.first_rank + j, rack, h) for rp, rack in zip(self.plan.racks, self.racks)
+                for j, h in enumerate(rack.workers)]
+
+    def uplink(self, index: int) -> str:
+        """The spine end of rack ``index``'s uplink."""
+        return f"r{index}"
+
+    # -- build and tear down ------------------------------------------------------
+
+    def __enter__(self) -> "Fabric":
+        ok, why = can_emulate()
+        if not ok:
+            raise EmulationError(f"cannot emulate racks here: {why}")
+        self._remove_namespaces(stale=True)
+        self._old_term = signal.signal(signal.SIGTERM, self._on_term)
+        try:
+            self._build()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def _on_term(self, *_):
+        self.teardown()
+        raise SystemExit(143)
+
+    def _build(self) -> None:
+        p = self.plan
+        sh("ip", "netns", "add", self.spine)
+        sh("ip", "link", "set", "lo", "up", ns=self.spine)
+        sh("ip", "addr", "add", f"{ROOT_IP}/32", "dev", "lo", ns=self.spine)
+        sh("sysctl", "-qw", "net.ipv4.ip_forward=1", ns=self.spine)
+        for rp in p.racks:
+            # Rack.__enter__ also installs its own SIGTERM teardown; the
+            # fabric's (below) replaces it once every rack stands
+            rack = Rack(rp.workers, rate_mbit=p.host_mbit, mtu=p.mtu, prefix=f"{self.prefix}{rp.index}",
+                        queue_bytes=self.queue_bytes, subnet=rp.subnet, gateway=GATEWAY_HOST)
+            self.racks.append(rack)
+            rack.__enter__()
+            self._cable_uplink(rp.index, rack, rp.gateway_ip)
+        signal.signal(signal.SIGTERM, self._on_term)
+        self._dir = tempfile.mkdtemp(prefix=f"aggnet-{self.prefix}-")
+        self.topology_path = os.path.join(self._dir, "topology.toml")
+        with open(self.topology_path, "w") as f:
+            f.write(p.topology_toml(self.names))
+        log.info("fabric %s: %s, host links %s, uplinks %s, topology for the workers in %s", self.prefix, p.shape,
+                 _rate(p.host_mbit), _rate(p.uplink_mbit), self.topology_path)
+
+    def _cable_uplink(self, index: int, rack: Rack, gateway_ip: str) -> None:
+        """A veth from the ToR's bridge to the spine, whose end there is the
+        rack's gateway."""
+        spine_end = self.uplink(index)
+        sh("ip", "link", "add", "uplink", "mtu", str(self.plan.mtu), "type", "veth", "peer", "name", "tmpup", "mtu",
+           str(self.plan.mtu), ns=rack.tor)
+        sh("ip", "link", "set", "tmpup", "netns", self.spine, ns=rack.tor)
+        sh("ip", "link", "set", "tmpup", "name", spine_end, ns=self.spine)
+        sh("ip", "addr", "add", f"{gateway_ip}/24", "dev", spine_end, ns=self.spine)
+        sh("ip", "link", "set", spine_end, "up", ns=self.spine)
+        sh("ip", "link", "set", "uplink", "master", "br0", ns=rack.tor)
+        sh("ip", "link", "set", "uplink", "up", ns=rack.tor)
+        if self.plan.uplink_mbit:
+            shape(rack.tor, "uplink", self.plan.uplink_mbit, self.plan.mtu, self.queue_bytes)
+            shape(self.spine, spine_end, self.plan.uplink_mbit, self.plan.mtu, self.queue_bytes)
+
+    def start_aggregators(self, start_timeout: float = 60.0) -> None:
+        """The root on the spine (with two racks or more) and each rack's
+        aggregator host under it, started side by side."""
+        p = self.plan
+        # all at once: a rack asks its root only when a job arrives
+        wanted = [(rp.aggregator.address, rack.aggregator.name, p.serve_args(rp))
+                  for rp, rack in zip(p.racks, self.racks)]
+        if p.root is not None:
+            wanted.append((p.root.address, self.spine, p.serve_args(None)))
+        with ThreadPoolExecutor(len(wanted)) as pool:
+            futures = [pool.submit(ServiceProcess, address, prefix=["ip", "netns", "exec", ns], args=args,
+                                   start_timeout=start_timeout) for address, ns, args in wanted]
+        started = [f.result() for f in futures if f.exception() is None]
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        if failed:
+            _stop_all(started)
+            raise failed[0]
+        self.aggregators = started[:len(p.racks)]
+        self.root = started[len(p.racks)] if p.root is not None else None
+
+    def stop_aggregators(self) -> None:
+        _stop_all(self.aggregators + ([self.root] if self.root else []))
+        self.aggregators, self.root = [], None
+
+    def wait_reachable(self, timeout: float = 15.0) -> None:
+        """Every worker reaches its rack's aggregator, and the first worker
+        of every rack the first of every other (routes through the spine)."""
+        for rack in self.racks:
+            rack.wait_reachable(timeout)
+        if shutil.which("ping") is None or len(self.racks) < 2:
+            return
+        first = self.racks[0].workers[0]
+        for rack in self.racks[1:]:
+            r = sh("ping", "-c", "1", "-W", str(max(1, int(timeout))), rack.workers[0].ip, ns=first.name, check=False)
+            if r.returncode != 0:
+                raise EmulationError(f"{first.name} cannot reach {rack.workers[0].name} ({rack.workers[0].ip}) "
+                                     f"through the spine: {r.stdout.strip()} {r.stderr.strip()}")
+        if self.plan.root is not None:
+            for rack in self.racks:
+                r = sh("ping", "-c", "1", "-W", str(max(1, int(timeout))), ROOT_IP, ns=rack.aggregator.name,
+                       check=False)
+                if r.returncode != 0:
+                    raise EmulationError(f"{rack.aggregator.name} cannot reach the root at {ROOT_IP}: "
+                                         f"{r.stdout.strip()} {r.stderr.strip()}")
+
+    def teardown(self) -> None:
+        """Stop the aggregators and delete every namespace of the fabric
+        (and with them their veths, qdiscs and filter rules)."""
+        self.stop_aggregators()
+        for rack in self.racks:
+            rack.teardown()
+        self.racks = []
+        self._remove_namespaces(stale=False)
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = self.topology_path = None
+        if self._old_term is not None:
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(signal.SIGTERM, self._old_term)
+            self._old_term = None
+
+    def _remove_namespaces(self, stale: bool) -> None:
+        mine = re.compile(rf"{re.escape(self.prefix)}\d*-")
+        names = [n for n in sh("ip", "netns", "list", check=False).stdout.split() if mine.match(n)]
+        if names:
+            if stale:
+                log.info("removing namespaces left by an earlier run: %s", names)
+            remove_namespaces(names)
+
+    # -- measuring and impairing -------------------------------------------------------
+
+    def stats(self, rack: int | None = None) -> dict:
+        """The STATS of the root (None) or of rack ``rack``'s aggregator,
+        asked from the namespace it serves in (``aggnet stats``)."""
+        agg = self.root if rack is None else self.aggregators[rack]
+        if agg is None:
+            raise EmulationError("this fabric has no root: one rack reduces by itself")
+        ns = self.spine if rack is None else self.racks[rack].aggregator.name
+        r = sh(sys.executable, "-m", "aggnet", "stats", agg.address, ns=ns, timeout=60, check=False)
+        if r.returncode != 0:
+            raise EmulationError(f"aggnet stats {agg.address} failed in {ns}: {r.stderr.strip()[-1000:]}")
+        return json.loads(r.stdout)
+
+    def uplink_counters(self) -> list[dict[str, int]]:
+        """Bytes each rack's uplink carried so far: ``up`` (rack to spine)
+        and ``down``, read at the spine end."""
+        out = []
+        for i in range(len(self.racks)):
+            base = f"/sys/class/net/{self.uplink(i)}/statistics"
+            rx, tx = sh("cat", f"{base}/rx_bytes", f"{base}/tx_bytes", ns=self.spine).stdout.split()
+            out.append({"up": int(rx), "down": int(tx)})
+        return out
+
+    def impair(self, drop: float) -> None:
+        """Drop aggregation datagrams at random, both directions, on every
+        rack link (in the workers, as emulation.netns does for one rack)
+        and on every spine link (at the root, for what it receives and
+        sends)."""
+        if not drop:
+            return
+        kinds = {rp.aggregator.kind for rp in self.plan.racks}
+        if kinds != {"host-switch"}:
+            raise EmulationError(f"--drop drops the switch protocol's datagrams; this fabric's racks are "
+                                 f"{', '.join(sorted(kinds))} (TCP): use host-switch racks")
+        for rack, rp, agg in zip(self.racks, self.plan.racks, self.aggregators):
+            rack.impair(drop=drop, port=parse(rp.aggregator.address).port, ports=agg.shards)
+        if self.root is not None:
+            top = parse(self.plan.root.address).port
+            ports = f"{top}:{top + self.root.shards - 1}" if self.root.shards > 1 else str(top)
+            for chain, direction in (("INPUT", "--dport"), ("OUTPUT", "--sport")):
+                sh("iptables", "-A", chain, "-p", "udp", direction, ports, "-m", "statistic", "--mode", "random",
+                   "--probability", f"{drop:.6f}", "-j", "DROP", ns=self.spine)
+
+    def impairment_counts(self) -> dict[str, int]:
+        """Datagrams dropped on rack links and on spine links."""
+        racks = sum(rack.impairment_counts()["dropped"] for rack in self.racks)
+        spine = 0
+        out = sh("iptables", "-L", "-v", "-n", "-x", ns=self.spine, check=False).stdout
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) > 3 and parts[2] == "DROP":
+                spine += int(parts[0])
+        return {"rack_links": racks, "spine_links": spine}
+
+
+def _stop_all(processes: list[ServiceProcess]) -> None:
+    """Stop them side by side (each may wait out its grace period)."""
+    if processes:
+        with ThreadPoolExecutor(len(processes)) as pool:
+            list(pool.map(lambda proc: proc.stop(), processes))
+
+
+def _rate(mbit: float | None) -> str:
+    return f"{mbit:g} Mbit/s" if mbit else "unshaped"

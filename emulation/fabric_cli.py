@@ -1,0 +1,121 @@
+"""``aggnet emulate --topology FILE allreduce|bench|demo``: the racks of a
+topology file in network namespaces under a spine, something run across
+them, and everything torn down after."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+from aggnet.config import format_size, parse_size
+from aggnet.topology import TopologyError
+
+from . import fabric_runs
+from .fabric import Fabric
+from .fabric_plan import Plan, PlanError, plan
+from .netns import EmulationError
+
+DEFAULT_SIZE = "32MiB"
+#: what ``aggnet emulate`` can do across racks (bench-ddp and BMv2 are one-rack runs)
+WHATS = ("allreduce", "bench", "demo")
+
+
+def main(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s aggnet %(levelname)s %(message)s", stream=sys.stderr)
+    refused = _refused(args)
+    if refused:
+        print(f"aggnet emulate --topology: {refused}", file=sys.stderr)
+        return 2
+    try:
+        pl = plan(args.topology, racks=args.racks, workers=args.workers, host_mbit=args.rate,
+                  uplink_mbit=args.uplink_rate, mtu=args.mtu)
+    except (TopologyError, PlanError) as exc:
+        print(f"aggnet emulate: {exc}", file=sys.stderr)
+        return 2
+    nbytes = parse_size(args.size or DEFAULT_SIZE)
+    try:
+        with Fabric(pl, prefix=args.prefix) as fabric:
+            fabric.start_aggregators()
+            fabric.wait_reachable()
+            fabric.impair(args.drop)
+            if args.what == "demo":
+                more = ["--hidden", str(args.hidden)] if args.hidden else []
+                for line in fabric_runs.run_demo(fabric, args.epochs, args.codec, extra=more):
+                    print(line)
+                return 0
+            if args.what == "allreduce":
+                result = fabric_runs.run_system(fabric, "aggnet", nbytes, args.reps, dtype="int32")
+                drops = fabric.impairment_counts() if args.drop else None
+                return _report_allreduce(pl, nbytes, args.reps, result, drops)
+            results = [fabric_runs.run_system(fabric, s, nbytes, args.reps) for s in ("aggnet", "gloo")]
+            drops = fabric.impairment_counts() if args.drop else None
+    except EmulationError as exc:
+        print(f"aggnet emulate: {exc}", file=sys.stderr)
+        return 1
+    _report_bench(args, pl, nbytes, results, drops)
+    return 0
+
+
+def _refused(args) -> str | None:
+    if args.what not in WHATS:
+        return f"{args.what} runs in one rack; across racks: {', '.join(WHATS)}"
+    if args.switch != "host":
+        return ("--switch bmv2 puts BMv2 in one rack's ToR; a topology file says each rack's kind, and P4 racks "
+                "under a root are not emulated yet")
+    if args.duplicate:
+        return "--duplicate is a one-rack impairment; across racks use --drop"
+    if args.shards is not None or args.elements is not None:
+        return "--shards and --elements come from the topology file (shards, elements of each aggregator)"
+    return None
+
+
+def _links(pl: Plan) -> str:
+    host = f"{pl.host_mbit:g} Mbit/s" if pl.host_mbit else "unshaped"
+    up = f"{pl.uplink_mbit:g} Mbit/s each way" if pl.uplink_mbit else "unshaped"
+    return f"host links {host}, uplinks {up}, MTU {pl.mtu}"
+
+
+def _drops(drops: dict | None) -> str:
+    if drops is None:
+        return ""
+    return f"; datagrams dropped: {drops['rack_links']} on rack links, {drops['spine_links']} on spine links"
+
+
+def _report_allreduce(pl: Plan, nbytes: int, reps: int, r: dict, drops: dict | None) -> int:
+    print(f"fabric: {pl.shape} under {'a root' if pl.root else 'no root (one rack)'}, {_links(pl)}")
+    rs = len(pl.racks) * nbytes
+    retrans = sum(s.get("retransmissions", 0) for s in r["client_stats"])
+    print(f"{format_size(nbytes)} int32 all-reduce x {reps}: median {r['median_s']:.3f} s, cross-rack "
+          f"{r['cross_rack_bytes']['up'] / max(rs, 1):.3f} x R*S up, {r['cross_rack_bytes']['down'] / max(rs, 1):.3f} "
+          f"down, {retrans} retransmissions{_drops(drops)}")
+    exact = all(r["exact"])
+    print(f"every worker holds the exact int32 sum: {'yes' if exact else 'NO'}")
+    return 0 if exact else 1
+
+
+def _report_bench(args, pl: Plan, nbytes: int, results: list[dict], drops: dict | None) -> None:
+    racks = len(pl.racks)
+    rs = racks * nbytes
+    print(f"fabric: {pl.shape}, {_links(pl)}; {format_size(nbytes)} float32 all-reduce, "
+          f"{args.reps} repetition(s){_drops(drops)}")
+    print(f"{'system':>7} {'median s':>9} {'cross-rack up':>14} {'down':>11} {'up/(R*S)':>9} {'down/(R*S)':>10}")
+    for r in results:
+        up, down = r["cross_rack_bytes"]["up"], r["cross_rack_bytes"]["down"]
+        print(f"{r['system']:>7} {r['median_s']:9.3f} {up / 2**20:11.1f}MiB {down / 2**20:8.1f}MiB "
+              f"{up / max(rs, 1):9.3f} {down / max(rs, 1):10.3f}")
+    a, g = results
+    print(f"aggnet time / gloo time = {a['median_s'] / g['median_s']:.3f}; aggnet sends each rack's partial up "
+          f"and its result down once (R*S each way), gloo's ring crosses racks R times with 2S(N-1)/N")
+    same = all(len({tuple(c) for c in r["checksums"]}) == 1 for r in results)
+    print(f"every worker holds the same result: {'yes' if same else 'NO'}; sum of the result: aggnet "
+          f"{a['checksums'][0][0]:.6g}, gloo {g['checksums'][0][0]:.6g}")
+    if args.json:
+        sizes = [r.workers for r in pl.racks]
+        with open(args.json, "w") as f:
+            json.dump({"racks": racks, "workers": sizes[0] if len(set(sizes)) == 1 else sizes, "world": pl.world,
+                       "bytes": nbytes, "host_mbit": pl.host_mbit, "uplink_mbit": pl.uplink_mbit, "mtu": pl.mtu,
+                       "topology": pl.source, "time": time.strftime("%FT%T"), "drops": drops,
+                       "records": [{k: v for k, v in r.items() if k not in ("client_stats", "exact")}
+                                   for r in results]}, f, indent=1)

@@ -1,0 +1,88 @@
+"""What runs across emulated racks: all-reduces through the rack
+aggregators and the root beside gloo's ring over the same fabric, and the
+DDP demo. ``aggnet emulate --topology FILE ...`` calls these.
+
+Workers are the one-rack emulation's (``aggnet.emulation.worker``,
+``aggnet.demo``), one per namespace; aggnet's find their rack's aggregator
+in the topology file the fabric wrote, gloo's meet at rank 0 and reach
+other racks through the spine.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import uuid
+
+from .fabric import Fabric
+from .netns import EmulationError
+from .rack_runs import collect
+
+GLOO_PORT = 29500
+DEMO_PORT = 29501
+
+
+def _env(extra: dict | None = None) -> dict:
+    # AGGNET_ADDRESS from the caller's shell would override the topology
+    return {"AGGNET_ADDRESS": "", "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1", **(extra or {})}
+
+
+def run_system(fabric: Fabric, system: str, nbytes: int, reps: int = 1, *, dtype: str = "float32",
+               timeout: float = 1800) -> dict:
+    """One all-reduce system on every worker of every rack; the time per
+    repetition (slowest worker), each worker's checksums (and, for int32,
+    whether its result is the exact sum) and the bytes every rack's uplink
+    moved per all-reduce, each way."""
+    workers = fabric.workers
+    world = len(workers)
+    master = f"{workers[0][2].ip}:{GLOO_PORT}"
+    job = f"fabric-{uuid.uuid4().hex[:8]}"
+    env = _env({"AGGNET_TIMEOUT": "120"})
+    before = fabric.uplink_counters()
+    procs = []
+    for rank, rack, h in workers:
+        cmd = [sys.executable, "-m", "aggnet.emulation.worker", system, "--rank", str(rank), "--world", str(world),
+               "--bytes", str(nbytes), "--reps", str(reps), "--master", master, "--job", job, "--dtype", dtype]
+        if system == "aggnet":
+            cmd += ["--topology", fabric.topology_path]
+        procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = collect(procs, timeout, f"{system} all-reduce across racks")
+    after = fabric.uplink_counters()
+    times = [max(o["times"][i] for o in outs) for i in range(reps)]
+    uplinks = [{k: (a[k] - b[k]) / reps for k in a} for a, b in zip(after, before)]
+    return {"system": system, "racks": len(fabric.racks), "workers": world, "bytes": nbytes, "times": times,
+            "median_s": statistics.median(times), "checksums": [o["checksums"] for o in outs],
+            "exact": [o["exact"] for o in outs], "uplinks": uplinks,
+            "cross_rack_bytes": {"up": sum(u["up"] for u in uplinks), "down": sum(u["down"] for u in uplinks)},
+            "client_stats": [o["stats"] for o in outs]}
+
+
+def run_demo(fabric: Fabric, epochs: int, codec: str, timeout: float = 1800, extra: list[str] = ()) -> list[str]:
+    """The DDP demo, one worker per namespace across the racks (torchrun's
+    environment, gloo rendezvous at rank 0, the aggnet hook placed by the
+    topology file); returns rank 0's output lines."""
+    workers = fabric.workers
+    world = len(workers)
+    procs = []
+    for rank, rack, h in workers:
+        env = _env({"AGGNET_TOPOLOGY": fabric.topology_path, "AGGNET_TIMEOUT": "300", "RANK": str(rank),
+                    "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": "1",
+                    "MASTER_ADDR": workers[0][2].ip, "MASTER_PORT": str(DEMO_PORT)})
+        cmd = [sys.executable, "-m", "aggnet.demo", "--epochs", str(epochs), "--codec", codec, *extra]
+        procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    for rank, p in enumerate(procs):
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise EmulationError(f"the DDP demo across the racks did not finish within {timeout:g}s; rerun with "
+                                 f"fewer --epochs or a larger timeout") from None
+        if p.returncode != 0:
+            for q in procs:
+                q.kill()
+            raise EmulationError(f"DDP demo worker of rank {rank} failed ({p.returncode}):\n{out[-3000:]}")
+        outputs.append(out)
+    return outputs[0].splitlines()
