@@ -4,12 +4,21 @@ Public API:
 
 * :class:`Client` -- a worker's all-reduce through an aggregator service;
 * :class:`ClientConfig` -- its settings (``ClientConfig.from_env()``);
+* :func:`load_topology` -- racks, their aggregators and the root, from a
+  topology file (:class:`Topology`; mistakes raise :class:`TopologyError`);
+* :class:`SparseClient` -- sparse tables on the aggregator service (a
+  parameter server: push and pull rows, optimizers on the service);
 * the errors a caller can meet (:mod:`aggnet.errors`);
-* ``aggnet.torch`` -- the PyTorch DDP communication hook (needs torch).
+* ``aggnet.torch`` -- the PyTorch pieces (needs torch): the DDP
+  communication hook, the ``"aggnet"`` torch.distributed backend and
+  ``ShardedEmbedding``.
 """
 
 from .client import Client, ClientStats
 from .config import ClientConfig
+from .sparse_client import SparseClient
+from .topology import Topology, TopologyError
+from .topology import load as load_topology
 from .errors import (
     AggnetError,
     AggregationError,
@@ -33,4 +42,8 @@ __all__ = [
     "ClientStats",
     "JobMismatch",
     "NonFiniteError",
+    "SparseClient",
+    "Topology",
+    "TopologyError",
+    "load_topology",
 ]

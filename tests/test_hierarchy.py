@@ -142,8 +142,10 @@ class Racks:
             p.stop()
 
 
-@pytest.fixture(params=["service", "host-switch"])
+@pytest.fixture(scope="module", params=["service", "host-switch"])
 def racks(request):
+    """One root and two racks per kind for the module: every test runs a
+    job of its own on them, as jobs share a deployment."""
     r = Racks(request.param)
     yield r
     r.stop()
