@@ -73,6 +73,13 @@ class AggnetState:
     * ``topology``: a topology file of racks (:mod:`aggnet.topology`; None:
       ``AGGNET_TOPOLOGY`` when no address is set): each rank all-reduces
       through its rack's aggregator, and the racks through the root.
+    * ``alpha_threshold`` / ``alpha_steps``: routing by α
+      (:mod:`aggnet.torch.routing`): a dense bucket's 2-D parameter whose
+      fraction of non-zero gradient rows, measured over the first
+      ``alpha_steps`` steps, is below ``alpha_threshold`` travels as rows
+      through a sparse table (an ``nn.Embedding`` without ``sparse=True``);
+      None: every dense bucket all-reduced whole. ``stats()["routes"]``
+      says what each bucket does.
     """
 
     def __init__(
@@ -89,6 +96,8 @@ class AggnetState:
         on_nonfinite: str = "raise",
         config: ClientConfig | None = None,
         topology=None,
+        alpha_threshold: float | None = 0.1,
+        alpha_steps: int = 3,
     ):
         if codec not in _CODECS:
             raise ValueError(f"codec must be one of {list(_CODECS)}, got {codec!r}")
@@ -99,6 +108,13 @@ class AggnetState:
         if sparse not in ("aggnet", "torch"):
             raise ValueError(f"sparse must be 'aggnet' or 'torch', got {sparse!r}")
         self.sparse = sparse
+        if alpha_threshold is not None and not 0 < alpha_threshold <= 1:
+            raise ValueError(f"alpha_threshold must be in (0, 1] (or None: no routing by α), got {alpha_threshold!r}")
+        if not isinstance(alpha_steps, int) or alpha_steps < 1:
+            raise ValueError(f"alpha_steps must be an integer >= 1, got {alpha_steps!r}")
+        self.alpha_threshold, self.alpha_steps = alpha_threshold, alpha_steps
+        self.routes: dict = {}  #: bucket index -> routing.RouteStats
+        self._route_buckets: dict = {}
         if on_nonfinite not in _ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {_ON_NONFINITE}, got {on_nonfinite!r}")
         if job is not None and (not isinstance(job, str) or not job):
@@ -159,7 +175,9 @@ class AggnetState:
             return self._client
 
     def stats(self) -> dict:
-        """Totals over every bucket: calls, elements, wire bytes, seconds."""
+        """Totals over every bucket: calls, elements, wire bytes, seconds;
+        per bucket, and under ``routes`` how each dense bucket travels
+        (rows or dense, with its measured α)."""
         total = BucketStats()
         for b in self.buckets.values():
             total.calls += b.calls
@@ -167,7 +185,7 @@ class AggnetState:
             total.wire_bytes += b.wire_bytes
             total.chunks += b.chunks
             total.seconds += b.seconds
-        return {"total": total, "buckets": dict(self.buckets)}
+        return {"total": total, "buckets": dict(self.buckets), "routes": dict(self.routes)}
 
     def close(self) -> None:
         with self._lock:
@@ -207,6 +225,12 @@ def allreduce_hook(state: AggnetState, bucket: dist.GradBucket) -> torch.futures
     buf = bucket.buffer()
     if buf.is_sparse:
         return _sparse_allreduce(state, buf)
+    if state.alpha_threshold is not None:
+        from . import routing
+
+        fut = routing.route(state, bucket.index(), buf, bucket)
+        if fut is not None:
+            return fut
     return _dense_allreduce(state, bucket.index(), buf, bucket)
 
 

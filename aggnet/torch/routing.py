@@ -1,0 +1,229 @@
+"""Routing by α: a dense bucket whose 2-D gradients are mostly zero rows
+travels as rows.
+
+An ``nn.Embedding`` without ``sparse=True`` gets a dense gradient that is
+zero except at the rows of the batch. Parallax sends such variables to a
+parameter server when the fraction α of rows a worker touches is small,
+and all-reduces them otherwise. Here, for each dense float32 bucket:
+
+* over its first ``alpha_steps`` calls the bucket goes dense while each
+  rank measures, per 2-D parameter of the bucket, the fraction of its
+  gradient rows that are non-zero;
+* then every rank all-reduces a tiny vector holding its own mean α per
+  parameter in its own slot, so each rank sees every rank's α and takes
+  the same MAX: the decision is identical everywhere, and logged once;
+* a parameter whose α is below ``alpha_threshold`` travels from then on as
+  its non-zero rows through a sparse table in all-reduce mode (the table
+  returns the union of every worker's rows, summed or averaged), scattered
+  back into the dense bucket with zeros elsewhere; the rest of the bucket
+  is all-reduced dense through aggnet as one buffer.
+
+The result is the dense all-reduce's: rows that are zero on every worker
+are zero in the sum. The rest of a rows-routed bucket travels in float32
+(the rows do, too), with one extra element counting non-finite values so
+that every rank learns when some rank's gradients were not finite.
+If DDP rebuilds its buckets (after the first step) a bucket whose
+parameters changed is measured again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import AggnetError, NonFiniteError
+
+log = logging.getLogger("aggnet.torch")
+
+#: keys of the α agreement all-reduces, clear of DDP bucket indices
+_AGREE_KEY = 1 << 20
+
+
+@dataclass
+class RouteStats:
+    """How a bucket travels: ``route`` is "measuring", "rows" or "dense";
+    ``alpha`` the bucket's agreed α (non-zero rows over rows of its 2-D
+    parameters, the MAX over ranks of each one's mean over the measured
+    steps); ``params`` per 2-D parameter: shape, α, route; ``why`` when a
+    bucket cannot travel as rows at all."""
+    route: str = "measuring"
+    alpha: float | None = None
+    params: list = field(default_factory=list)
+    why: str | None = None
+
+
+class _Bucket:
+    def __init__(self, signature):
+        self.signature = signature
+        self.seen = 0
+        self.local = np.zeros(len(signature), np.float64)
+        self.rows: list[bool] | None = None  # per 2-D parameter, once agreed
+
+
+def _nonzero_rows(g: torch.Tensor) -> torch.Tensor:
+    return (g != 0).any(dim=1)
+
+
+def _views(buf: torch.Tensor, bucket) -> list[tuple[int, torch.Tensor]]:
+    """(offset in ``buf``, 2-D gradient view) of the bucket's 2-D parameters."""
+    base, size = buf.data_ptr(), buf.element_size()
+    out = []
+    for g in bucket.gradients():
+        if g.dim() == 2 and g.is_contiguous() and g.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+            out.append(((g.data_ptr() - base) // size, g))
+    return out
+
+
+def route(state, index: int, buf: torch.Tensor, bucket):
+    """A future of the bucket's all-reduce when it travels as rows; None
+    when the caller's dense path takes it (measuring, or decided dense)."""
+    if buf.dtype != torch.float32 or buf.device.type != "cpu":
+        return None
+    views = _views(buf, bucket)
+    stats = state.routes.setdefault(index, RouteStats())
+    if not views:
+        stats.route, stats.why = "dense", "no 2-D parameters"
+        return None
+    signature = tuple((off, tuple(g.shape)) for off, g in views)
+    rb = state._route_buckets.get(index)
+    if rb is None or rb.signature != signature:  # new, or DDP rebuilt its buckets
+        rb = state._route_buckets[index] = _Bucket(signature)
+        state.routes[index] = stats = RouteStats()
+    if rb.rows is None:
+        rb.local += [float(_nonzero_rows(g).float().mean()) for _, g in views]
+        rb.seen += 1
+        if rb.seen >= state.alpha_steps:
+            _agree(state, index, rb, views, stats)
+        return None
+    if not any(rb.rows):
+        return None
+    return _rows_allreduce(state, index, buf, views, rb)
+
+
+def _agree(state, index: int, rb: _Bucket, views, stats: RouteStats) -> None:
+    """Every rank's α per parameter, MAX over ranks: one decision for all."""
+    from . import sparse
+
+    n, world = len(views), state.world_size
+    vec = np.zeros(world * n, np.float32)
+    vec[state.rank * n:(state.rank + 1) * n] = rb.local / rb.seen
+    timeout = state.config.timeout + 5
+    state.client.allreduce(vec, op="sum", codec=None, key=_AGREE_KEY + index).result(timeout)
+    alphas = vec.reshape(world, n).max(axis=0)
+    rows = [int(g.shape[0]) for _, g in views]
+    rb.rows = [bool(a < state.alpha_threshold) for a in alphas]
+    if any(rb.rows):
+        try:
+            sparse._client_of(state)
+        except ValueError as exc:  # a switch, or a hierarchy of racks: the same on every rank
+            rb.rows = [False] * n
+            stats.why = str(exc)
+    stats.alpha = float(np.dot(alphas, rows) / sum(rows))
+    stats.route = "rows" if any(rb.rows) else "dense"
+    stats.params = [{"shape": tuple(g.shape), "alpha": float(a), "route": "rows" if r else "dense"}
+                    for (_, g), a, r in zip(views, alphas, rb.rows)]
+    log.info("aggnet DDP hook: bucket %d travels %s (alpha %.4g over %d step(s), threshold %g; per 2-D parameter: "
+             "%s)%s", index, stats.route, stats.alpha, rb.seen, state.alpha_threshold,
+             ", ".join(f"{p['shape']} {p['alpha']:.4g} {p['route']}" for p in stats.params),
+             f"; {stats.why}" if stats.why else "")
+
+
+def _rows_allreduce(state, index: int, buf: torch.Tensor, views, rb: _Bucket) -> torch.futures.Future:
+    from . import sparse
+    from .hook import BucketStats
+
+    t0 = time.perf_counter()
+    sc = sparse._client_of(state)
+    routed = sorted((off, g) for (off, g), r in zip(views, rb.rows) if r)
+    # the rest of the bucket: the gaps between the routed parameters
+    segments, pos = [], 0
+    for off, g in routed:
+        if off > pos:
+            segments.append((pos, off))
+        pos = off + g.numel()
+    if pos < buf.numel():
+        segments.append((pos, buf.numel()))
+    flat = buf.detach()
+    finite = bool(torch.isfinite(flat).all())  # the tables refuse NaN/Inf rows: never send them
+    rest = np.empty(sum(b - a for a, b in segments) + 1, np.float32)
+    at = 0
+    for a, b in segments:
+        rest[at:at + b - a] = flat[a:b].numpy()
+        at += b - a
+    rest[-1] = 0.0 if finite else 1.0  # every rank learns whether some rank's bucket was not finite
+    if not finite:
+        rest[:-1] = 0.0
+    futures, sent = [], rest.nbytes
+    for off, g in routed:
+        rows, width = int(g.shape[0]), int(g.shape[1])
+        name = f"ddp-rows-{index}-{off}-{rows}x{width}-{state.op}"
+        table = state._sparse_tables.get(name)
+        if table is None:
+            table = state._sparse_tables[name] = sc.table(name, rows, width, mode="allreduce", op=state.op)
+        if finite:
+            idx = _nonzero_rows(g).nonzero().reshape(-1)
+            vals = g.detach()[idx].numpy()
+            idx = idx.numpy()
+        else:  # still take part in the round, with nothing
+            idx, vals = np.empty(0, np.int64), np.empty((0, width), np.float32)
+        sent += idx.size * (8 + 4 * width)
+        futures.append(table.allreduce(idx, vals))
+    futures.append(state.client.allreduce(rest, op=state.op, codec=None, key=index))
+    stats = state.buckets.setdefault(index, BucketStats())
+    out: torch.futures.Future = torch.futures.Future()
+    failure: list[BaseException] = []
+    pending = [len(futures)]
+
+    def finish() -> None:
+        timeout = state.config.timeout + 5
+        try:
+            try:
+                results = [f.result(timeout) for f in futures]
+            except AggnetError as exc:
+                raise type(exc)(f"aggnet DDP hook, bucket {index} (as rows) on rank {state.rank}: {exc}") from None
+            if results[-1][-1] != 0:
+                if state.check_finite and state.on_nonfinite == "raise":
+                    whose = (f"rank {state.rank}'s gradients" if not finite else
+                             "another rank's gradients (that rank's error names it)")
+                    raise NonFiniteError(f"aggnet DDP hook: bucket {index} holds NaN/Inf: {whose} were not finite; "
+                                         f"check the loss and inputs, or use AggnetState(on_nonfinite='propagate') "
+                                         f"with AMP's GradScaler")
+                buf.fill_(float("nan"))
+            else:
+                for (off, g), (idx, vals) in zip(routed, results[:-1]):
+                    g.zero_()
+                    if idx.size:
+                        g[torch.from_numpy(idx)] = torch.from_numpy(vals)
+                got, at = results[-1], 0
+                for a, b in segments:
+                    flat[a:b].copy_(torch.from_numpy(got[at:at + b - a]))
+                    at += b - a
+            stats.calls += 1
+            stats.elements += buf.numel()
+            stats.wire_bytes += sent
+            stats.seconds += time.perf_counter() - t0
+        except Exception as exc:  # the future must always complete
+            failure.append(exc)
+        out.set_result(buf)
+
+    def done(_f) -> None:
+        with state._lock:
+            pending[0] -= 1
+            last = pending[0] == 0
+        if last:
+            finish()
+
+    for f in futures:
+        f.add_done_callback(done)
+
+    def unwrap(f):
+        # DDP reads the value in C++: an error must be raised in a callback
+        if failure:
+            raise failure[0]
+        return f.value()
+
+    return out.then(unwrap)
