@@ -392,3 +392,23 @@ def test_a_restarted_root_shard_takes_the_racks_back_and_the_job_goes_on():
             if c is not None:
                 c.close()
         r.stop()
+
+
+def test_sparse_buckets_through_racks_keep_torch_distributed_and_train_like_one_process():
+    """Sparse tables need one service every worker reaches; through racks
+    the hook's sparse buckets take torch.distributed's path instead of
+    failing, and the dense ones still go through the racks."""
+    pytest.importorskip("torch", reason="DDP needs PyTorch (pip install aggnet[torch])")
+    import ddp_workers as W
+    from test_torch_hook import STEPS, free_port, rel_diff
+
+    r = Racks("service", per_rack=1)
+    try:
+        results = run_workers("spawn://", 2, W.ddp_run, 2, free_port(), "aggnet",
+                              {"topology": r.topology, "sparse": True}, timeout=240, start_method="spawn")
+        reference = W.single_process(2, STEPS, sparse=True)
+        for res in results:
+            assert res["calls"] == [STEPS]
+            assert rel_diff(res["params"][0], reference) <= 1e-6
+    finally:
+        r.stop()

@@ -307,7 +307,7 @@ def _sparse_allreduce(state: AggnetState, buf: torch.Tensor) -> torch.futures.Fu
     the DDP process group."""
     from . import sparse
 
-    if state.sparse == "aggnet" and sparse.supports(buf):
+    if state.sparse == "aggnet" and sparse.supports(buf) and sparse.tables_reachable(state):
         return sparse.sparse_allreduce(state, buf)
     world = state.world_size
 

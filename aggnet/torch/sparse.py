@@ -18,6 +18,7 @@ Two ways in (docs/torch.md, "Sparse parameters", says when to use which):
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import numpy as np
@@ -27,6 +28,8 @@ import torch.nn.functional as F
 
 from ..sparse_client import SparseClient, SparseTable
 
+log = logging.getLogger("aggnet.torch")
+
 __all__ = ["ShardedEmbedding", "sparse_allreduce"]
 
 
@@ -35,6 +38,20 @@ def supports(buf: torch.Tensor) -> bool:
     indexed by one sparse dimension (an embedding's gradient). Others keep
     torch.distributed's sparse all-reduce."""
     return buf.dtype == torch.float32 and buf.sparse_dim() == 1 and buf.device.type == "cpu"
+
+
+def tables_reachable(state) -> bool:
+    """Whether the hook's aggregator can hold sparse tables: a service that
+    every worker reaches. Over a switch, or through the racks of a topology,
+    sparse buckets keep torch.distributed's path (said once in the log)."""
+    client = state.client
+    if isinstance(getattr(client, "shards", None), list) and client.members == client.world_size:
+        return True
+    if not getattr(state, "_sparse_fallback_said", False):
+        state._sparse_fallback_said = True
+        log.info("aggnet DDP hook, rank %d: sparse buckets go through torch.distributed: %s holds no sparse "
+                 "tables every worker reaches (a switch, or racks of a topology)", state.rank, client.address)
+    return False
 
 
 def _client_of(state) -> SparseClient:
