@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import socket
 import threading
 import time
 import tempfile
@@ -17,6 +18,13 @@ from aggnet import Client
 from aggnet.errors import AggregationTimeout
 from aggnet.hosts import service as service_mod
 from aggnet.hosts.process import ServiceProcess
+
+
+def free_port() -> int:
+    """A TCP port nobody holds now (a torch.distributed rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class WorkerFailed(AssertionError):

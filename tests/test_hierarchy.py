@@ -25,7 +25,7 @@ from aggnet.errors import AggregationError
 from aggnet.hosts.process import ServiceProcess
 from aggnet.address import parse
 from aggnet.protocol import SWITCH_PORT
-from helpers import run_workers
+from helpers import free_port, run_workers
 
 N = 300_003  # not a multiple of any chunk or packet size
 
@@ -326,7 +326,7 @@ def test_ddp_through_two_racks_trains_like_one_process():
     a service root) computes what one process computes on the global batch."""
     pytest.importorskip("torch", reason="DDP needs PyTorch (pip install aggnet[torch])")
     import ddp_workers as W
-    from test_torch_hook import STEPS, free_port, rel_diff
+    from test_torch_hook import STEPS, rel_diff
 
     r = Racks("service", per_rack=2)
     try:
@@ -400,7 +400,7 @@ def test_sparse_buckets_through_racks_keep_torch_distributed_and_train_like_one_
     failing, and the dense ones still go through the racks."""
     pytest.importorskip("torch", reason="DDP needs PyTorch (pip install aggnet[torch])")
     import ddp_workers as W
-    from test_torch_hook import STEPS, free_port, rel_diff
+    from test_torch_hook import STEPS, rel_diff
 
     r = Racks("service", per_rack=1)
     try:

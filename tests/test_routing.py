@@ -5,7 +5,6 @@ global batch and the dense route, and a bucket of high α stays dense."""
 
 from __future__ import annotations
 
-import socket
 
 import numpy as np
 import pytest
@@ -13,16 +12,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="the DDP hook needs PyTorch (pip install aggnet[torch])")
 
 import routing_workers as W  # noqa: E402
-from helpers import RunningService, run_workers  # noqa: E402
+from helpers import RunningService, free_port, run_workers  # noqa: E402
 
 STEPS = 20
 SMALL_ALPHA, LARGE_ALPHA = 400, 12  # vocabularies: α ≤ 24/400 per rank, and α near 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ and refusals that change nothing."""
 
 from __future__ import annotations
 
-import socket
 
 import numpy as np
 import pytest
@@ -15,15 +14,9 @@ from aggnet.errors import AggregationError
 from aggnet.hosts.process import ServiceProcess
 from aggnet.sparse_client import SparseClient
 from aggnet.wire import MsgType
-from helpers import RunningService, run_workers
+from helpers import RunningService, free_port, run_workers
 
 STEPS = 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

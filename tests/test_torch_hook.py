@@ -4,7 +4,6 @@ definition of correct synchronous data parallelism)."""
 
 from __future__ import annotations
 
-import socket
 
 import numpy as np
 import pytest
@@ -13,15 +12,9 @@ torch = pytest.importorskip("torch", reason="the DDP hook needs PyTorch (pip ins
 
 import ddp_workers as W  # noqa: E402
 from aggnet import Client  # noqa: E402
-from helpers import RunningService, run_workers  # noqa: E402
+from helpers import RunningService, free_port, run_workers  # noqa: E402
 
 STEPS = 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
