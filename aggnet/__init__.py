@@ -8,6 +8,8 @@ Public API:
   topology file (:class:`Topology`; mistakes raise :class:`TopologyError`);
 * :class:`SparseClient` -- sparse tables on the aggregator service (a
   parameter server: push and pull rows, optimizers on the service);
+  :class:`HostGroup` -- the workers of one host, which combine their rows
+  before the network;
 * the errors a caller can meet (:mod:`aggnet.errors`);
 * ``aggnet.torch`` -- the PyTorch pieces (needs torch): the DDP
   communication hook, the ``"aggnet"`` torch.distributed backend and
@@ -16,6 +18,7 @@ Public API:
 
 from .client import Client, ClientStats
 from .config import ClientConfig
+from .host_group import HostGroup
 from .sparse_client import SparseClient
 from .topology import Topology, TopologyError
 from .topology import load as load_topology
@@ -40,6 +43,7 @@ __all__ = [
     "ClientClosed",
     "ClientConfig",
     "ClientStats",
+    "HostGroup",
     "JobMismatch",
     "NonFiniteError",
     "SparseClient",

@@ -139,6 +139,11 @@ TABLE = (
         Field("seed", "int", 0, (1 << 63) - 1, default=0),
     )),
     Field("close", "int", 0, 1, default=0),
+    # workers of one host combine their rows before the network: then only
+    # ``pushers`` ranks push each round, and ``pusher`` says whether this
+    # rank is one of them (aggnet/host_group.py)
+    Field("pushers", "int", 1, 1 << 20),
+    Field("pusher", "int", 0, 1, default=1),
     AUTH,
 )
 

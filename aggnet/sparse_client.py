@@ -35,6 +35,7 @@ import numpy as np
 
 from . import keys, sparse_layout, wire
 from .errors import AggregationError, AggregationTimeout, AggregatorUnreachable, ClientClosed, JobMismatch
+from .host_group import HostGroup, LocalChannel, channel_path
 from .transport import TransportError, connect
 from .wire import DType, Flag, Header, MsgType
 
@@ -52,7 +53,8 @@ class SparseClient:
     """One worker's connection to the sparse tables of a service."""
 
     def __init__(self, shards: list[str], *, job: str, rank: int, world_size: int, timeout: float = 60.0,
-                 connect_timeout: float = 30.0, key: bytes | None = None, transport_options: dict | None = None):
+                 connect_timeout: float = 30.0, key: bytes | None = None, transport_options: dict | None = None,
+                 host_group: HostGroup | str | None = "env"):
         if not shards:
             raise ValueError("a sparse client needs the service's shard addresses (its HELLO reply lists them)")
         if not 0 <= rank < world_size:
@@ -65,16 +67,33 @@ class SparseClient:
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self._key = key
+        if host_group == "env":
+            host_group = HostGroup.from_env(rank, world_size)
+        if host_group is not None:
+            if not isinstance(host_group, HostGroup):
+                raise TypeError(f"host_group must be a HostGroup, None or 'env', got {host_group!r}")
+            if host_group.rank() != rank or host_group.nodes * host_group.local_size != world_size:
+                raise ValueError(f"{host_group} numbers rank {host_group.rank()} of "
+                                 f"{host_group.nodes * host_group.local_size}, but this is rank {rank} of "
+                                 f"{world_size}: ranks must go host by host (node * local_size + local_rank)")
+            if host_group.local_size == 1:
+                host_group = None
+        #: the workers of this host that combine their rows (None: every
+        #: worker pushes its own)
+        self.host_group: HostGroup | None = host_group
+        self._channel: LocalChannel | None = None
         self._conn = connect(self.shards, **(transport_options or {}))
         self._exec = ThreadPoolExecutor(1, thread_name_prefix=f"aggnet-sparse-{job}-{rank}")
         self._closed = False
         self.tables: dict[str, SparseTable] = {}
-        #: bytes of row payloads sent and received (what the PS path moves)
+        #: bytes of row payloads sent and received (what the PS path moves
+        #: over the network), and handed between workers of this host
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.counters: dict[str, int] = {}
 
     @classmethod
-    def of(cls, client) -> "SparseClient":
+    def of(cls, client, host_group: HostGroup | str | None = "env") -> "SparseClient":
         """The sparse client beside a connected :class:`aggnet.Client`: the
         same service (its embedded default too), job, rank and settings."""
         shards = getattr(client, "shards", None)
@@ -88,7 +107,8 @@ class SparseClient:
                              f"service that every worker reaches")
         return cls(shards, job=client.job, rank=client.rank, world_size=client.world_size,
                    timeout=client.config.timeout, connect_timeout=client.config.connect_timeout,
-                   key=getattr(client, "_key", None), transport_options=getattr(client, "_transport_options", None))
+                   key=getattr(client, "_key", None), transport_options=getattr(client, "_transport_options", None),
+                   host_group=host_group)
 
     def table(self, name: str, rows: int, width: int, *, mode: str = "ps", optimizer: str = "sgd",
               op: str = "sum", partitions: int | None = None, init: dict | None = None, **hyper) -> "SparseTable":
@@ -130,6 +150,8 @@ class SparseClient:
             except Exception as exc:  # closing must go on to release the socket
                 log.debug("closing sparse table %r: %s", t.name, exc)
         self._closed = True
+        if self._channel is not None:
+            self._exec.submit(self._channel.close)
         self._exec.shutdown(wait=True)
         self._conn.close()
 
@@ -149,11 +171,23 @@ class SparseClient:
     def _context(self) -> str:
         return f"job {self.job!r} rank {self.rank}"
 
-    def _exchange(self, messages: list, timeout: float, what: str) -> dict:
+    @property
+    def bytes_local(self) -> int:
+        """Row bytes handed between workers of this host (not the network)."""
+        return 0 if self._channel is None else self._channel.bytes_local
+
+    def _local(self) -> LocalChannel:
+        if self._channel is None:
+            self._channel = LocalChannel(self.host_group, channel_path(self.shards[0], self.job, self.host_group.node),
+                                         self.counters)
+        return self._channel
+
+    def _exchange(self, messages: list, timeout: float, what: str, expect: list = ()) -> dict:
         """Send (shard, header, payload) messages and wait for each one's
-        answer: {key: (header, payload bytes)} with key (shard, request
-        type, table id, partition, round)."""
-        waiting = {}
+        answer, and for the ``expect`` keys' (answers to pushes that this
+        host's leader sent for this worker): {key: (header, payload bytes)}
+        with key (shard, request type, table id, partition, round)."""
+        waiting = {k: None for k in expect}
         for shard, h, payload in messages:
             packed = h.pack() if payload is None else h.pack_for(payload)
             try:
@@ -230,6 +264,9 @@ class SparseTable:
                   "optimizer": {"name": self.optimizer, **self.hyper}}
         if self.init is not None:
             fields["init"] = self.init
+        if c.host_group is not None:
+            fields["pushers"] = c.host_group.nodes
+            fields["pusher"] = int(c.host_group.leader)
         if close:
             fields["close"] = 1
         h = self._header(MsgType.TABLE, 0, 0)
@@ -289,36 +326,67 @@ class SparseTable:
     # -- rounds ----------------------------------------------------------------------
 
     def _round(self, indices, rows, what: str):
+        """The next round's number, and the function (for the client's I/O
+        thread) that sends this worker's rows and returns the answers: the
+        rows go to the shards, or to this host's leader, which sums its
+        host's rows and pushes them once."""
         idx = self._indices(indices)
         vals = self._rows(rows, idx.size)
         idx, vals = sparse_layout.combine(idx, vals) if idx.size else (idx, vals)
         self.round += 1
         rnd = self.round
-        msgs = []
-        for p, (a, b) in enumerate(self._split(idx)):
-            msgs.append((self._shard(p), self._header(MsgType.SPARSE_PUSH, p, rnd, b - a),
-                         sparse_layout.pack_rows(idx[a:b], vals[a:b])))
-        return rnd, msgs
+        c = self.client
+        what = f"{what} round {rnd} of table {self.name!r}"
+        group = c.host_group
+        if group is None:
+            msgs = self._push_messages(idx, vals, rnd)
+            return rnd, lambda: c._exchange(msgs, c.timeout, what)
+        if not group.leader:
+            def hand():
+                c._local().hand(self.id, rnd, idx, vals, c.timeout)
+                return c._exchange([], c.timeout, f"{what} (its rows went to rank {group.rank() - group.local_rank},"
+                                                  f" the first worker of host {group.node}, which pushes the host's "
+                                                  f"rows: is it running and stepping this table?)",
+                                   expect=[self._key(MsgType.SPARSE_PUSH, p, rnd) for p in range(self.partitions)])
+            return rnd, hand
+
+        def lead():
+            shapes = {t.id: (t.rows, t.width) for t in list(c.tables.values()) + [self]}
+            others = c._local().collect(self.id, rnd, shapes, c.timeout, what)
+            if others:
+                # the leader's rows first, then local ranks 1.. in order: a
+                # stable combine sums each row in local-rank order
+                both_idx = np.concatenate([idx] + [i for i, _ in others])
+                both = np.concatenate([vals] + [v for _, v in others])
+                host_idx, host_vals = sparse_layout.combine(both_idx, both) if both_idx.size else (both_idx, both)
+            else:
+                host_idx, host_vals = idx, vals
+            return c._exchange(self._push_messages(host_idx, host_vals, rnd), c.timeout, what)
+        return rnd, lead
+
+    def _push_messages(self, idx: np.ndarray, vals: np.ndarray, rnd: int) -> list:
+        return [(self._shard(p), self._header(MsgType.SPARSE_PUSH, p, rnd, b - a),
+                 sparse_layout.pack_rows(idx[a:b], vals[a:b]))
+                for p, (a, b) in enumerate(self._split(idx))]
 
     def push(self, indices, rows) -> Future:
         """Push this worker's gradient rows for the next round of a ``ps``
         table; resolves (to None) once every worker's are in and applied."""
         if self.mode != "ps":
             raise ValueError(f"table {self.name!r} is an all-reduce table: use allreduce()")
-        rnd, msgs = self._round(indices, rows, "push")
-        c = self.client
-        return c._submit(c._exchange, msgs, c.timeout, f"push round {rnd} of table {self.name!r}")
+        rnd, send = self._round(indices, rows, "push")
+        return self.client._submit(send)
 
     def allreduce(self, indices, rows) -> Future:
         """Sum (or average, ``op="avg"``) rows over every worker of an
         ``allreduce`` table; resolves to (sorted unique indices, rows)."""
         if self.mode != "allreduce":
             raise ValueError(f"table {self.name!r} is a parameter-server table: use push() and pull()")
-        rnd, msgs = self._round(indices, rows, "allreduce")
+        rnd, send = self._round(indices, rows, "all-reduce")
         c = self.client
 
         def run():
-            replies = c._exchange(msgs, c.timeout, f"all-reduce round {rnd} of table {self.name!r}")
+            replies = send()
             parts = [sparse_layout.unpack_rows(replies[self._key(MsgType.SPARSE_PUSH, p, rnd)][1],
                                                replies[self._key(MsgType.SPARSE_PUSH, p, rnd)][0].ref, self.width)
                      for p in range(self.partitions)]

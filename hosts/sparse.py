@@ -7,8 +7,11 @@ A table is cut into row partitions (:mod:`aggnet.sparse_layout`); this
 shard holds the partitions that fall to it, and nothing here is shared with
 another shard. Workers push the gradient rows of a round to every partition
 (an empty push where they touched none), and a round completes on a
-partition once all ``world`` workers pushed it; the contributions are then
-summed in rank order, so every worker and every rerun gets the same bits.
+partition once all its ``pushers`` pushed it: every worker, or one per host
+when the workers of a host combine their rows first
+(:mod:`aggnet.host_group`); the contributions are then summed in rank
+order, so every worker and every rerun gets the same bits. The answer goes
+to every worker that opened the table.
 
 * ``allreduce`` tables hold no rows: a complete round's sum goes back to
   every worker (the DDP hook's sparse buckets; the worker's own optimizer
@@ -108,13 +111,18 @@ class Table:
     optimizer: dict
     init: dict | None
     world: int
+    #: contributions a round waits for: ``world``, or the number of hosts
+    #: when the workers of a host combine their rows before the network
+    pushers: int = 0
     parts: dict = field(default_factory=dict)  #: partition -> Partition (this shard's)
     members: dict = field(default_factory=dict)  #: rank -> transport peer
+    pushing: set = field(default_factory=set)  #: ranks that push their (host's) rows
     nbytes: int = 0  #: preallocated storage
     pending: int = 0  #: bytes held in open rounds
 
     def spec(self) -> tuple:
-        return (self.rows, self.width, self.partitions, self.mode, self.op, self.optimizer, self.init)
+        return (self.rows, self.width, self.partitions, self.mode, self.op, self.optimizer, self.init,
+                self.pushers)
 
 
 def _splitmix64(z: np.ndarray) -> np.ndarray:
@@ -254,6 +262,11 @@ class SparseTables:
             raise SparseError(ErrorCode.MALFORMED, "field_shards", f"TABLE says the service has {info['shards']} "
                                                                     f"shard(s), but this is shard {self.shard.index}")
         init = info.get("init")
+        info.setdefault("pushers", h.world)
+        if info["pushers"] > h.world:
+            raise SparseError(ErrorCode.MALFORMED, "field_pushers",
+                              f"TABLE says {info['pushers']} ranks push each round, more than the {h.world} "
+                              f"workers of the job")
         if table is None:
             table = self._create(h, info, init)
         elif table.name != name or table.job != info["job"]:
@@ -266,15 +279,22 @@ class SparseTables:
                               f"with world size {h.world}; all workers must agree")
         else:
             want = Table(0, 0, "", "", info["rows"], info["width"], info["partitions"], info["mode"], info["op"],
-                         info["optimizer"], init, 0)
+                         info["optimizer"], init, h.world, info["pushers"])
             if want.spec() != table.spec():
                 raise SparseError(ErrorCode.JOB_MISMATCH, "spec_mismatch",
                                   f"table {name!r} exists as {_describe(table)}; rank {h.sender} asked for "
                                   f"{_describe(want)}; every worker must open it alike")
+        pushing = table.pushing | {h.sender} if info["pusher"] else table.pushing - {h.sender}
+        if len(pushing) > table.pushers:
+            raise SparseError(ErrorCode.JOB_MISMATCH, "pushers",
+                              f"table {name!r} takes pushes from {table.pushers} rank(s) per round (one per host "
+                              f"when workers combine their rows), but ranks {sorted(pushing)} say they push; give "
+                              f"every worker of a host the same host group")
         old = table.members.get(h.sender)
         if old is not None and old != peer:
             self.counters["sparse_reopens"] += 1
         table.members[h.sender] = peer
+        table.pushing = pushing
         self.counters["sparse_opens"] += 1
         self._answer(peer, h, MsgType.TABLE_OK, wire.json_payload({
             "table": name, "shard": self.shard.index, "partitions": sorted(table.parts),
@@ -293,7 +313,8 @@ class SparseTables:
 
     def _create(self, h: Header, info, init) -> Table:
         table = Table(h.job_id, h.index, info["job"], info["table"], info["rows"], info["width"],
-                      info["partitions"], info["mode"], info["op"], info["optimizer"], init, h.world)
+                      info["partitions"], info["mode"], info["op"], info["optimizer"], init, h.world,
+                      info["pushers"])
         if table.partitions > table.rows:
             raise SparseError(ErrorCode.MALFORMED, "field_partitions",
                               f"{table.partitions} partitions of a table of {table.rows} rows would leave some "
@@ -381,6 +402,10 @@ class SparseTables:
 
     def _on_push(self, peer, h: Header, payload) -> None:
         table, part = self._locate(peer, h)
+        if h.sender not in table.pushing:
+            raise SparseError(ErrorCode.REFUSED, "not_pusher",
+                              f"rank {h.sender} opened table {table.name!r} as a worker whose rows its host's "
+                              f"first worker combines and pushes; it cannot push itself")
         idx, rows = self._rows_of(table, part, h, payload, table.width)
         if h.round <= part.done:
             raise SparseError(ErrorCode.REFUSED, "late", f"round {h.round} of table {table.name!r} partition "
@@ -402,7 +427,7 @@ class SparseTables:
         table.pending += nbytes
         self.counters["sparse_pushes"] += 1
         self.counters["sparse_bytes_in"] += len(payload)
-        if len(pending) == table.world:
+        if len(pending) == table.pushers:
             self._complete(table, part, h)
         elif len(part.rounds) > MAX_OPEN_ROUNDS:
             self._abandon(table, part, min(part.rounds), f"{MAX_OPEN_ROUNDS} later rounds are open")
@@ -436,7 +461,7 @@ class SparseTables:
         self.used -= nbytes
         table.pending -= nbytes
         self.counters["sparse_rounds_abandoned"] += 1
-        missing = [r for r in range(table.world) if r not in pending]
+        missing = [r for r in sorted(table.pushing) if r not in pending]
         text = (f"round {rnd} of table {table.name!r} partition {part.index} was given up ({why}): rank(s) "
                 f"{missing} never pushed it; are all {table.world} workers stepping together?")
         log.warning("shard %d: %s", self.shard.index, text)
@@ -486,5 +511,6 @@ class SparseTables:
 
 
 def _describe(t: Table) -> str:
+    pushers = f", {t.pushers} pushing host(s)" if t.pushers != t.world else ""
     return (f"{t.rows} x {t.width} in {t.partitions} partition(s), {t.mode} mode, op {t.op}, optimizer "
-            f"{t.optimizer}, init {t.init}")
+            f"{t.optimizer}, init {t.init}{pushers}")
