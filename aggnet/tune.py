@@ -31,7 +31,7 @@ import numpy as np
 
 from . import sparse_layout
 
-__all__ = ["Fit", "fit", "search", "choose", "tune"]
+__all__ = ["Fit", "fit", "search", "choose", "tune", "tune_table"]
 
 
 @dataclass(frozen=True)
@@ -161,6 +161,58 @@ def table_step_time(sparse_clients: list, rows: int, width: int, alpha: float, s
         return elapsed[0]
 
     return measure
+
+
+def agreed_step_time(sc, name: str, rows: int, width: int, alpha: float, steps: int, warmup: int = 1,
+                     seed: int = 0) -> Callable[[int], float]:
+    """A ``measure(P)`` that every rank of a job calls together, each with
+    its own sparse client (a training job at its start): each rank times
+    ``steps`` push-and-pull steps of a scratch ``ps`` table cut into P
+    partitions, and the ranks agree on the slowest rank's time (a step is
+    as slow as its slowest worker), so every rank's search takes the same
+    branches and ends at the same P."""
+    touched = max(1, int(round(alpha * rows)))
+    votes = sc.table(f"{name}-votes", sc.world_size, 1, mode="allreduce", partitions=1)
+
+    def measure(p: int) -> float:
+        table = sc.table(f"{name}-p{p}", rows, width, mode="ps", optimizer="sgd", op="avg", partitions=p, lr=1e-3,
+                         init={"kind": "zeros"})
+        wait = sc.timeout + 5
+        try:
+            rng = np.random.default_rng([seed, sc.rank, p])
+            grads = rng.standard_normal((touched, width)).astype(np.float32) * 1e-3
+            for step in range(warmup + steps):
+                if step == warmup:
+                    t0 = time.perf_counter()
+                table.push(rng.choice(rows, touched, replace=False), grads).result(wait)
+                table.pull(rng.choice(rows, touched, replace=False)).result(wait)
+            mine = (time.perf_counter() - t0) / steps
+        finally:
+            table.close()
+        _, every = votes.allreduce([sc.rank], np.array([[mine]], np.float32)).result(wait)
+        return float(every.max())
+
+    measure.close = votes.close  # type: ignore[attr-defined]
+    return measure
+
+
+def tune_table(sc, name: str, rows: int, width: int, alpha: float, *, steps: int = 5,
+               max_partitions: int | None = None, log: Callable[[str], None] | None = None) -> tuple[int, dict, Fit | None]:
+    """Parallax's search and fit for a table of ``rows x width`` from
+    inside a job: every rank calls it at once with its sparse client
+    (:class:`~aggnet.torch.ShardedEmbedding` does with
+    ``partitions="auto"``); every rank gets the same (P, samples, fit)."""
+    if not 0 < alpha <= 1:
+        raise ValueError(f"alpha (the fraction of the table's rows one worker's batch touches) must be in (0, 1], "
+                         f"got {alpha}")
+    hi = min(rows, sparse_layout.MAX_PARTITIONS, max_partitions or sparse_layout.MAX_PARTITIONS)
+    measure = agreed_step_time(sc, f"{name}-tune", rows, width, alpha, steps)
+    try:
+        samples = search(measure, min(hi, len(sc.shards)), hi=hi, log=log)
+    finally:
+        measure.close()
+    p, f = choose(samples)
+    return p, samples, f
 
 
 def tune(address: str, *, workers: int, rows: int, width: int, alpha: float, steps: int, start: int | None = None,

@@ -86,9 +86,14 @@ def _init(rank: int, world: int, port: int):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
-def hook_run(rank: int, world: int, port: int, address: str, opt: str, steps: int):
+def hook_run(rank: int, world: int, port: int, address: str, opt: str, steps: int, hosts: int = 0):
     """DDP with the aggnet hook: the same model trained twice, sparse
-    buckets through aggnet's tables and through torch.distributed."""
+    buckets through aggnet's tables and through torch.distributed.
+    ``hosts``: the workers play that many hosts, as torchrun describes
+    them, and combine their rows per host."""
+    if hosts:
+        local = world // hosts
+        os.environ.update(LOCAL_RANK=str(rank % local), LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(rank // local))
     _init(rank, world, port)
     try:
         from aggnet.torch import AggnetState, allreduce_hook
@@ -114,18 +119,20 @@ def hook_run(rank: int, world: int, port: int, address: str, opt: str, steps: in
             out[path] = {"embed": emb.weight.detach().numpy().copy(),
                          "head": [p.detach().numpy().copy() for p in model.head.parameters()],
                          "dense_calls": state.stats()["total"].calls,
-                         "sparse_bytes": None if sc is None else (sc.bytes_sent, sc.bytes_received)}
+                         "sparse_bytes": None if sc is None else (sc.bytes_sent, sc.bytes_received),
+                         "bytes_local": None if sc is None else sc.bytes_local}
             state.close()
         return out
     finally:
         dist.destroy_process_group()
 
 
-def _ps_model(client, opt: str, name: str):
+def _ps_model(client, opt: str, name: str, partitions=3):
     from aggnet.torch import ShardedEmbedding
 
     h = {k: v for k, v in HYPER[opt].items()}
-    emb = ShardedEmbedding(client, name, VOCAB, DIM, optimizer=opt, op="avg", partitions=3, **h)
+    emb = ShardedEmbedding(client, name, VOCAB, DIM, optimizer=opt, op="avg", partitions=partitions,
+                           tune_alpha=0.2, tune_steps=3, **h)
     return emb, Net(emb)
 
 
@@ -140,7 +147,7 @@ def _train_ps(rank, world, model, emb, ddp, first: int, last: int, cover: bool):
     emb.wait()
 
 
-def ps_run(rank: int, world: int, port: int, address: str, opts: list, steps: int):
+def ps_run(rank: int, world: int, port: int, address: str, opts: list, steps: int, partitions=3):
     """PS mode: ShardedEmbedding (table and optimizer on the service), the
     head all-reduced by DDP; one model per server-side optimizer."""
     _init(rank, world, port)
@@ -151,7 +158,7 @@ def ps_run(rank: int, world: int, port: int, address: str, opts: list, steps: in
         with Client(address, job="ps-run", rank=rank, world_size=world) as client:
             for opt in opts:
                 weight, head = initial()
-                emb, model = _ps_model(client, opt, f"emb-{opt}")
+                emb, model = _ps_model(client, opt, f"emb-{opt}", partitions)
                 if rank == 0:
                     emb.copy_weight_(weight)
                 dist.barrier()
@@ -159,7 +166,8 @@ def ps_run(rank: int, world: int, port: int, address: str, opts: list, steps: in
                 ddp = DDP(model)
                 _train_ps(rank, world, model, emb, ddp, 0, steps, cover=opt == "momentum")
                 out[opt] = {"embed": emb.weight_rows(np.arange(VOCAB)).numpy(),
-                            "head": [p.detach().numpy().copy() for p in model.head.parameters()]}
+                            "head": [p.detach().numpy().copy() for p in model.head.parameters()],
+                            "partitions": emb.table.partitions, "tuning": emb.tuning}
                 dist.barrier()
                 emb.close()
         return out

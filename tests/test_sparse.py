@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from aggnet import sparse_layout
-from aggnet.errors import AggregationError
+from aggnet.errors import AggregationError, AggregationTimeout
 from aggnet.hosts.process import ServiceProcess
 from aggnet.sparse_client import SparseClient
 from aggnet.wire import MsgType
@@ -91,6 +91,89 @@ def test_push_sums_rows_and_allreduce_returns_every_workers_sum(service):
             assert np.array_equal(rows, res[0][1][step][1])
 
 
+# -- workers of one host combine their rows -----------------------------------------------
+
+def grouped_worker(rank: int, shards: list, nodes: int, local_size: int, job: str):
+    from aggnet.host_group import HostGroup
+
+    group = HostGroup(rank // local_size, nodes, rank % local_size, local_size)
+    with SparseClient(shards, job=job, rank=rank, world_size=nodes * local_size, timeout=20,
+                      host_group=group) as sc:
+        store = sc.table("store", ROWS, WIDTH, mode="ps", optimizer="sum", partitions=3)
+        ar = sc.table("ar", ROWS, WIDTH, mode="allreduce", partitions=4)
+        pulled, reduced = [], []
+        for step in range(3):
+            idx, rows = worker_rows(rank, step)
+            # both tables' rounds in flight at once, in the same order on
+            # every worker (as DDP's buckets)
+            pushed, summed = store.push(idx, rows), ar.allreduce(idx, rows)
+            pushed.result(20)
+            reduced.append(summed.result(20))
+            pulled.append(store.pull(np.array([4, 0, 4, 22, 7])).result(20))
+        return pulled, reduced, sc.bytes_sent, sc.bytes_local, sc.counters
+
+
+def test_workers_of_a_host_combine_rows_before_the_network(service):
+    nodes, local_size = 2, 2
+    world = nodes * local_size
+    before = service.stats()["totals"]
+    res = run_workers(service.address, world, grouped_worker, shard_list(service.address), nodes, local_size,
+                      "grouped", timeout=60)
+    after = service.stats()["totals"]
+    # one push per host, partition and round, for each of the two tables,
+    # holding each row its host touched once
+    assert after["sparse_pushes"] - before.get("sparse_pushes", 0) == nodes * (3 + 4) * 3
+    host_rows = sum(len(set().union(*(worker_rows(r, step)[0].tolist() for r in range(n * local_size,
+                                                                                       (n + 1) * local_size))))
+                    for n in range(nodes) for step in range(3))
+    assert after["sparse_bytes_in"] - before.get("sparse_bytes_in", 0) == 2 * host_rows * (8 + 4 * WIDTH)
+    table = np.zeros((ROWS, WIDTH), np.float64)
+    for step in range(3):
+        total = np.zeros((ROWS, WIDTH), np.float64)
+        for rank in range(world):
+            idx, rows = worker_rows(rank, step)
+            np.add.at(total, idx, rows)
+        table += total
+        for rank in range(world):
+            pulled, reduced = res[rank][:2]
+            np.testing.assert_allclose(pulled[step], table[[4, 0, 4, 22, 7]], rtol=1e-6, atol=1e-6)
+            idx, rows = reduced[step]
+            np.testing.assert_allclose(rows, total[idx], rtol=1e-6, atol=1e-6)
+            assert np.array_equal(rows, res[0][1][step][1])
+    for rank in range(world):
+        sent, local, counters = res[rank][2:]
+        assert local > 0  # rows were handed between the workers of the host
+        assert not counters, counters  # nothing malformed on the host's socket
+
+
+def test_host_group_comes_from_torchruns_variables(monkeypatch):
+    from aggnet.host_group import HostGroup
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("GROUP_RANK", "2")
+    assert HostGroup.from_env(9, 12) == HostGroup(2, 3, 1, 4)
+    assert HostGroup.from_env(8, 12) is None  # not numbered host by host
+    monkeypatch.setenv("AGGNET_SPARSE_COMBINE", "0")
+    assert HostGroup.from_env(9, 12) is None
+    monkeypatch.delenv("AGGNET_SPARSE_COMBINE")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert HostGroup.from_env(9, 12) is None  # one worker per host: nothing to combine
+
+
+def test_a_follower_without_its_leader_fails_clearly(service):
+    from aggnet.host_group import HostGroup
+
+    with SparseClient(shard_list(service.address), job="orphan", rank=1, world_size=2, timeout=2,
+                      host_group=HostGroup(0, 1, 1, 2)) as sc:
+        t = sc.table("t", ROWS, WIDTH, mode="allreduce")
+        with pytest.raises(AggregationTimeout, match=r"rank 0, the first worker of host 0, which pushes the host's "
+                                                     r"rows: is it running.*no answer within 2s"):
+            t.allreduce([1], np.ones((1, WIDTH), np.float32)).result(10)
+    with pytest.raises(ValueError, match=r"ranks must go host by host"):
+        SparseClient(["zmq+ipc:///nonexistent"], job="x", rank=1, world_size=4, host_group=HostGroup(1, 2, 0, 2))
+
+
 # -- refusals ---------------------------------------------------------------------------
 
 def _raw(sc: SparseClient, t, msg_type, p, rnd, idx, rows, slot=0):
@@ -155,13 +238,16 @@ def test_a_table_past_the_memory_bound_is_refused(tmp_path):
 
 # -- torch: all-reduce mode under the DDP hook -------------------------------------------
 
-@pytest.mark.parametrize("world,opt", [(2, "sgd"), (3, "sgd"), (2, "adagrad"), (3, "adagrad")])
-def test_ddp_sparse_buckets_through_tables_match_torch_and_single_process(service, world, opt):
+@pytest.mark.parametrize("world,opt,hosts", [(2, "sgd", 0), (3, "sgd", 0), (2, "adagrad", 0), (3, "adagrad", 0),
+                                             (4, "adagrad", 2)])
+def test_ddp_sparse_buckets_through_tables_match_torch_and_single_process(service, world, opt, hosts):
+    """``hosts``: 2 x 2 workers that torchrun's variables place on two
+    hosts, so each host's rows are combined before they are pushed."""
     pytest.importorskip("torch")
     import sparse_workers as W
 
-    res = run_workers("spawn://", world, W.hook_run, world, free_port(), service.address, opt, STEPS,
-                      timeout=120, start_method="spawn")
+    res = run_workers("spawn://", world, W.hook_run, world, free_port(), service.address, opt, STEPS, hosts,
+                      timeout=180, start_method="spawn")
     ref_embed, ref_head = W.single_process(world, STEPS, opt, opt)
     for r in res:
         agg, tor = r["aggnet"], r["torch"]
@@ -172,6 +258,7 @@ def test_ddp_sparse_buckets_through_tables_match_torch_and_single_process(servic
             assert rel_diff(a, b) <= 1e-6
         assert agg["dense_calls"] == STEPS  # the dense bucket still went through aggnet
         assert agg["sparse_bytes"][0] > 0 and tor["sparse_bytes"] is None
+        assert (agg["bytes_local"] > 0) == bool(hosts)
 
 
 # -- torch: PS mode ---------------------------------------------------------------------
@@ -191,6 +278,29 @@ def test_sharded_embedding_matches_single_process_for_each_server_optimizer(serv
             assert rel_diff(r[opt]["embed"], ref_embed) <= 1e-5, opt
             for a, b in zip(r[opt]["head"], ref_head):
                 assert rel_diff(a, b) <= 1e-5, opt
+
+
+def test_auto_partitions_agree_on_every_rank_and_train_the_same(service):
+    """partitions="auto": the workers time a scratch table together at the
+    partition counts Parallax's search visits and take the fit's best P;
+    every rank must reach the same samples (the slowest rank's times) and
+    the same P, and training is then what it is at any P."""
+    pytest.importorskip("torch")
+    import sparse_workers as W
+
+    res = run_workers("spawn://", 2, W.ps_run, 2, free_port(), service.address, ["adagrad"], 6, "auto",
+                      timeout=180, start_method="spawn")
+    tunings = [r["adagrad"]["tuning"] for r in res]
+    assert tunings[0]["samples"] == tunings[1]["samples"]
+    samples = tunings[0]["samples"]
+    assert 2 in samples and len(samples) >= 2  # started at the service's 2 shards, went on from there
+    assert all(t > 0 for t in samples.values())
+    p = tunings[0]["partitions"]
+    assert res[0]["adagrad"]["partitions"] == res[1]["adagrad"]["partitions"] == p
+    assert min(samples) <= p <= max(samples)
+    ref_embed, ref_head = W.single_process(2, 6, "adagrad", "sgd")
+    for r in res:
+        assert rel_diff(r["adagrad"]["embed"], ref_embed) <= 1e-5
 
 
 def test_checkpoint_restart_restore_continues_identically(tmp_path):

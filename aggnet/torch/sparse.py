@@ -119,20 +119,48 @@ class ShardedEmbedding(nn.Module):
     it out of the torch optimizer. A step is forward, backward (which
     pushes the gradient rows), and the next forward (which waits for the
     step to be applied, then pulls).
+
+    ``partitions``: the number of row partitions (default: one per shard),
+    or ``"auto"``: every worker creates the module at once and together
+    they time steps of a scratch table at a few partition counts, fit
+    Parallax's cost model and take its best P (``self.tuning`` holds the
+    samples and the fit; rank 0 logs them). ``tune_alpha`` is the fraction
+    of the rows one worker's batch touches (tokens per batch / rows for a
+    language model), ``tune_steps`` the steps timed per sample.
     """
 
     def __init__(self, client, name: str, num_embeddings: int, embedding_dim: int, *, optimizer: str = "sgd",
-                 op: str = "avg", partitions: int | None = None, init: dict | None = None, **hyper):
+                 op: str = "avg", partitions: int | str | None = None, init: dict | None = None,
+                 tune_alpha: float = 0.01, tune_steps: int = 5, **hyper):
         super().__init__()
         self.sparse_client = client if isinstance(client, SparseClient) else SparseClient.of(client)
         self._owns_client = not isinstance(client, SparseClient)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.tuning: dict | None = None
+        if partitions == "auto":
+            partitions = self._tune(name, tune_alpha, tune_steps)
+        elif isinstance(partitions, str):
+            raise ValueError(f"partitions must be a count, None (one per shard) or 'auto', got {partitions!r}")
         self.table: SparseTable = self.sparse_client.table(
             name, num_embeddings, embedding_dim, mode="ps", optimizer=optimizer, op=op, partitions=partitions,
             init=init if init is not None else {"kind": "normal", "scale": 1.0, "seed": 0}, **hyper)
         self._pending = None  # the last push's future
         self._open: np.ndarray | None = None  # indices of a forward whose gradient is not pushed yet
         self._lock = threading.Lock()
+
+    def _tune(self, name: str, alpha: float, steps: int) -> int:
+        from ..tune import tune_table
+
+        sc = self.sparse_client
+        lines: list[str] = []
+        p, samples, fit = tune_table(sc, name, self.num_embeddings, self.embedding_dim, alpha, steps=steps,
+                                     log=lines.append)
+        self.tuning = {"partitions": p, "samples": samples, "fit": fit, "alpha": alpha}
+        if sc.rank == 0:
+            log.info("ShardedEmbedding %r (%d x %d, alpha %g, %d workers): %s; %s; partitions: %d", name,
+                     self.num_embeddings, self.embedding_dim, alpha, sc.world_size, "; ".join(lines),
+                     fit if fit is not None else "too few samples for a fit, the fastest sample", p)
+        return p
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self.wait()
