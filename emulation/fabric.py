@@ -23,7 +23,6 @@ SIGTERM.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -38,12 +37,12 @@ from aggnet.address import parse
 from aggnet.hosts.process import ServiceProcess
 
 from .fabric_plan import GATEWAY_HOST, ROOT_IP, Names, Plan
-from .netns import EmulationError, Host, Rack, can_emulate, remove_namespaces, sh, shape
+from .netns import Emulated, EmulationError, Host, Rack, remove_namespaces, sh, shape
 
 log = logging.getLogger("aggnet.emulation")
 
 
-class Fabric:
+class Fabric(Emulated):
     """The plan built in namespaces; use as a context manager."""
 
     def __init__(self, plan: Plan, *, prefix: str = "agf", queue_bytes: int = 4 << 20):
@@ -59,7 +58,6 @@ class Fabric:
         self.root: ServiceProcess | None = None
         self.topology_path: str | None = None
         self._dir: str | None = None
-        self._old_term = None
 
     # -- who is where -------------------------------------------------------------
 
@@ -75,25 +73,10 @@ class Fabric:
 
     # -- build and tear down ------------------------------------------------------
 
-    def __enter__(self) -> "Fabric":
-        ok, why = can_emulate()
-        if not ok:
-            raise EmulationError(f"cannot emulate racks here: {why}")
+    what = "racks"
+
+    def _clear_stale(self) -> None:
         self._remove_namespaces(stale=True)
-        self._old_term = signal.signal(signal.SIGTERM, self._on_term)
-        try:
-            self._build()
-        except BaseException:
-            self.teardown()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.teardown()
-
-    def _on_term(self, *_):
-        self.teardown()
-        raise SystemExit(143)
 
     def _build(self) -> None:
         p = self.plan
@@ -189,10 +172,7 @@ class Fabric:
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = self.topology_path = None
-        if self._old_term is not None:
-            with contextlib.suppress(ValueError, TypeError):
-                signal.signal(signal.SIGTERM, self._old_term)
-            self._old_term = None
+        self._released()
 
     def _remove_namespaces(self, stale: bool) -> None:
         mine = re.compile(rf"{re.escape(self.prefix)}\d*-")

@@ -19,6 +19,7 @@ one starts.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import shutil
@@ -92,7 +93,56 @@ class Host:
     port: str  #: the ToR-side end of its cable
 
 
-class Rack:
+class Emulated:
+    """A piece of emulated network that stands only inside a ``with``: built
+    on enter; torn down on exit, when building fails, on SIGTERM and at
+    interpreter exit, so no namespace outlives the run that made it.
+    Subclasses give ``_clear_stale`` (what an earlier, killed run left),
+    ``_build`` and ``teardown``, which ends with ``_released``."""
+
+    what = "a network"
+    _old_term = None
+
+    def _clear_stale(self) -> None:
+        raise NotImplementedError
+
+    def _build(self) -> None:
+        raise NotImplementedError
+
+    def teardown(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        ok, why = can_emulate()
+        if not ok:
+            raise EmulationError(f"cannot emulate {self.what} here: {why}")
+        self._clear_stale()
+        atexit.register(self.teardown)
+        self._old_term = signal.signal(signal.SIGTERM, self._on_term)
+        try:
+            self._build()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def _on_term(self, *_):
+        self.teardown()
+        raise SystemExit(143)
+
+    def _released(self) -> None:
+        """The end of a teardown: the exit hook and SIGTERM handler go."""
+        atexit.unregister(self.teardown)
+        if self._old_term is not None:
+            with contextlib.suppress(ValueError, TypeError):  # ValueError: not the main thread
+                signal.signal(signal.SIGTERM, self._old_term)
+            self._old_term = None
+
+
+class Rack(Emulated):
     """The rack; use as a context manager (``with Rack(4, rate_mbit=100) as rack``)."""
 
     def __init__(self, workers: int, rate_mbit: float | None = None, *, mtu: int = 9000, prefix: str = "agn",
@@ -128,26 +178,10 @@ class Rack:
 
     # -- build and tear down ------------------------------------------------------
 
-    def __enter__(self) -> "Rack":
-        ok, why = can_emulate()
-        if not ok:
-            raise EmulationError(f"cannot emulate a rack here: {why}")
+    what = "a rack"
+
+    def _clear_stale(self) -> None:
         self.teardown(stale=True)
-        atexit.register(self.teardown)
-        self._old_term = signal.signal(signal.SIGTERM, self._on_term)
-        try:
-            self._build()
-        except BaseException:
-            self.teardown()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.teardown()
-
-    def _on_term(self, *_):
-        self.teardown()
-        raise SystemExit(143)
 
     def _build(self) -> None:
         self._up = True
@@ -200,18 +234,13 @@ class Rack:
         self._procs = []
         names = sh("ip", "netns", "list", check=False).stdout.split()
         mine = [n for n in names if n.startswith(f"{self.prefix}-")]
-        if not mine:
-            self._up = False
-            return
         if stale and mine:
             log.info("removing namespaces left by an earlier run: %s", mine)
-        remove_namespaces(mine)
+        if mine:
+            remove_namespaces(mine)
         self._up = False
         if not stale:
-            try:
-                atexit.unregister(self.teardown)
-            except Exception:
-                pass
+            self._released()
 
     # -- running things inside -------------------------------------------------------
 
