@@ -34,7 +34,7 @@ log = logging.getLogger("aggnet.sparse")
 #: a follower's message: magic, table id, round, local rank, rows
 _HEAD = struct.Struct("<4sIIHI")
 _MAGIC = b"AGHG"
-#: rounds of followers' rows a leader keeps ahead of its own
+#: rounds ahead of its own for which a leader keeps followers' rows
 MAX_EARLY = 64
 
 
@@ -82,24 +82,28 @@ class HostGroup:
         return cls(node, world_size // local_size, local_rank, local_size)
 
 
-def channel_path(service: str, job: str, node: int) -> str:
-    """The Unix socket of a host's leader: one per (service, job, host),
-    in aggnet's private runtime directory."""
+def channel_path(service: str, job: str, table: str, node: int) -> str:
+    """The Unix socket of a host's leader for one table: one per (service,
+    job, table, host), in aggnet's private runtime directory."""
     from .embedded import runtime_dir
 
-    tag = hashlib.sha1(f"{service}\0{job}".encode()).hexdigest()[:12]
+    tag = hashlib.sha1(f"{service}\0{job}\0{table}".encode()).hexdigest()[:16]
     return os.path.join(runtime_dir(), f"rows-{tag}-{node}.sock")
 
 
 class LocalChannel:
-    """The followers-to-leader path of one host group. Used from the
-    sparse client's one I/O thread only (zmq sockets are not thread-safe)."""
+    """The followers-to-leader path of one table in one host group. Used
+    from the sparse client's one I/O thread only (zmq sockets are not
+    thread-safe)."""
 
-    def __init__(self, group: HostGroup, path: str, counters: dict | None = None):
+    def __init__(self, group: HostGroup, path: str, shape: tuple[int, int], table_id: int,
+                 counters: dict | None = None):
         import zmq
 
         self.group = group
         self.path = path
+        self.shape = shape
+        self.table_id = table_id
         self._ctx = zmq.Context.instance()
         self._zmq = zmq
         if group.leader:
@@ -109,15 +113,15 @@ class LocalChannel:
             self._sock = self._ctx.socket(zmq.PUSH)
             self._sock.setsockopt(zmq.LINGER, 1000)
             self._sock.connect(f"ipc://{path}")
-        #: rows that came early: (table id, round) -> {local rank: (indices, rows)}
-        self._early: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+        #: rows that came early: round -> {local rank: (indices, rows)}
+        self._early: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
         self.counters = counters if counters is not None else {}
         self.bytes_local = 0
 
-    def hand(self, table_id: int, rnd: int, idx: np.ndarray, rows: np.ndarray, timeout: float) -> None:
+    def hand(self, rnd: int, idx: np.ndarray, rows: np.ndarray, timeout: float) -> None:
         """A follower's rows of a round, to its leader."""
         self._sock.setsockopt(self._zmq.SNDTIMEO, max(1, int(timeout * 1000)))
-        head = _HEAD.pack(_MAGIC, table_id, rnd & 0xFFFFFFFF, self.group.local_rank, idx.size)
+        head = _HEAD.pack(_MAGIC, self.table_id, rnd & 0xFFFFFFFF, self.group.local_rank, idx.size)
         try:
             self._sock.send_multipart([head, np.ascontiguousarray(idx, sparse_layout.INDEX_DTYPE),
                                        np.ascontiguousarray(rows, sparse_layout.ROW_DTYPE)], copy=False)
@@ -128,48 +132,50 @@ class LocalChannel:
                 f"service?") from None
         self.bytes_local += idx.nbytes + rows.nbytes
 
-    def collect(self, table_id: int, rnd: int, shapes: dict, timeout: float, what: str) -> list:
+    def collect(self, rnd: int, timeout: float, what: str) -> list:
         """The leader's wait for every follower's rows of a round: [(indices,
-        rows)] in local-rank order. ``shapes`` maps the open tables' ids to
-        their (rows, width). Malformed messages are dropped and counted;
-        rows of other rounds are kept for their turn (a bounded number)."""
-        key = (table_id, rnd & 0xFFFFFFFF)
+        rows)] in local-rank order. Malformed messages are dropped and
+        counted, and so are rows of a round already given up (a follower
+        that came too late); rows of a later round wait for their turn."""
+        key = rnd & 0xFFFFFFFF
         want = self.group.local_size - 1
-        got = self._early.setdefault(key, {})
+        got = self._early.pop(key, {})
         deadline = time.monotonic() + timeout
         while len(got) < want:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(int(min(left, 0.5) * 1000) + 1):
-                if time.monotonic() >= deadline:
-                    missing = [r for r in range(1, self.group.local_size) if r not in got]
-                    del self._early[key]
-                    raise AggregationTimeout(
-                        f"host {self.group.node}, local rank 0: {what}: local rank(s) {missing} of this host handed "
-                        f"no rows within {timeout:g}s; are all {self.group.local_size} workers of the host "
-                        f"stepping the table together?")
+            if left <= 0:
+                missing = [r for r in range(1, self.group.local_size) if r not in got]
+                raise AggregationTimeout(
+                    f"host {self.group.node}, local rank 0: {what}: local rank(s) {missing} of this host handed "
+                    f"no rows within {timeout:g}s; are all {self.group.local_size} workers of the host "
+                    f"stepping the table together?")
+            if not self._sock.poll(int(min(left, 0.5) * 1000) + 1):
                 continue
-            frames = self._sock.recv_multipart(copy=False)
-            parsed = self._parse(frames, shapes)
+            parsed = self._parse(self._sock.recv_multipart(copy=False))
             if parsed is None:
                 continue
             k, local, idx, rows = parsed
-            slot = self._early.setdefault(k, {})
-            while len(self._early) > MAX_EARLY:
-                stale = next(iter(self._early))
-                self.counters["dropped_local_stale"] = self.counters.get("dropped_local_stale", 0) + 1
-                del self._early[stale if stale != key else k]
+            if k == key:
+                slot = got
+            elif (k - key) & 0xFFFFFFFF < MAX_EARLY:
+                slot = self._early.setdefault(k, {})
+            else:
+                self._count("late")
+                continue
             if local in slot:
-                self.counters["dropped_local_duplicate"] = self.counters.get("dropped_local_duplicate", 0) + 1
+                self._count("duplicate")
                 continue
             slot[local] = (idx, rows)
             self.bytes_local += idx.nbytes + rows.nbytes
-        del self._early[key]
         return [got[r] for r in sorted(got)]
 
-    def _parse(self, frames, shapes: dict):
+    def _count(self, why: str) -> None:
+        self.counters[f"dropped_local_{why}"] = self.counters.get(f"dropped_local_{why}", 0) + 1
+        log.debug("host %d leader dropped a local message: %s", self.group.node, why)
+
+    def _parse(self, frames):
         def drop(why: str):
-            self.counters[f"dropped_local_{why}"] = self.counters.get(f"dropped_local_{why}", 0) + 1
-            log.debug("host %d leader dropped a local message: %s", self.group.node, why)
+            self._count(why)
             return None
 
         if len(frames) != 3 or len(frames[0].bytes) != _HEAD.size:
@@ -177,9 +183,9 @@ class LocalChannel:
         magic, table_id, rnd, local, n = _HEAD.unpack(frames[0].bytes)
         if magic != _MAGIC or not 1 <= local < self.group.local_size:
             return drop("malformed")
-        if table_id not in shapes:
+        if table_id != self.table_id:
             return drop("unknown_table")
-        nrows, width = shapes[table_id]
+        nrows, width = self.shape
         idx_buf, row_buf = frames[1].buffer, frames[2].buffer
         if len(idx_buf) != n * sparse_layout.INDEX_DTYPE.itemsize or len(row_buf) != n * width * 4:
             return drop("width")
@@ -187,7 +193,7 @@ class LocalChannel:
         rows = np.frombuffer(row_buf, sparse_layout.ROW_DTYPE).reshape(n, width)
         if n and (idx.min() < 0 or idx.max() >= nrows or not np.isfinite(rows).all()):
             return drop("rows")
-        return (table_id, rnd), local, idx, rows
+        return rnd, local, idx, rows
 
     def close(self) -> None:
         self._sock.close(linger=0 if self.group.leader else 1000)

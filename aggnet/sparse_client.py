@@ -81,7 +81,7 @@ class SparseClient:
         #: the workers of this host that combine their rows (None: every
         #: worker pushes its own)
         self.host_group: HostGroup | None = host_group
-        self._channel: LocalChannel | None = None
+        self._bytes_local_closed = 0  # handed within the host by tables since closed
         self._conn = connect(self.shards, **(transport_options or {}))
         self._exec = ThreadPoolExecutor(1, thread_name_prefix=f"aggnet-sparse-{job}-{rank}")
         self._closed = False
@@ -150,8 +150,8 @@ class SparseClient:
             except Exception as exc:  # closing must go on to release the socket
                 log.debug("closing sparse table %r: %s", t.name, exc)
         self._closed = True
-        if self._channel is not None:
-            self._exec.submit(self._channel.close)
+        for t in list(self.tables.values()):
+            self._exec.submit(t._close_channel)
         self._exec.shutdown(wait=True)
         self._conn.close()
 
@@ -174,13 +174,8 @@ class SparseClient:
     @property
     def bytes_local(self) -> int:
         """Row bytes handed between workers of this host (not the network)."""
-        return 0 if self._channel is None else self._channel.bytes_local
-
-    def _local(self) -> LocalChannel:
-        if self._channel is None:
-            self._channel = LocalChannel(self.host_group, channel_path(self.shards[0], self.job, self.host_group.node),
-                                         self.counters)
-        return self._channel
+        return self._bytes_local_closed + sum(t._channel.bytes_local for t in list(self.tables.values())
+                                              if t._channel is not None)
 
     def _exchange(self, messages: list, timeout: float, what: str, expect: list = ()) -> dict:
         """Send (shard, header, payload) messages and wait for each one's
@@ -246,6 +241,24 @@ class SparseTable:
         self.round = 0
         self._seq = 0
         self._holders = sorted({sparse_layout.shard_of(p, len(client.shards)) for p in range(partitions)})
+        #: the path of this table's rows between the workers of a host
+        self._channel: LocalChannel | None = None
+
+    def _local(self) -> LocalChannel:
+        """The table's own socket between the workers of this host (one per
+        table: two clients of a worker, the DDP hook's and a module's, never
+        share one). Used on the client's I/O thread only."""
+        c = self.client
+        if self._channel is None:
+            self._channel = LocalChannel(c.host_group, channel_path(c.shards[0], c.job, self.name, c.host_group.node),
+                                         (self.rows, self.width), self.id, c.counters)
+        return self._channel
+
+    def _close_channel(self) -> None:
+        if self._channel is not None:
+            self.client._bytes_local_closed += self._channel.bytes_local
+            self._channel.close()
+            self._channel = None
 
     def _shard(self, p: int) -> int:
         return sparse_layout.shard_of(p, len(self.client.shards))
@@ -292,8 +305,12 @@ class SparseTable:
         """Leave the table; the last worker to leave frees it on the shards."""
         c = self.client
         c.tables.pop(self.name, None)
-        c._submit(c._exchange, self._table_request(close=True), min(c.timeout, 5.0),
-                  f"closing table {self.name!r}").result(min(c.timeout, 5.0) + 5)
+        try:
+            c._submit(c._exchange, self._table_request(close=True), min(c.timeout, 5.0),
+                      f"closing table {self.name!r}").result(min(c.timeout, 5.0) + 5)
+        finally:
+            if self._channel is not None and not c._closed:
+                c._submit(self._close_channel).result(5)
 
     # -- checks ----------------------------------------------------------------------
 
@@ -343,7 +360,7 @@ class SparseTable:
             return rnd, lambda: c._exchange(msgs, c.timeout, what)
         if not group.leader:
             def hand():
-                c._local().hand(self.id, rnd, idx, vals, c.timeout)
+                self._local().hand(rnd, idx, vals, c.timeout)
                 return c._exchange([], c.timeout, f"{what} (its rows went to rank {group.rank() - group.local_rank},"
                                                   f" the first worker of host {group.node}, which pushes the host's "
                                                   f"rows: is it running and stepping this table?)",
@@ -351,8 +368,7 @@ class SparseTable:
             return rnd, hand
 
         def lead():
-            shapes = {t.id: (t.rows, t.width) for t in list(c.tables.values()) + [self]}
-            others = c._local().collect(self.id, rnd, shapes, c.timeout, what)
+            others = self._local().collect(rnd, c.timeout, what)
             if others:
                 # the leader's rows first, then local ranks 1.. in order: a
                 # stable combine sums each row in local-rank order
