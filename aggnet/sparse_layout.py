@@ -51,12 +51,31 @@ def block_rows(width: int) -> int:
     return max(1, BLOCK_BYTES // (4 * width))
 
 
-def pack_rows(indices: np.ndarray, rows: np.ndarray | None) -> bytes:
+def row_payload(n: int, width: int | None):
+    """An unfilled row message of ``n`` rows (``width`` None: indices
+    alone) and views of its indices and rows: (payload, indices, rows).
+    Filling the views in place builds a message with one allocation and one
+    pass over the rows, where joining ``tobytes()`` copies them twice more;
+    the payload (a memoryview of memory of its own) can go out zero-copy."""
+    head = n * INDEX_DTYPE.itemsize
+    buf = np.empty(head + (0 if width is None else n * width * ROW_DTYPE.itemsize), np.uint8)
+    idx = buf[:head].view(INDEX_DTYPE)
+    rows = None if width is None else buf[head:].view(ROW_DTYPE).reshape(n, width)
+    return memoryview(buf), idx, rows
+
+
+def pack_rows(indices: np.ndarray, rows: np.ndarray | None) -> memoryview:
     """The payload of a row message."""
-    head = np.ascontiguousarray(indices, INDEX_DTYPE).tobytes()
-    if rows is None:
-        return head
-    return head + np.ascontiguousarray(rows, ROW_DTYPE).tobytes()
+    indices = np.asarray(indices).reshape(-1)
+    if rows is not None:
+        rows = np.asarray(rows)
+        if rows.ndim != 2:
+            rows = rows.reshape(indices.size, -1 if indices.size else 0)
+    payload, idx, out = row_payload(indices.size, None if rows is None else rows.shape[1])
+    idx[:] = indices
+    if rows is not None:
+        out[...] = rows
+    return payload
 
 
 def unpack_rows(payload, n: int, width: int | None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -79,13 +98,113 @@ def unpack_rows(payload, n: int, width: int | None) -> tuple[np.ndarray, np.ndar
     return idx, rows
 
 
-def combine(indices: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _strictly_increasing(indices: np.ndarray) -> bool:
+    return indices.size < 2 or bool((indices[1:] > indices[:-1]).all())
+
+
+def _runs(indices: np.ndarray):
+    """The stable order of ``indices``, the indices in that order, whether
+    each sorted position starts a run of equal indices, and the runs'
+    starts."""
+    order = np.argsort(indices, kind="stable")
+    ordered = indices[order]
+    first = np.empty(indices.size, bool)
+    first[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    return order, ordered, first, np.flatnonzero(first)
+
+
+def _add_runs(out: np.ndarray, rows: np.ndarray, order: np.ndarray, starts: np.ndarray) -> None:
+    """Add the second, third, ... row of each run of ``order`` (runs begin
+    at ``starts``) to ``out``, which holds each run's first row: one row
+    after another, ((r0 + r1) + r2) + ..., so a sum's bits follow the input
+    order. np.add.reduceat is no substitute: over axis 0 it does not add a
+    run's rows in order once a run has three or more."""
+    lengths = np.diff(starts, append=order.size)
+    runs = np.flatnonzero(lengths > 1)
+    k = 1
+    while runs.size:
+        if runs.size <= 8 and int(lengths[runs].max()) - k > 64:
+            # a few long runs (one index pushed many times): a row-by-row
+            # pass over each beats a numpy call per row
+            for j in runs:
+                tail = rows.take(order[starts[j] + k:starts[j] + lengths[j]], axis=0)
+                tail[0] += out[j]
+                out[j] = np.add.accumulate(tail, axis=0)[-1]
+            return
+        out[runs] += rows.take(order[starts[runs] + k], axis=0)
+        k += 1
+        runs = runs[lengths[runs] > k]
+
+
+def combine(indices: np.ndarray, rows: np.ndarray, copy: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Sum rows with the same index (sorted unique indices, their sums): a
-    worker sends each row once, as Parallax aggregates locally first."""
-    uniq, inverse = np.unique(indices, return_inverse=True)
-    if uniq.size == indices.size:
-        order = np.argsort(indices, kind="stable")
-        return uniq, np.ascontiguousarray(rows[order], np.float32)
-    out = np.zeros((uniq.size, rows.shape[1]), np.float32)
-    np.add.at(out, inverse.reshape(-1), rows)
-    return uniq, out
+    worker sends each row once, as Parallax aggregates locally first.
+
+    The rows of one index are added one after another in input order, so
+    rows concatenated in rank order sum in rank order (a host's leader
+    relies on it): the sort is stable, which keeps equal indices in input
+    order. Sorted unique input (what a worker usually has) costs one check
+    and one copy, or none with ``copy=False``, which may hand back the
+    inputs themselves."""
+    indices = np.asarray(indices).reshape(-1)
+    rows = np.ascontiguousarray(rows, np.float32)
+    if _strictly_increasing(indices):
+        return (indices.copy(), rows.copy()) if copy else (indices, rows)
+    order, ordered, _, starts = _runs(indices)
+    out = rows.take(order[starts], axis=0)
+    if starts.size < indices.size:
+        _add_runs(out, rows, order, starts)
+    return ordered[starts], out
+
+
+def combine_parts(parts: list, width: int, packed: bool = False):
+    """:func:`combine` of ``parts`` ((indices, rows) pairs, e.g. the
+    contributions of a round in rank order) as if concatenated, without
+    concatenating their rows: (indices, sums, payload). With ``packed`` the
+    result is built inside a row message (``payload``, ready to send; None
+    otherwise).
+
+    Where every part is sorted and unique (workers combine their rows
+    first), each part's rows go straight to their places in the result,
+    one pass per part: a row whose index an earlier part also holds gets
+    the earlier parts' sum plus its own, so every sum is still added in
+    part order and has the bits :func:`combine` gives."""
+    parts = [(np.asarray(i).reshape(-1), v) for i, v in parts]
+    if not all(_strictly_increasing(i) for i, _ in parts):
+        uniq, sums = combine(np.concatenate([i for i, _ in parts]),
+                             np.concatenate([v for _, v in parts]).reshape(-1, width), copy=False)
+        if not packed:
+            return uniq, sums, None
+        payload, idx, rows = row_payload(uniq.size, width)
+        idx[:] = uniq
+        rows[...] = sums
+        return idx, rows, payload
+    everything = np.concatenate([i for i, _ in parts])
+    order, ordered, first, starts = _runs(everything)
+    if packed:
+        payload, uniq, out = row_payload(starts.size, width)
+        uniq[:] = ordered[starts]
+    else:
+        payload, uniq, out = None, ordered[starts], np.empty((starts.size, width), np.float32)
+    # where each row lands in the result, and whether an earlier part
+    # already put a row there
+    where = np.empty(everything.size, np.intp)
+    where[order] = np.cumsum(first) - 1
+    earlier = np.empty(everything.size, bool)
+    np.logical_not(first, out=first)
+    earlier[order] = first
+    at = 0
+    for i, v in parts:
+        dest, seen = where[at:at + i.size], earlier[at:at + i.size]
+        at += i.size
+        v = v.reshape(i.size, width)
+        if seen.any():
+            again = dest[seen]
+            acc = out[again]  # the earlier parts' sums of those rows
+            acc += v[seen]
+            out[dest] = v
+            out[again] = acc
+        else:
+            out[dest] = v
+    return uniq, out, payload

@@ -148,45 +148,68 @@ def init_rows(init: dict | None, lo: int, hi: int, width: int) -> np.ndarray | N
     return (np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2) * scale).astype(np.float32)
 
 
-def apply_optimizer(table: Table, part: Partition, rows: np.ndarray, g: np.ndarray) -> None:
+def apply_optimizer(table: Table, part: Partition, rows: np.ndarray, g: np.ndarray, divisor: int = 1) -> None:
     """One optimizer step on the partition's ``rows`` (local, unique) with
-    gradient ``g``: the NumPy forms of torch's sparse updates (SGD,
-    Adagrad, SparseAdam), lazy momentum as TensorFlow's sparse momentum
-    (only touched rows move)."""
+    gradient ``g / divisor`` (a round's average: ``g`` is overwritten): the
+    NumPy forms of torch's sparse updates (SGD, Adagrad, SparseAdam), lazy
+    momentum as TensorFlow's sparse momentum (only touched rows move).
+
+    The rows are stepped a block at a time (128 KiB of them): a block's
+    gathered rows and temporaries stay in cache between the division, the
+    gather, the arithmetic and the scatter, where a whole step's go out to
+    memory and back at each. Every element goes through the same float32
+    operations either way, so the bits do not change."""
     opt = table.optimizer
     name = opt["name"]
     part.step += 1
     w = part.slots[0]
     lr = np.float32(opt["lr"])
-    if name == "sum":
-        w[rows] += g
-    elif name == "sgd":
-        w[rows] -= lr * g
-    elif name == "momentum":
-        m = part.slots[1]
-        buf = np.float32(opt["momentum"]) * m[rows] + g
-        m[rows] = buf
-        w[rows] -= lr * buf
-    elif name == "adagrad":
-        s = part.slots[1]
-        acc = s[rows] + g * g
-        s[rows] = acc
+    if name == "adagrad":
         clr = np.float32(opt["lr"] / (1 + (part.step - 1) * opt["lr_decay"]))
-        w[rows] -= clr * (g / (np.sqrt(acc) + np.float32(opt["eps"])))
+        eps = np.float32(opt["eps"])
     elif name == "adam":
-        m, v = part.slots[1], part.slots[2]
         b1, b2 = opt["beta1"], opt["beta2"]
-        m_old, v_old = m[rows], v[rows]
-        m_upd = (g - m_old) * np.float32(1 - b1)
-        v_upd = (g * g - v_old) * np.float32(1 - b2)
-        m[rows] = m_old + m_upd
-        v[rows] = v_old + v_upd
-        numer = m_upd + m_old
-        denom = np.sqrt(v_upd + v_old) + np.float32(opt["eps"])
         bc1 = 1 - b1 ** part.step
         bc2 = 1 - b2 ** part.step
-        step_size = opt["lr"] * np.sqrt(bc2) / bc1
-        w[rows] += np.float32(-step_size) * (numer / denom)
+        step_size = np.float32(-(opt["lr"] * np.sqrt(bc2) / bc1))
+        eps = np.float32(opt["eps"])
+    block = max(1, (128 << 10) // (4 * table.width))
+    gathered = np.empty((min(block, rows.size), table.width), np.float32)
+    for a in range(0, rows.size, block):
+        r, gb = rows[a:a + block], g[a:a + block]
+        if divisor != 1:
+            np.divide(gb, np.float32(divisor), out=gb)
+        if name in ("sum", "sgd"):
+            # w[r] += g and w[r] -= lr * g without their temporaries (the
+            # rows are checked: "clip" never clips)
+            wr = gathered[:r.size]
+            np.take(w, r, axis=0, out=wr, mode="clip")
+            if name == "sgd":
+                np.multiply(gb, lr, out=gb)
+                np.subtract(wr, gb, out=wr)
+            else:
+                np.add(wr, gb, out=wr)
+            w[r] = wr
+        elif name == "momentum":
+            m = part.slots[1]
+            buf = np.float32(opt["momentum"]) * m[r] + gb
+            m[r] = buf
+            w[r] -= lr * buf
+        elif name == "adagrad":
+            s = part.slots[1]
+            acc = s[r] + gb * gb
+            s[r] = acc
+            w[r] -= clr * (gb / (np.sqrt(acc) + eps))
+        elif name == "adam":
+            m, v = part.slots[1], part.slots[2]
+            m_old, v_old = m[r], v[r]
+            m_upd = (gb - m_old) * np.float32(1 - b1)
+            v_upd = (gb * gb - v_old) * np.float32(1 - b2)
+            m[r] = m_old + m_upd
+            v[r] = v_old + v_upd
+            numer = m_upd + m_old
+            denom = np.sqrt(v_upd + v_old) + eps
+            w[r] += step_size * (numer / denom)
 
 
 class SparseTables:
@@ -375,7 +398,7 @@ class SparseTables:
 
     @staticmethod
     def _check_range(table: Table, part: Partition, idx: np.ndarray) -> None:
-        if idx.size == 0:
+        if idx.size == 0 or (idx.min() >= part.lo and idx.max() < part.hi):
             return
         outside = (idx < part.lo) | (idx >= part.hi)
         if outside.any():
@@ -422,7 +445,11 @@ class SparseTables:
                               f"holding round {h.round} of table {table.name!r} needs {nbytes} more bytes; shard "
                               f"{self.shard.index} is at {self.used} of its {self.bound}-byte bound "
                               f"(AGGNET_SPARSE_MEMORY)")
-        pending[h.sender] = (idx.copy(), rows.copy())
+        # the payload may be the transport's memory, valid until its next
+        # receive: rows that wait for other ranks are copied; the last
+        # pusher's complete the round now, straight from the payload
+        last = len(pending) + 1 == table.pushers
+        pending[h.sender] = (idx, rows) if last else (idx.copy(), rows.copy())
         self.used += nbytes
         table.pending += nbytes
         self.counters["sparse_pushes"] += 1
@@ -438,18 +465,22 @@ class SparseTables:
         nbytes = sum(i.nbytes + v.nbytes for i, v in contributions)
         self.used -= nbytes
         table.pending -= nbytes
-        idx = np.concatenate([i for i, _ in contributions])
-        rows = np.concatenate([v for _, v in contributions]).reshape(-1, table.width)
-        uniq, summed = sparse_layout.combine(idx, rows)
-        if table.op == "avg":
-            summed /= np.float32(table.world)
+        # in rank order: each row's contributions are added in that order,
+        # so every worker and every rerun gets the same bits; an all-reduce
+        # round's sums are made inside the answer's payload
+        ps = table.mode == "ps"
+        uniq, summed, payload = sparse_layout.combine_parts(contributions, table.width, packed=not ps)
+        del pending, contributions
+        divisor = table.world if table.op == "avg" else 1
+        if divisor != 1 and not ps:
+            summed /= np.float32(divisor)
         part.done = h.round
         self.counters["sparse_rounds"] += 1
-        if table.mode == "ps":
-            apply_optimizer(table, part, uniq - part.lo, summed)
+        if ps:
+            apply_optimizer(table, part, uniq - part.lo, summed, divisor)
             payload, n = b"", 0
         else:
-            payload, n = sparse_layout.pack_rows(uniq, summed), uniq.size
+            n = uniq.size
         for rank, peer in table.members.items():
             self._answer(peer, h, MsgType.SPARSE_ROWS, payload, n, sender=rank)
         for r in [r for r in part.rounds if r < h.round]:
@@ -489,8 +520,12 @@ class SparseTables:
         slot = self._ps_slot(table, h)
         idx, _ = self._rows_of(table, part, h, payload, None)
         self.counters["sparse_pulls"] += 1
-        self._answer(peer, h, MsgType.SPARSE_ROWS, sparse_layout.pack_rows(idx, part.slots[slot][idx - part.lo]),
-                     idx.size)
+        # the rows are gathered straight into the answer (indices checked:
+        # "clip" then never clips, and spares take's buffered out)
+        out, out_idx, out_rows = sparse_layout.row_payload(idx.size, table.width)
+        out_idx[:] = idx
+        np.take(part.slots[slot], idx - part.lo, axis=0, out=out_rows, mode="clip")
+        self._answer(peer, h, MsgType.SPARSE_ROWS, out, idx.size)
 
     def _on_load(self, peer, h: Header, payload) -> None:
         table, part = self._locate(peer, h)
