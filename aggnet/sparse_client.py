@@ -177,11 +177,15 @@ class SparseClient:
         return self._bytes_local_closed + sum(t._channel.bytes_local for t in list(self.tables.values())
                                               if t._channel is not None)
 
-    def _exchange(self, messages: list, timeout: float, what: str, expect: list = ()) -> dict:
+    def _exchange(self, messages: list, timeout: float, what: str, expect: list = (), take=None) -> dict:
         """Send (shard, header, payload) messages and wait for each one's
         answer, and for the ``expect`` keys' (answers to pushes that this
         host's leader sent for this worker): {key: (header, payload bytes)}
-        with key (shard, request type, table id, partition, round)."""
+        with key (shard, request type, table id, partition, round).
+        ``take(key, header, payload)``, where given, reads each answer's
+        payload while the transport still holds it, and its result stands
+        in for the bytes: a pull's rows then go straight to their place
+        instead of through a copy."""
         waiting = {k: None for k in expect}
         for shard, h, payload in messages:
             packed = h.pack() if payload is None else h.pack_for(payload)
@@ -219,9 +223,8 @@ class SparseClient:
                         wire.ErrorCode.JOB_MISMATCH.value: JobMismatch}.get(code, AggregationError)
                 raise kind(f"{self._context()}: {what}: shard {self.shards[msg.peer]}: {text}")
             del waiting[key]
-            payload = bytes(msg.payload)
-            self.bytes_received += len(payload)
-            replies[key] = (h, payload)
+            self.bytes_received += len(msg.payload)
+            replies[key] = (h, bytes(msg.payload) if take is None else take(key, h, msg.payload))
         return replies
 
 
@@ -349,12 +352,14 @@ class SparseTable:
         host's rows and pushes them once."""
         idx = self._indices(indices)
         vals = self._rows(rows, idx.size)
-        idx, vals = sparse_layout.combine(idx, vals) if idx.size else (idx, vals)
+        c = self.client
+        group = c.host_group
+        # rows pushed from here are packed (copied) at once; a follower's
+        # go to its leader zero-copy, so they must not be the caller's
+        idx, vals = sparse_layout.combine(idx, vals, copy=group is not None) if idx.size else (idx, vals)
         self.round += 1
         rnd = self.round
-        c = self.client
         what = f"{what} round {rnd} of table {self.name!r}"
-        group = c.host_group
         if group is None:
             msgs = self._push_messages(idx, vals, rnd)
             return rnd, lambda: c._exchange(msgs, c.timeout, what)
@@ -424,7 +429,10 @@ class SparseTable:
         if self.mode != "ps":
             raise ValueError(f"table {self.name!r} is an all-reduce table: it holds no rows")
         idx = self._indices(indices)
-        uniq, inverse = np.unique(idx, return_inverse=True)
+        if idx.size < 2 or bool((idx[1:] > idx[:-1]).all()):
+            uniq, inverse = idx, None  # sorted and unique already (ShardedEmbedding's)
+        else:
+            uniq, inverse = np.unique(idx, return_inverse=True)
         self._seq += 1
         seq = self._seq
         msgs = [(self._shard(p), self._header(MsgType.SPARSE_PULL, p, seq, b - a, slot),
@@ -432,14 +440,17 @@ class SparseTable:
                 for p, (a, b) in enumerate(self._split(uniq)) if b > a]
         c = self.client
 
+        spans = {self._key(MsgType.SPARSE_PULL, p, seq): (a, b) for p, (a, b) in enumerate(self._split(uniq))}
+
         def run():
-            replies = c._exchange(msgs, c.timeout, f"pull from table {self.name!r}")
             out = np.empty((uniq.size, self.width), np.float32)
-            for p, (a, b) in enumerate(self._split(uniq)):
-                if b > a:
-                    h, payload = replies[self._key(MsgType.SPARSE_PULL, p, seq)]
-                    out[a:b] = sparse_layout.unpack_rows(payload, h.ref, self.width)[1]
-            return out[inverse.reshape(-1)]
+
+            def take(key, h, payload):
+                a, b = spans[key]
+                out[a:b] = sparse_layout.unpack_rows(payload, b - a, self.width)[1]
+
+            c._exchange(msgs, c.timeout, f"pull from table {self.name!r}", take=take)
+            return out if inverse is None else out[inverse.reshape(-1)]
 
         return c._submit(run)
 
