@@ -18,7 +18,9 @@ same way). N worker processes then time, one system at a time:
   on gloo (what DDP does without ``sparse=True``).
 
 The dense head is all-reduced on gloo in every system alike. A step's time
-is the slowest worker's mean over ``--steps`` steps after ``--warmup``.
+is the slowest worker's mean over ``--steps`` steps after ``--warmup``; each
+worker first runs every system's warm-up once, so that the system timed
+first does not also pay for the fresh process's start.
 
 Bytes per worker and step (sent + received) are measured, not derived: for
 aggnet, the sparse client's payload counters (row indices and values;
@@ -202,6 +204,18 @@ def _worker(rank: int, world: int, cfg: dict, address: str, port: int, barrier, 
         if needs_weight:
             weight = torch.empty(cfg["rows"], cfg["width"])
             weight.normal_(generator=torch.Generator().manual_seed(0))
+        # every system's warm-up once before any is timed: the system timed
+        # first would otherwise also pay this fresh process's own start (a
+        # heap growing to a step's sizes, first calls), which the systems
+        # after it are spared; it made whichever system came first look up
+        # to twice as slow at small alphas
+        for system in cfg["systems"] if cfg["warmup"] else ():
+            model = _Step(system, world, cfg["rows"], cfg["width"], weight, sc, f"bench-{system}-start")
+            for s in range(cfg["warmup"]):
+                model.step(tokens(cfg["rows"], cfg["alphas"][0], rank, s, cfg["seed"]), cfg["timeout"])
+            model.finish()
+            model.close()
+            del model
         results = []
         for ai, alpha in enumerate(cfg["alphas"]):
             for system in cfg["systems"]:
