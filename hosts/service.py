@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from aggnet import keys, wire
 from aggnet.control import ControlError
 from aggnet.keys import Keyring
-from aggnet.processes import die_with_parent
+from aggnet.processes import die_with_parent, keep_large_buffers
 from aggnet.address import Address, parse
 from aggnet.transport import Listener, connect, listen
 from aggnet.wire import ErrorCode, Header, MsgType
@@ -84,6 +84,7 @@ def _shard_main(index: int, address: str, report, log_level: int, keyring: Keyri
                 curve=None, uplink: UplinkConfig | None = None, count: int = 1) -> None:
     """Entry point of a shard process."""
     die_with_parent()
+    keep_large_buffers()
     logging.basicConfig(level=log_level, format=f"%(asctime)s aggnet shard {index} %(levelname)s %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
