@@ -146,6 +146,49 @@ def _run_group(world: int, plan: list, services: dict, reps: int, gloo_port: int
     return per_rank
 
 
+def _report(target, rank: int, world: int, args: tuple, port: int, barrier, out) -> None:
+    try:
+        out.put((rank, target(rank, world, *args, port, barrier), None))
+    except BaseException as exc:  # the parent must hear of it rather than wait out its timeout
+        import traceback
+
+        out.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise
+
+
+def spawn_workers(target, world: int, args: tuple, timeout: float, what: str, hint: str = "") -> dict:
+    """Run ``target(rank, world, *args, port, barrier)`` in ``world`` fresh
+    (spawned) processes that share a free TCP port for their process group
+    and a barrier; {rank: what target returned}. A worker that fails, or
+    none answering within ``timeout``, raises RuntimeError naming ``what``
+    (and ``hint``, what to try): the benchmark never waits on a dead one."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(world)
+    out = ctx.Queue()
+    port = _free_port()
+    ps = [ctx.Process(target=_report, args=(target, r, world, args, port, barrier, out), daemon=True)
+          for r in range(world)]
+    for p in ps:
+        p.start()
+    per_rank = {}
+    try:
+        for _ in ps:
+            try:
+                rank, res, err = out.get(timeout=timeout)
+            except Exception:
+                raise RuntimeError(f"{what}: the N={world} workers gave no result within {timeout:g}s{hint}") \
+                    from None
+            if err is not None:
+                raise RuntimeError(f"{what}: worker {rank} of {world} failed: {err}")
+            per_rank[rank] = res
+    finally:
+        for p in ps:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return per_rank
+
+
 def _free_port() -> int:
     import socket
 

@@ -22,7 +22,6 @@ reduce-scatter and backend all-reduce / client all-reduce.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ import numpy as np
 
 from aggnet.config import format_size, parse_size
 
-from .allreduce import _free_port, _system_info, _timed
+from .allreduce import _system_info, _timed, spawn_workers
 
 
 def _timed_pair(barrier, fa, fb, reps: int) -> tuple[list[float], list[float]]:
@@ -56,7 +55,7 @@ SYSTEMS = ("gloo reduce_scatter", "aggnet reduce_scatter", "aggnet all_reduce", 
            "gloo all_reduce")
 
 
-def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, port: int, barrier, out) -> None:
+def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, port: int, barrier) -> list:
     import datetime
 
     import torch
@@ -98,29 +97,7 @@ def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, po
     finally:
         client.close()
         dist.destroy_process_group()
-    out.put((rank, results))
-
-
-def _run(world: int, sizes: list[int], reps: int, address: str) -> dict:
-    ctx = multiprocessing.get_context("spawn")
-    barrier = ctx.Barrier(world)
-    out = ctx.Queue()
-    port = _free_port()
-    ps = [ctx.Process(target=_worker, args=(r, world, sizes, reps, address, port, barrier, out), daemon=True)
-          for r in range(world)]
-    for p in ps:
-        p.start()
-    per_rank = {}
-    try:
-        for _ in ps:
-            rank, res = out.get(timeout=3600)
-            per_rank[rank] = res
-    finally:
-        for p in ps:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-    return per_rank
+    return results
 
 
 def main(args) -> int:
@@ -140,7 +117,8 @@ def main(args) -> int:
         # one service per world size, as `aggnet bench` does
         service = ServiceProcess(f"shm://{run_dir}/shm.sock", args.shards)
         try:
-            per_rank = _run(world, sizes, args.reps, service.address)
+            per_rank = spawn_workers(_worker, world, (sizes, args.reps, service.address), 3600,
+                                     "aggnet bench --collective reduce_scatter")
         finally:
             service.stop()
         for i, nbytes in enumerate(sizes):

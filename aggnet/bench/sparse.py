@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing
 import os
 import shutil
 import statistics
@@ -45,7 +44,7 @@ import uuid
 
 import numpy as np
 
-from .allreduce import _free_port, _system_info
+from .allreduce import _system_info, spawn_workers
 
 SYSTEMS = ("aggnet-ps", "aggnet-allreduce", "gloo-sparse", "dense")
 #: systems run unless --systems says otherwise (all of them)
@@ -184,7 +183,7 @@ class _Step:
             self.table.close()
 
 
-def _worker(rank: int, world: int, cfg: dict, address: str, port: int, barrier, out) -> None:
+def _worker(rank: int, world: int, cfg: dict, address: str, port: int, barrier) -> list:
     import datetime
 
     import torch
@@ -193,92 +192,58 @@ def _worker(rank: int, world: int, cfg: dict, address: str, port: int, barrier, 
     from aggnet import Client
     from aggnet.sparse_client import SparseClient
 
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg["timeout"]))
-        client = Client(address, job=f"bench-sparse-{port}", rank=rank, world_size=world, timeout=cfg["timeout"])
-        sc = SparseClient.of(client)
-        needs_weight = any(s != "aggnet-ps" for s in cfg["systems"])
-        weight = None
-        if needs_weight:
-            weight = torch.empty(cfg["rows"], cfg["width"])
-            weight.normal_(generator=torch.Generator().manual_seed(0))
-        # every system's warm-up once before any is timed: the system timed
-        # first would otherwise also pay this fresh process's own start (a
-        # heap growing to a step's sizes, first calls), which the systems
-        # after it are spared; it made whichever system came first look up
-        # to twice as slow at small alphas
-        for system in cfg["systems"] if cfg["warmup"] else ():
-            model = _Step(system, world, cfg["rows"], cfg["width"], weight, sc, f"bench-{system}-start")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=cfg["timeout"]))
+    client = Client(address, job=f"bench-sparse-{port}", rank=rank, world_size=world, timeout=cfg["timeout"])
+    sc = SparseClient.of(client)
+    needs_weight = any(s != "aggnet-ps" for s in cfg["systems"])
+    weight = None
+    if needs_weight:
+        weight = torch.empty(cfg["rows"], cfg["width"])
+        weight.normal_(generator=torch.Generator().manual_seed(0))
+    # every system's warm-up once before any is timed: the system timed
+    # first would otherwise also pay this fresh process's own start (a
+    # heap growing to a step's sizes, first calls), which the systems
+    # after it are spared; it made whichever system came first look up
+    # to twice as slow at small alphas
+    for system in cfg["systems"] if cfg["warmup"] else ():
+        model = _Step(system, world, cfg["rows"], cfg["width"], weight, sc, f"bench-{system}-start")
+        for s in range(cfg["warmup"]):
+            model.step(tokens(cfg["rows"], cfg["alphas"][0], rank, s, cfg["seed"]), cfg["timeout"])
+        model.finish()
+        model.close()
+        del model
+    results = []
+    for ai, alpha in enumerate(cfg["alphas"]):
+        for system in cfg["systems"]:
+            model = _Step(system, world, cfg["rows"], cfg["width"], weight, sc, f"bench-{system}-{ai}")
             for s in range(cfg["warmup"]):
-                model.step(tokens(cfg["rows"], cfg["alphas"][0], rank, s, cfg["seed"]), cfg["timeout"])
+                model.step(tokens(cfg["rows"], alpha, rank, s, cfg["seed"]), cfg["timeout"])
             model.finish()
+            batches = [tokens(cfg["rows"], alpha, rank, cfg["warmup"] + s, cfg["seed"])
+                       for s in range(cfg["steps"])]
+            barrier.wait(cfg["timeout"])
+            sent0, recv0 = sc.bytes_sent, sc.bytes_received
+            sent = recv = 0
+            t0 = time.perf_counter()
+            for b in batches:
+                moved = model.step(b, cfg["timeout"])
+                if moved is not None:
+                    sent += moved[0]
+                    recv += moved[1]
+            model.finish()
+            elapsed = time.perf_counter() - t0
+            if system.startswith("aggnet"):
+                sent, recv = sc.bytes_sent - sent0, sc.bytes_received - recv0
             model.close()
             del model
-        results = []
-        for ai, alpha in enumerate(cfg["alphas"]):
-            for system in cfg["systems"]:
-                model = _Step(system, world, cfg["rows"], cfg["width"], weight, sc, f"bench-{system}-{ai}")
-                for s in range(cfg["warmup"]):
-                    model.step(tokens(cfg["rows"], alpha, rank, s, cfg["seed"]), cfg["timeout"])
-                model.finish()
-                batches = [tokens(cfg["rows"], alpha, rank, cfg["warmup"] + s, cfg["seed"])
-                           for s in range(cfg["steps"])]
-                barrier.wait(cfg["timeout"])
-                sent0, recv0 = sc.bytes_sent, sc.bytes_received
-                sent = recv = 0
-                t0 = time.perf_counter()
-                for b in batches:
-                    moved = model.step(b, cfg["timeout"])
-                    if moved is not None:
-                        sent += moved[0]
-                        recv += moved[1]
-                model.finish()
-                elapsed = time.perf_counter() - t0
-                if system.startswith("aggnet"):
-                    sent, recv = sc.bytes_sent - sent0, sc.bytes_received - recv0
-                model.close()
-                del model
-                results.append({"system": system, "alpha_index": ai, "step_s": elapsed / cfg["steps"],
-                                "sent": sent / cfg["steps"], "received": recv / cfg["steps"]})
-        sc.close()
-        client.close()
-        dist.destroy_process_group()
-        out.put((rank, results, None))
-    except BaseException as exc:  # the parent must hear of it rather than wait out its timeout
-        import traceback
-
-        out.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise
-
-
-def _run_world(world: int, cfg: dict, address: str) -> dict:
-    ctx = multiprocessing.get_context("spawn")
-    barrier = ctx.Barrier(world)
-    out = ctx.Queue()
-    port = _free_port()
-    ps = [ctx.Process(target=_worker, args=(r, world, cfg, address, port, barrier, out), daemon=True)
-          for r in range(world)]
-    for p in ps:
-        p.start()
-    per_rank = {}
-    try:
-        for _ in ps:
-            try:
-                rank, res, err = out.get(timeout=cfg["run_timeout"])
-            except Exception:
-                raise RuntimeError(f"aggnet bench-sparse: the N={world} workers gave no result within "
-                                   f"{cfg['run_timeout']:g}s; try fewer --rows, --steps or --alphas") from None
-            if err is not None:
-                raise RuntimeError(f"aggnet bench-sparse: worker {rank} of {world} failed: {err}")
-            per_rank[rank] = res
-    finally:
-        for p in ps:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    return per_rank
+            results.append({"system": system, "alpha_index": ai, "step_s": elapsed / cfg["steps"],
+                            "sent": sent / cfg["steps"], "received": recv / cfg["steps"]})
+    sc.close()
+    client.close()
+    dist.destroy_process_group()
+    return results
 
 
 def touched(cfg: dict, world: int, alpha: float) -> tuple[float, float, list[float]]:
@@ -363,7 +328,8 @@ def main(args) -> int:
         service = ServiceProcess(f"shm://{run_dir}/shm.sock", args.shards)
         try:
             try:
-                per_rank = _run_world(world, cfg, service.address)
+                per_rank = spawn_workers(_worker, world, (cfg, service.address), cfg["run_timeout"],
+                                         "aggnet bench-sparse", "; try fewer --rows, --steps or --alphas")
             except RuntimeError as exc:
                 print(exc, file=sys.stderr)
                 return 1
