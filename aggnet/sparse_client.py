@@ -150,8 +150,6 @@ class SparseClient:
             except Exception as exc:  # closing must go on to release the socket
                 log.debug("closing sparse table %r: %s", t.name, exc)
         self._closed = True
-        for t in list(self.tables.values()):
-            self._exec.submit(t._close_channel)
         self._exec.shutdown(wait=True)
         self._conn.close()
 
