@@ -170,6 +170,10 @@ def test_a_follower_without_its_leader_fails_clearly(service):
         with pytest.raises(AggregationTimeout, match=r"rank 0, the first worker of host 0, which pushes the host's "
                                                      r"rows: is it running.*no answer within 2s"):
             t.allreduce([1], np.ones((1, WIDTH), np.float32)).result(10)
+        # a follower's own push, past its client: refused, its leader pushes for it
+        with pytest.raises(AggregationError, match=r"rank 1 opened table 't' as a worker whose rows its host's first "
+                                                   r"worker combines and pushes; it cannot push itself"):
+            _raw(sc, t, MsgType.SPARSE_PUSH, 0, 2, [1], np.ones((1, WIDTH)))
     with pytest.raises(ValueError, match=r"ranks must go host by host"):
         SparseClient(["zmq+ipc:///nonexistent"], job="x", rank=1, world_size=4, host_group=HostGroup(1, 2, 0, 2))
 
