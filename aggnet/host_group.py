@@ -63,7 +63,7 @@ class HostGroup:
     def from_env(cls, rank: int, world_size: int) -> "HostGroup | None":
         """The group torchrun describes, or None: one worker per host,
         combining switched off (``AGGNET_SPARSE_COMBINE=0``), or ranks not
-        numbered host by host (said once in the log)."""
+        numbered host by host (said in the log)."""
         if os.environ.get("AGGNET_SPARSE_COMBINE", "1").strip().lower() in ("0", "no", "off", "false"):
             return None
         try:
