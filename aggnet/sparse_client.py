@@ -372,14 +372,9 @@ class SparseTable:
 
         def lead():
             others = self._local().collect(rnd, c.timeout, what)
-            if others:
-                # the leader's rows first, then local ranks 1.. in order: a
-                # stable combine sums each row in local-rank order
-                both_idx = np.concatenate([idx] + [i for i, _ in others])
-                both = np.concatenate([vals] + [v for _, v in others])
-                host_idx, host_vals = sparse_layout.combine(both_idx, both) if both_idx.size else (both_idx, both)
-            else:
-                host_idx, host_vals = idx, vals
+            # the leader's rows first, then local ranks 1.. in order: each
+            # row is summed in local-rank order
+            host_idx, host_vals, _ = sparse_layout.combine_parts([(idx, vals)] + others, self.width)
             return c._exchange(self._push_messages(host_idx, host_vals, rnd), c.timeout, what)
         return rnd, lead
 

@@ -18,6 +18,7 @@ one starts.
 
 from __future__ import annotations
 
+import abc
 import atexit
 import contextlib
 import logging
@@ -93,7 +94,7 @@ class Host:
     port: str  #: the ToR-side end of its cable
 
 
-class Emulated:
+class Emulated(abc.ABC):
     """A piece of emulated network that stands only inside a ``with``: built
     on enter; torn down on exit, when building fails, on SIGTERM and at
     interpreter exit, so no namespace outlives the run that made it.
@@ -103,14 +104,17 @@ class Emulated:
     what = "a network"
     _old_term = None
 
+    @abc.abstractmethod
     def _clear_stale(self) -> None:
-        raise NotImplementedError
+        """Remove what an earlier run of the same names left behind."""
 
+    @abc.abstractmethod
     def _build(self) -> None:
-        raise NotImplementedError
+        """Create the namespaces, links and processes."""
 
+    @abc.abstractmethod
     def teardown(self) -> None:
-        raise NotImplementedError
+        """Remove everything built; safe to call twice."""
 
     def __enter__(self):
         ok, why = can_emulate()
