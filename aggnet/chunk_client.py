@@ -61,8 +61,10 @@ class ChunkRequest(Request):
     skip_shards: set = field(default_factory=set)
     plan: np.ndarray | None = None  #: size, wire dtype: what the buffer-size agreement compares
     plan_done: bool = False
-    #: an error that came before the buffer-size agreement: reported once
-    #: the agreement shows the sizes match (else JobMismatch is)
+    #: a chunk given up because another worker stopped: reported once the
+    #: buffer-size agreement and the chunks in flight have answered, since
+    #: one of them may name the cause (a JobMismatch), which is the error
+    #: worth reporting; no further chunk of the round is sent meanwhile
     held_error: Exception | None = None
 
 
@@ -298,7 +300,7 @@ class ChunkClient(Client):
         agreed = np.frombuffer(payload, np.int32, h.count) if h.count == 6 else None
         if agreed is not None and (agreed[:3] == req.plan).all() and (-agreed[3:] == req.plan).all():
             if req.held_error is not None:
-                self._fail_round(req, req.held_error)
+                self._settle_held(req)
                 return
             req.remaining -= 1
             if req.remaining == 0:
@@ -360,7 +362,7 @@ class ChunkClient(Client):
         while progressed:
             progressed = False
             for shard, q in enumerate(self._to_send):
-                while q and (q[0][0].failed or shard in q[0][0].skip_shards):
+                while q and (q[0][0].failed or q[0][0].held_error is not None or shard in q[0][0].skip_shards):
                     q.popleft()
                 if not q or self._inflight[shard] >= window or shard in q[0][0].scale_pending:
                     continue
@@ -441,6 +443,9 @@ class ChunkClient(Client):
             self.stats.dropped_replies += 1
             return
         c = req.chunks[h.index]
+        if req.held_error is not None:
+            self._settle_held(req)
+            return
         if c.owner is not None and c.owner != self.rank:
             # another rank's share: an acknowledgement, which frees the window
             req.remaining -= 1
@@ -512,13 +517,29 @@ class ChunkClient(Client):
             return
         if code == wire.ErrorCode.NOT_JOINED.value:
             self._rejoin_needed = True
-        if not req.plan_done and h.index != wire.PLAN_INDEX and kind is not JobMismatch:
-            # a chunk given up because another worker stopped: if that was
-            # over a buffer of another size, the agreement on the way says
-            # so, and that is the error worth reporting
+        if kind is AggregationTimeout:
+            # given up because another worker stopped: if it stopped over a
+            # buffer of another size or kind, the agreement or a chunk on the
+            # way says so, and that is the error worth reporting
+            if h.index == wire.PLAN_INDEX:
+                req.plan_done = True
+            elif (h.round, h.index) in self._outstanding:
+                staging = self._outstanding.pop((h.round, h.index))
+                self._inflight[shard] -= 1
+                if staging is not None:
+                    self._staging.append(staging)
             req.held_error = req.held_error or exc
+            self._settle_held(req)
             return
         self._fail_round(req, exc)
+
+    def _settle_held(self, req: ChunkRequest) -> None:
+        """Fail a round with its held error once nothing more of it can
+        answer. Every chunk sent gets a reply (a result, or an ERROR when the
+        shard gives its slot up), and the progress timeout covers one lost."""
+        if not req.plan_done or any(k[0] == req.round for k in self._outstanding):
+            return
+        self._fail_round(req, req.held_error)
 
     def _check_progress(self) -> None:
         if not self._active:

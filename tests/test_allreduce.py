@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 import uuid
 
@@ -284,6 +285,83 @@ def test_buffer_size_mismatch_is_reported_to_both_workers(service):
     res = run_workers(service.address, 2, _size_worker, service.address, job)
     for text in res:
         assert "same buffers in the same order" in text, text
+
+
+class ScriptedShards:
+    """Two shards that speak the protocol but answer a round's chunks with
+    the ERRORs a test names, in the order it names, so a client's handling
+    of replies that cross between shards is tested without a race."""
+
+    def __init__(self, errors):
+        from aggnet.transport import listen
+
+        from helpers import free_port
+
+        self.errors = errors  # [(chunk index, code, text)], in the order sent
+        self.listeners = [listen(f"zmq+tcp://127.0.0.1:{free_port()}") for _ in range(2)]
+        self.addresses = [str(lst.address) for lst in self.listeners]
+        self.chunks: dict[int, tuple] = {}  # chunk index -> (shard, peer, header)
+        self.stop = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while not self.stop:
+            for shard, lst in enumerate(self.listeners):
+                m = lst.recv(0.02)
+                if m is None:
+                    continue
+                h = wire.unpack_header(m.header)
+                if h.msg_type == wire.MsgType.HELLO:
+                    payload = wire.json_payload({"shards": self.addresses})
+                    lst.send(m.peer, wire.Header(wire.MsgType.HELLO_OK).pack_for(payload), payload)
+                elif h.msg_type == wire.MsgType.JOIN:
+                    payload = wire.json_payload({})
+                    lst.send(m.peer, wire.Header(wire.MsgType.JOIN_OK, job_id=h.job_id).pack_for(payload), payload)
+                elif h.msg_type == wire.MsgType.LEAVE:
+                    lst.send(m.peer, m.header)
+                elif h.msg_type == wire.MsgType.PUSH and h.index == wire.PLAN_INDEX:
+                    # the one worker agrees with itself
+                    lst.send(m.peer, wire.Header(wire.MsgType.RESULT, job_id=h.job_id, round=h.round,
+                                                 index=h.index, dtype=h.dtype, count=h.count,
+                                                 flags=h.flags).pack(), bytes(m.payload))
+                elif h.msg_type == wire.MsgType.PUSH:
+                    self.chunks[h.index] = (shard, m.peer, h)
+                    if len(self.chunks) == len(self.errors):
+                        for index, code, text in self.errors:
+                            where, peer, ch = self.chunks[index]
+                            err = wire.Header(wire.MsgType.ERROR, job_id=ch.job_id, round=ch.round, index=index)
+                            payload = wire.error_payload(code, text)
+                            self.listeners[where].send(peer, err.pack_for(payload), payload)
+                            time.sleep(0.3)  # the later error comes clearly later
+
+    def close(self):
+        self.stop = True
+        self.thread.join(5)
+        for lst in self.listeners:
+            lst.close()
+
+
+@pytest.mark.parametrize("later", ["mismatch", "stall"])
+def test_a_departure_reported_first_does_not_hide_the_mismatch_behind_it(later):
+    """A worker that hears of a mismatch stops and leaves; a shard where it
+    had a chunk open may tell the other worker of that departure before the
+    mismatch reaches it from another shard. The client waits for its chunks
+    in flight and reports the cause: the mismatch."""
+    later_code = wire.ErrorCode.JOB_MISMATCH if later == "mismatch" else wire.ErrorCode.STALL
+    shards = ScriptedShards([(1, wire.ErrorCode.STALL, "rank 1 left job 'x' while round 1 chunk 1 was open"),
+                             (0, later_code, "rank 1 sent 1000 FLOAT32 but ranks [0] sent 500")])
+    try:
+        with Client(shards.addresses[0], job="x", rank=0, world_size=2, chunk_bytes=4096, timeout=10) as c:
+            started = time.monotonic()
+            with pytest.raises(JobMismatch if later == "mismatch" else AggregationTimeout) as err:
+                c.allreduce(np.ones(2048, np.float32)).result(20)
+            took = time.monotonic() - started
+        assert ("sent 1000 FLOAT32" if later == "mismatch" else "while round 1 chunk 1 was open") in str(err.value)
+        # answered when the last chunk in flight answered, not at a timeout
+        assert took < 3, took
+    finally:
+        shards.close()
 
 
 def _nan_worker(rank, address, job):
