@@ -140,6 +140,11 @@ class ChunkClient(Client):
             if got is None:
                 continue
             msg, h = got
+            if h.msg_type == MsgType.ERROR and h.round:
+                # a late answer about a round that already failed (a rejoin
+                # follows one), not about this request
+                self.stats.dropped_replies += 1
+                continue
             if h.msg_type == MsgType.ERROR:
                 code, text = wire.parse_error(msg.payload)
                 exc = JobMismatch if code == wire.ErrorCode.JOB_MISMATCH else AggregationError

@@ -505,10 +505,17 @@ class Shard:
                 job.uplink_ready = False
                 self.uplink.join(job.job_id, job.name, job.stall_timeout)
             if slot is not None and slot.sent_up:
-                self._abandon(job, slot, ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.STALL,
+                # the workers are members here: a job the root lost is this
+                # rack's to join again, not theirs (they would rejoin for
+                # nothing, and the next round would wait on them)
+                relay = (ErrorCode.REFUSED if code == ErrorCode.NOT_JOINED else
+                         ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.STALL)
+                self._abandon(job, slot, relay,
                               f"the root aggregator {self.uplink.config.parent} gave up round {h.round} "
                               f"{self._what(slot)} of job {job.name!r}: {text}")
-            elif not job.uplink_ready:
+            elif not job.uplink_ready and not h.round:
+                # the root's answer to this rack's JOIN (a round's late
+                # error, of a slot given up already, is no answer to it)
                 self.uplink.joined(job.job_id)
                 for peer, _, _ in job.pending_joins:
                     self._reply(peer, Header(MsgType.ERROR, job_id=job.job_id), wire.error_payload(

@@ -387,6 +387,9 @@ def test_a_restarted_root_shard_takes_the_racks_back_and_the_job_goes_on():
         bufs, errors = round_(lambda k: 2 * k)
         assert not errors, errors
         assert all((b == 12).all() for b in bufs)
+        # the racks joined the root again; the workers stayed members of
+        # their racks and had nothing to rejoin
+        assert [c.stats.rejoins for c in clients] == [0] * 4
     finally:
         for c in clients:
             if c is not None:
