@@ -4,6 +4,7 @@ real processes (forked) for socket transports."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
 import socket
 import threading
@@ -31,7 +32,27 @@ class WorkerFailed(AssertionError):
     pass
 
 
-def _call(fn, rank, args, out):
+#: what every worker that asks for a fresh process imports anyway: the
+#: server they fork from imports it once (torch alone costs ~2 s of CPU per
+#: process, and the suite starts hundreds of workers)
+FORKSERVER_PRELOAD = ["numpy", "torch", "torch.distributed", "torch.nn.parallel", "aggnet", "aggnet.torch"]
+
+
+def _fresh_process_context():
+    """Workers with a fresh process's state (no threads, sockets or torch
+    state of the test process), forked from a server that has imported
+    FORKSERVER_PRELOAD. The server keeps the environment it started with, so
+    each worker is handed the test's environment and directory (see _call)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
+def _call(fn, rank, args, out, env=None, cwd=None):
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
     try:
         out.put((rank, True, fn(rank, *args)))
     except BaseException as exc:  # report every failure, with its type
@@ -58,7 +79,8 @@ def run_workers(address: str, world: int, fn, *args, timeout: float = 60.0, expe
     """Run ``fn(rank, *args)`` for every rank; return results by rank.
 
     Workers are threads for ``inproc://`` services, else processes
-    (``start_method="spawn"`` for workers that use torch). With
+    (``start_method="spawn"`` for workers that use torch or UCX: they start
+    from a fresh process's state, see _fresh_process_context). With
     ``expect_errors`` a failing worker's (type name, message) is returned
     in its place instead of failing the test."""
     inproc = address.startswith("inproc://")
@@ -69,9 +91,11 @@ def run_workers(address: str, world: int, fn, *args, timeout: float = 60.0, expe
         out = queue.Queue()
         workers = [threading.Thread(target=_call, args=(fn, r, args, out), daemon=True) for r in range(world)]
     else:
-        ctx = multiprocessing.get_context(start_method)
+        fresh = start_method == "spawn"
+        ctx = _fresh_process_context() if fresh else multiprocessing.get_context(start_method)
         out = ctx.Queue()
-        workers = [ctx.Process(target=_call, args=(fn, r, args, out), daemon=True) for r in range(world)]
+        where = (dict(os.environ), os.getcwd()) if fresh else ()
+        workers = [ctx.Process(target=_call, args=(fn, r, args, out, *where), daemon=True) for r in range(world)]
     for w in workers:
         w.start()
     results = {}

@@ -171,17 +171,29 @@ class Bmv2Aggregator:
         from aggnet.p4.control import SwitchControl
 
         self.ifaces = [f"agx{i}" for i in range(WORKERS + 2)]
+        self.switch = self.ctl = None
+        self.socks = {}
+        try:
+            self._start(Bmv2Switch, veth_pairs, SwitchControl)
+        except BaseException:
+            # a switch left running holds its ports and this run's interfaces,
+            # and the control plane's threads keep the test process alive
+            self.close()
+            raise
+
+    def _start(self, Bmv2Switch, veth_pairs, SwitchControl) -> None:
         veth_pairs(self.ifaces)
-        self.switch = Bmv2Switch({i: n for i, n in enumerate(self.ifaces)}, grpc_port=9561, thrift_port=9091)
+        grpc_port, thrift_port = free_tcp_ports(2)
+        self.switch = Bmv2Switch({i: n for i, n in enumerate(self.ifaces)}, grpc_port=grpc_port,
+                                 thrift_port=thrift_port)
         self.ctl = SwitchControl(self.switch.grpc_addr, switch_ip=SWITCH_IP, switch_mac=SWITCH_MAC,
-                                 thrift_port=9091).connect(load_pipeline=True)
+                                 thrift_port=thrift_port).connect(load_pipeline=True)
         self.port_of = {i: i for i in range(WORKERS)}
         self.port_of[PARENT] = WORKERS
         self.port_of[FOREIGN] = WORKERS + 1
         self.addr = {i: (f"10.78.0.{i + 1}", f"02:00:00:00:00:{i + 1:02x}", 40000 + i) for i in range(WORKERS)}
         self.addr[PARENT] = (PARENT_IP, PARENT_MAC, SWITCH_PORT)
         self.addr[FOREIGN] = ("10.78.0.99", "02:00:00:00:00:63", 40099)
-        self.socks = {}
         for ep, p in self.port_of.items():
             s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
             s.bind((f"{self.ifaces[p]}p", 0))
@@ -246,11 +258,27 @@ class Bmv2Aggregator:
     def close(self) -> None:
         from aggnet.emulation.bmv2 import delete_veths
 
-        self.ctl.close()
-        self.switch.stop()
-        for s in self.socks.values():
+        try:
+            if self.ctl is not None:
+                self.ctl.close()
+        finally:
+            if self.switch is not None:
+                self.switch.stop()
+            for s in self.socks.values():
+                s.close()
+            delete_veths(self.ifaces)
+
+
+def free_tcp_ports(n: int) -> list[int]:
+    """Ports nobody holds now, all distinct (held open together while chosen)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
             s.close()
-        delete_veths(self.ifaces)
 
 
 def job_name() -> str:
