@@ -23,9 +23,21 @@ from aggnet.hosts.process import ServiceProcess
 
 def free_port() -> int:
     """A TCP port nobody holds now (a torch.distributed rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int, kind=socket.SOCK_STREAM) -> list[int]:
+    """``n`` distinct ports nobody holds now (held together so that they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, kind)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class WorkerFailed(AssertionError):

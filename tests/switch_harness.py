@@ -16,6 +16,7 @@ from aggnet.client import job_id_of
 from aggnet.hosts.process import ServiceProcess
 from aggnet.protocol import SWITCH_PORT
 from aggnet.wire import HEADER_SIZE, Header, MsgType
+from helpers import free_ports
 
 K = 64
 WORKERS = 4
@@ -183,7 +184,7 @@ class Bmv2Aggregator:
 
     def _start(self, Bmv2Switch, veth_pairs, SwitchControl) -> None:
         veth_pairs(self.ifaces)
-        grpc_port, thrift_port = free_tcp_ports(2)
+        grpc_port, thrift_port = free_ports(2)
         self.switch = Bmv2Switch({i: n for i, n in enumerate(self.ifaces)}, grpc_port=grpc_port,
                                  thrift_port=thrift_port)
         self.ctl = SwitchControl(self.switch.grpc_addr, switch_ip=SWITCH_IP, switch_mac=SWITCH_MAC,
@@ -267,18 +268,6 @@ class Bmv2Aggregator:
             for s in self.socks.values():
                 s.close()
             delete_veths(self.ifaces)
-
-
-def free_tcp_ports(n: int) -> list[int]:
-    """Ports nobody holds now, all distinct (held open together while chosen)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def job_name() -> str:

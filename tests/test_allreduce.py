@@ -21,8 +21,8 @@ from aggnet.errors import (
     NonFiniteError,
 )
 from aggnet.kernels import quant_shift
-from aggnet.transport import connect
-from helpers import run_workers, silent_rank_run
+from aggnet.transport import connect, listen
+from helpers import free_port, run_workers, silent_rank_run
 
 SIZES = [0, 1, 7, 1000, 4096, 70001]
 
@@ -293,10 +293,6 @@ class ScriptedShards:
     of replies that cross between shards is tested without a race."""
 
     def __init__(self, errors):
-        from aggnet.transport import listen
-
-        from helpers import free_port
-
         self.errors = errors  # [(chunk index, code, text)], in the order sent
         self.listeners = [listen(f"zmq+tcp://127.0.0.1:{free_port()}") for _ in range(2)]
         self.addresses = [str(lst.address) for lst in self.listeners]

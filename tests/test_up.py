@@ -21,24 +21,11 @@ import pytest
 
 from aggnet import Client, up_state
 from aggnet.stats_cli import query
+from helpers import free_ports
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ONE_MACHINE = ROOT / "examples" / "topologies" / "one-machine.toml"
 CLI_TIMEOUT = 120
-
-
-def _free_ports(n: int, kind=socket.SOCK_DGRAM) -> list[int]:
-    """``n`` distinct ports nobody holds now (held together so that they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, kind)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def aggnet(*args: str) -> subprocess.CompletedProcess:
@@ -99,7 +86,7 @@ def _one_machine(ports: list[int]) -> str:
 
 @pytest.fixture
 def one_machine(tmp_path, request):
-    ports = _free_ports(3)
+    ports = free_ports(3, socket.SOCK_DGRAM)
     d = Deployment(tmp_path, _one_machine(ports), "one-machine")
     d.ports = ports
     request.addfinalizer(d.cleanup)
@@ -343,7 +330,7 @@ shards = 1
 
 def _p4_solo(tmp_path, request, grpc: int, thrift: int) -> Deployment:
     """One P4 rack and its fallback, no root."""
-    (fallback,) = _free_ports(1)
+    (fallback,) = free_ports(1, socket.SOCK_DGRAM)
     job = f"up-p4-{os.getpid()}"
     d = Deployment(tmp_path, P4_SOLO.format(job=job, grpc=grpc, thrift=thrift, fallback=fallback), job)
     d.fallback = f"udp://127.0.0.1:{fallback}"
@@ -352,7 +339,7 @@ def _p4_solo(tmp_path, request, grpc: int, thrift: int) -> Deployment:
 
 
 def test_a_p4_rack_under_a_root_is_left_to_its_fallback(tmp_path, request):
-    grpc, thrift = _free_ports(2, socket.SOCK_STREAM)
+    grpc, thrift = free_ports(2)
     d = _p4_deployment(tmp_path, request, grpc, thrift)
     out = _ok(d.up())
     assert _row(out, "rack rack0").endswith("not installed: P4 racks under a root are not supported yet")
@@ -362,7 +349,7 @@ def test_a_p4_rack_under_a_root_is_left_to_its_fallback(tmp_path, request):
 
 
 def _p4_deployment(tmp_path, request, grpc: int, thrift: int) -> Deployment:
-    fallback, rack1 = _free_ports(2)
+    fallback, rack1 = free_ports(2, socket.SOCK_DGRAM)
     # the root must take port 42606 (the P4 program's); a loopback address
     # of its own keeps it clear of any other aggregator on this machine
     root_ip = f"127.79.{os.getpid() % 250}.{1 + int(time.monotonic() * 1000) % 250}"
@@ -376,7 +363,7 @@ def _p4_deployment(tmp_path, request, grpc: int, thrift: int) -> Deployment:
 
 
 def test_a_switch_that_does_not_answer_leaves_its_rack_to_the_fallback(tmp_path, request):
-    grpc, thrift = _free_ports(2, socket.SOCK_STREAM)  # nothing listens there
+    grpc, thrift = free_ports(2)  # nothing listens there
     d = _p4_solo(tmp_path, request, grpc, thrift)
     out = _ok(d.up())
     said = [line for line in out.splitlines() if line.startswith("rack rack0: ")]
@@ -414,7 +401,7 @@ def test_up_installs_the_job_on_a_switch_once_and_down_removes_it(tmp_path, requ
     from aggnet.emulation.bmv2 import Bmv2Switch
     from aggnet.p4.control import SwitchControl
 
-    grpc, thrift = _free_ports(2, socket.SOCK_STREAM)
+    grpc, thrift = free_ports(2)
     switch = Bmv2Switch({}, grpc_port=grpc, thrift_port=thrift)
     request.addfinalizer(switch.stop)
     # the switch's own set-up, not the job's
