@@ -26,6 +26,13 @@ class AddressError(ValueError):
     pass
 
 
+#: hosts that mean "every interface" when a service listens on them. In an
+#: address a service hands out (its shard map) they mean "the host you
+#: reached me at": a listener on 0.0.0.0 cannot know which of its addresses
+#: a worker can reach, the worker can (see :func:`reached_via`).
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "*", ""})
+
+
 @dataclass(frozen=True)
 class Address:
     scheme: str
@@ -50,6 +57,36 @@ class Address:
     @property
     def is_local_only(self) -> bool:
         return self.scheme in ("zmq+ipc", "shm", "inproc")
+
+    @property
+    def is_wildcard(self) -> bool:
+        """A network address on every interface (0.0.0.0, [::], *)."""
+        return not self.is_local_only and self.host in WILDCARD_HOSTS
+
+    def with_host(self, host: str) -> "Address":
+        return Address(self.scheme, host, self.port, self.path)
+
+
+def reached_via(advertised: "str | Address", control: "str | Address") -> Address:
+    """Where a worker that reached a service's control endpoint at
+    ``control`` finds a shard the service advertised as ``advertised``: a
+    wildcard host is replaced by the control endpoint's host (the one
+    address of the service this worker is known to reach); any other
+    address is taken as given (``aggnet serve --advertise HOST``)."""
+    shard, via = parse(advertised), parse(control)
+    if shard.is_wildcard and not via.is_local_only:
+        return shard.with_host(via.host)
+    return shard
+
+
+def advertised_as(listening: "str | Address", advertise: str | None) -> Address:
+    """The address a service lists for a socket bound at ``listening``:
+    with ``advertise`` (a host name or IP) that host, else the bound address
+    (a wildcard there is resolved by each worker, see :func:`reached_via`)."""
+    addr = parse(listening)
+    if advertise and not addr.is_local_only:
+        return addr.with_host(advertise.strip("[]"))
+    return addr
 
 
 def parse(url: str | Address) -> Address:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import chunking, kernels, wire
-from .address import parse
+from .address import parse, reached_via
 from .client import STALL_FRACTION, Client, Request
 from .codec import Encoding
 from .errors import AggregationError, AggregationTimeout, AggregatorUnreachable, JobMismatch, NonFiniteError
@@ -125,9 +125,7 @@ class ChunkClient(Client):
                 missing = [str(conn.addresses[e]) for e in endpoints if e not in replies]
                 raise AggregatorUnreachable(
                     f"no aggregator answered at {', '.join(missing)} within {self.config.connect_timeout:g}s "
-                    f"({self._context()}): start one with `aggnet serve --listen {self.address}`, "
-                    f"or leave the address unset to use an embedded local aggregator"
-                )
+                    f"({self._context()}): {self._unreachable_hint(conn, missing)}")
             if now >= next_send:
                 for e in endpoints:
                     if e not in replies:
@@ -156,6 +154,17 @@ class ChunkClient(Client):
                     self.stats.dropped_replies += 1
         return replies
 
+    def _unreachable_hint(self, conn, missing: list[str]) -> str:
+        if conn is not self._conn:
+            return (f"start one with `aggnet serve --listen {self.address}`, or leave the address unset to use an "
+                    f"embedded local aggregator")
+        # the control endpoint answered: its shards are where it said, or
+        # where this worker cannot reach them
+        said = sorted({a for a, r in zip(self._advertised, self.shards) if r in missing})
+        return (f"the service at {self.address} answered and advertised its shards as {', '.join(said)}; if this "
+                f"worker cannot reach that host, restart the service with `aggnet serve --advertise HOST` naming "
+                f"an address of it that this worker can reach (and check that a firewall lets its shard ports in)")
+
     def _discover(self) -> list[str]:
         deadline = time.monotonic() + self.config.connect_timeout
         with connect([self.address], **self._transport_options) as ctl:
@@ -165,11 +174,11 @@ class ChunkClient(Client):
                 not all(isinstance(a, str) for a in shards):
             raise AggregationError(f"service at {self.address} answered without a shard list: {str(reply)[:200]}")
         try:
-            for a in shards:
-                parse(a)
+            reachable = [str(reached_via(a, self.address)) for a in shards]
         except ValueError as exc:
             raise AggregationError(f"service at {self.address} listed a bad shard address: {exc}") from None
-        return shards
+        self._advertised = shards
+        return reachable
 
     def _join(self) -> None:
         deadline = time.monotonic() + self.config.connect_timeout

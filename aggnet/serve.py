@@ -25,6 +25,10 @@ def add_arguments(s) -> None:
                    help="control address (zmq+tcp://host:port, zmq+ipc:///path, shm:///path; udp://host:port with "
                         f"--mode switch); default {DEFAULT_SERVICE_LISTEN}, or udp://127.0.0.1:42606 in switch "
                         "mode. Give 0.0.0.0 to serve other hosts (with --keys)")
+    s.add_argument("--advertise", default=None, metavar="HOST",
+                   help="the host name or IP the shard map gives workers (default: the --listen host; on 0.0.0.0 "
+                        "or [::] each worker uses the host it reached the service at). Set it when workers reach "
+                        "this machine by another address than the one they were given (NAT, a proxy)")
     s.add_argument("--mode", choices=["service", "switch"], default="service",
                    help="service: sharded aggregator (chunks over messages); switch: the switch protocol "
                         "over UDP, standing in for a ToR switch or serving as a parent (docs/protocol.md)")
@@ -167,7 +171,7 @@ def _serve_service(args, keyring) -> int:
             return 2
     try:
         svc = service.start(args.listen, args.shards, getattr(logging, args.log_level), keyring=keyring,
-                            restart=args.restart, curve=curve, uplink=uplink)
+                            restart=args.restart, curve=curve, uplink=uplink, advertise=args.advertise)
     except Exception as exc:
         print(f"aggnet serve: {exc}", file=sys.stderr)
         return 1
@@ -205,7 +209,7 @@ def _serve_switch(args, keyring) -> int:
         svc = SwitchService(args.listen, pool=args.pool, elements=args.elements or DEFAULT_HOST_ELEMENTS,
                             max_elements=args.max_elements, parent=args.parent, rack_id=args.rack_id,
                             racks=args.racks, reclaim_idle=args.reclaim_idle, shards=shards, io=args.io,
-                            keyring=keyring)
+                            keyring=keyring, advertise=args.advertise)
     except Exception as exc:
         print(f"aggnet serve: {exc}", file=sys.stderr)
         return 1

@@ -28,7 +28,7 @@ from aggnet import keys, wire
 from aggnet.control import ControlError
 from aggnet.keys import Keyring
 from aggnet.processes import die_with_parent, keep_large_buffers
-from aggnet.address import Address, parse
+from aggnet.address import Address, advertised_as, parse
 from aggnet.transport import Listener, connect, listen
 from aggnet.wire import ErrorCode, Header, MsgType
 
@@ -138,14 +138,17 @@ class Service:
     #: a rack under a root service: where its shards send partial sums
     uplink: UplinkConfig | None = None
     counters: collections.Counter = field(default_factory=collections.Counter)
+    #: the host the shard map names (``aggnet serve --advertise``); None:
+    #: the listen host, a wildcard one resolved by each worker
+    advertise: str | None = None
 
     @property
     def address(self) -> str:
         return str(self.control.address)
 
     def shard_map(self) -> dict:
-        return {"service": "aggnet", "version": wire.VERSION, "shards": [s.address for s in self.shards],
-                "pid": os.getpid()}
+        return {"service": "aggnet", "version": wire.VERSION,
+                "shards": [str(advertised_as(s.address, self.advertise)) for s in self.shards], "pid": os.getpid()}
 
     def handle_control(self, peer, header_buf, payload) -> None:
         """One control message; none, however malformed, stops the service."""
@@ -364,10 +367,12 @@ def _spawn_shard(index: int, address: str, log_level: int, keyring: Keyring, cur
 
 def start(listen_address: str, shards: int | None = None, log_level: int = logging.INFO,
           keyring: Keyring | None = None, restart: bool = False, curve=None,
-          uplink: UplinkConfig | None = None) -> Service:
+          uplink: UplinkConfig | None = None, advertise: str | None = None) -> Service:
     """Start shards and bind the control endpoint; returns when every shard
     is ready. ``inproc://`` services run their shards as threads. With
-    ``uplink`` the service is a rack under a root service (hosts/uplink.py)."""
+    ``uplink`` the service is a rack under a root service (hosts/uplink.py);
+    with ``advertise`` its shard map names that host (a service behind NAT,
+    or one whose workers reach it by a name of its own)."""
     keyring = keyring or Keyring()
     if keyring.enforced and keyring.admin is None:
         # the supervisor reads every shard's full table (STATS, metrics,
@@ -413,8 +418,8 @@ def start(listen_address: str, shards: int | None = None, log_level: int = loggi
             h.process.kill()
         raise
     svc = Service(control, handles, keyring=keyring, restart=restart, log_level=log_level, curve=curve,
-                  uplink=uplink)
-    log.info("aggnet service at %s with %d shard(s): %s%s", svc.address, n, ", ".join(h.address for h in handles),
+                  uplink=uplink, advertise=advertise)
+    log.info("aggnet service at %s with %d shard(s): %s%s", svc.address, n, ", ".join(svc.shard_map()["shards"]),
              f"; rack {uplink.rack_id} of {uplink.racks} under {uplink.parent}" if uplink else "")
     return svc
 

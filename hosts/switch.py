@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from aggnet import control, wire
-from aggnet.address import Address, parse
+from aggnet.address import Address, advertised_as, parse
 from aggnet.control import ControlError
 from aggnet.keys import Keyring
 from aggnet.processes import die_with_parent
@@ -105,8 +105,12 @@ class SwitchService:
     def __init__(self, listen: str | Address, pool: int = DEFAULT_POOL, elements: int = DEFAULT_HOST_ELEMENTS,
                  parent: str | None = None, rack_id: int = 0, racks: int = 1,
                  reclaim_idle: float = DEFAULT_RECLAIM_IDLE, shards: int = 1,
-                 max_elements: int | None = None, io: str | None = None, keyring: Keyring | None = None):
+                 max_elements: int | None = None, io: str | None = None, keyring: Keyring | None = None,
+                 advertise: str | None = None):
         addr = parse(listen)
+        #: the host HELLO_OK names (workers use the address they sent to;
+        #: the list is for people and tools)
+        self.advertise = advertise
         self.keyring = keyring or Keyring()
         if max_elements is None:
             max_elements = max(elements, DEFAULT_HOST_ELEMENTS)
@@ -311,7 +315,8 @@ class SwitchService:
         elif h.msg_type == MsgType.HELLO:
             self._reply(src, MsgType.HELLO_OK, wire.json_payload(
                 {"service": "aggnet", "mode": "switch", "version": wire.VERSION,
-                 "shards": [f"udp://{self.address.host}:{self.address.port + i}" for i in range(self.shards)],
+                 "shards": [str(advertised_as(self.address.with_port(self.address.port + i), self.advertise))
+                            for i in range(self.shards)],
                  "shard_slots": self.regs.shard_slots, "elements": self.default_elements,
                  "max_elements": self.regs.max_elements, "pool": self.regs.pool, "io": self.io}))
         else:

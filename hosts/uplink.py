@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from aggnet import wire
-from aggnet.address import parse
+from aggnet.address import parse, reached_via
 from aggnet.transport import TransportError, connect
 from aggnet.wire import Header, MsgType
 
@@ -162,11 +162,11 @@ class Uplink:
             self.error = (f"the root at {self.config.parent} has {len(shards)} shard(s), this rack {self.count}; "
                           f"run the root and every service rack with the same --shards")
         else:
-            self.root_shard = shards[self.index]
             try:
+                self.root_shard = str(reached_via(shards[self.index], self.config.parent))
                 self.data = connect([self.root_shard])
             except (TransportError, ValueError) as exc:
-                self.error = f"cannot connect to root shard {self.root_shard}: {exc}"
+                self.error = f"cannot connect to root shard {shards[self.index]}: {exc}"
         if self.error is not None:
             log.error("rack shard %d: %s", self.index, self.error)
         else:

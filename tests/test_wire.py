@@ -5,7 +5,7 @@ import struct
 import pytest
 
 from aggnet import wire
-from aggnet.address import AddressError, parse
+from aggnet.address import AddressError, advertised_as, parse, reached_via
 from aggnet.transport import connect, listen
 from aggnet.wire import DType, Flag, Header, MsgType, WireError
 
@@ -89,6 +89,24 @@ def test_addresses_parse_and_unknown_schemes_list_the_known_ones():
         parse("localhost:5555")
     with pytest.raises(AddressError, match="has no message transport"):
         listen("udp://127.0.0.1:0")
+
+
+@pytest.mark.parametrize("advertised,control,expected", [
+    ("zmq+tcp://0.0.0.0:5556", "zmq+tcp://10.1.2.3:5555", "zmq+tcp://10.1.2.3:5556"),
+    ("zmq+tcp://[::]:5556", "zmq+tcp://[fd00::1]:5555", "zmq+tcp://[fd00::1]:5556"),
+    ("ucx://0.0.0.0:13338", "ucx://agg-host:13337", "ucx://agg-host:13338"),
+    ("zmq+tcp://10.9.9.9:5556", "zmq+tcp://10.1.2.3:5555", "zmq+tcp://10.9.9.9:5556"),  # --advertise: as given
+    ("zmq+ipc:///run/agg.sock.0", "zmq+ipc:///run/agg.sock", "zmq+ipc:///run/agg.sock.0"),
+])
+def test_a_wildcard_shard_address_is_reached_where_the_service_was(advertised, control, expected):
+    assert str(reached_via(advertised, control)) == expected
+
+
+def test_a_service_advertises_its_listen_address_or_the_host_it_was_given():
+    assert str(advertised_as("zmq+tcp://0.0.0.0:5556", None)) == "zmq+tcp://0.0.0.0:5556"
+    assert str(advertised_as("zmq+tcp://0.0.0.0:5556", "agg.example")) == "zmq+tcp://agg.example:5556"
+    assert str(advertised_as("zmq+tcp://[::]:5556", "[fd00::7]")) == "zmq+tcp://[fd00::7]:5556"
+    assert str(advertised_as("zmq+ipc:///run/a.0", "agg.example")) == "zmq+ipc:///run/a.0"
 
 
 def test_listen_reports_the_bound_port_and_refuses_a_taken_one():

@@ -219,7 +219,11 @@ def _take(q: queue.SimpleQueue, timeout: float) -> Incoming | None:
 
 
 def _host_of(addr: Address) -> str:
-    return "127.0.0.1" if addr.host in ("0.0.0.0", "localhost", "") else addr.host
+    """Where to connect for ``addr``: a wildcard is this host's loopback
+    (workers resolve a service's wildcard shard addresses before this)."""
+    if addr.is_wildcard:
+        return "::1" if ":" in addr.host else "127.0.0.1"
+    return "127.0.0.1" if addr.host == "localhost" else addr.host
 
 
 class UcxListener(Listener):

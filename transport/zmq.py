@@ -112,6 +112,8 @@ class ZmqListener(Listener):
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
         self._sock.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+        # [::] then serves IPv6 and IPv4 workers alike
+        self._sock.setsockopt(zmq.IPV6, 1)
         endpoint = zmq_endpoint(addr)
         try:
             self._sock.bind(endpoint)
@@ -181,6 +183,7 @@ class ZmqConnection(Connection):
             # a send with no way out (a refused CURVE handshake, a full
             # queue to a stuck peer) raises instead of blocking for ever
             s.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+            s.setsockopt(zmq.IPV6, 1)  # IPv6 service addresses; IPv4 ones work as before
             _apply_curve(s, curve, server=False)
             try:
                 s.connect(zmq_endpoint(addr))
