@@ -16,13 +16,13 @@ Public API:
   ``ShardedEmbedding``.
 """
 
-from .client import Client, ClientStats
-from .config import ClientConfig
-from .host_group import HostGroup
-from .sparse_client import SparseClient
-from .topology import Topology, TopologyError
-from .topology import load as load_topology
-from .errors import (
+from aggnet.client.base import Client, ClientStats
+from aggnet.client.config import ClientConfig
+from aggnet.client.host_group import HostGroup
+from aggnet.client.sparse import SparseClient
+from aggnet.protocol.topology import Topology, TopologyError
+from aggnet.protocol.topology import load as load_topology
+from aggnet.errors import (
     AggnetError,
     AggregationError,
     AggregationTimeout,

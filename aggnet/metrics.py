@@ -23,13 +23,8 @@ from concurrent.futures import Future
 
 log = logging.getLogger("aggnet.metrics")
 
-KINDS = ("service", "switch")
 #: what a histogram of the stats may be called to become aggnet_<name>
 _NAME = re.compile(r"[a-z_][a-z0-9_]*")
-
-#: switch-mode counter names -> the service's names for the same events, so
-#: that one set of metrics describes both kinds of aggregator
-_SWITCH_NAMES = {"received": "messages", "summed": "pushes", "completed": "results", "finals": "results"}
 
 #: (stats counter, metric suffix, help, labels) of the counters exported
 #: aggregator-wide (no label) and per job (aggnet_job_*, label job)
@@ -48,12 +43,35 @@ _COUNTERS = (
     ("stalls", "stalls", "Slots given up because a worker did not contribute in time", {}),
     ("internal_error", "internal_errors", "Messages the aggregator failed on (its log says why)", {}),
 )
-#: counters every aggregator of a kind reports, at 0 before they happen
-#: (stats leave zero counters out): alerts see 0, not a missing series
-_ALWAYS = {
-    "service": ("messages", "pushes", "results", "bytes_in", "bytes_out", "stalls", "internal_error"),
-    "switch": ("messages", "pushes", "results", "results_resent", "uplink_resent", "internal_error"),
+
+
+@dataclasses.dataclass(frozen=True)
+class _CounterNames:
+    """How one kind of aggregator names its counters."""
+
+    #: its names -> the service's names for the same events, so that one
+    #: set of metrics describes every kind
+    renamed: dict
+    #: counters it always reports, at 0 before they happen (stats leave
+    #: zero counters out): alerts see 0, not a missing series
+    always: tuple
+
+
+#: by the "kind" of an aggregator's stats (hosts/aggregator.py)
+_KINDS = {
+    "service": _CounterNames({}, ("messages", "pushes", "results", "bytes_in", "bytes_out", "stalls",
+                                  "internal_error")),
+    "switch": _CounterNames({"received": "messages", "summed": "pushes", "completed": "results", "finals": "results"},
+                            ("messages", "pushes", "results", "results_resent", "uplink_resent", "internal_error")),
 }
+KINDS = tuple(_KINDS)
+
+#: (pool figure, metric, help) in the order they are exported
+_POOL_GAUGES = (
+    ("buffers", "pool_buffers", "Accumulator buffers the shards' pools allocated"),
+    ("slots", "pool_slots", "Slots in the aggregator's pool"),
+    ("used", "pool_used", "Pool slots held by jobs"),
+)
 
 _HISTOGRAM_HELP = {
     "chunk_seconds": "Seconds from a chunk's first contribution to its result (service mode)",
@@ -88,26 +106,24 @@ def _prometheus():
 class StatsCollector:
     """A prometheus_client collector over an aggregator's stats.
 
-    ``stats_fn()`` is called at each scrape: ``Service.collect_stats`` or
-    ``SwitchService.stats`` (``kind`` "service" or "switch"). A call that
-    fails or takes longer than ``timeout`` seconds yields ``aggnet_up 0``
+    ``stats_fn()`` is called at each scrape: an aggregator's ``stats``
+    (hosts/aggregator.py: one shape for every kind; its "kind" says how the
+    counters are named). A call that fails, answers with a kind not in
+    KINDS or takes longer than ``timeout`` seconds yields ``aggnet_up 0``
     and counts a scrape error; a scrape never fails because of it. A call
     still running when the next scrape comes is waited on, not repeated, so
     a stuck aggregator does not pile up threads.
     """
 
-    def __init__(self, stats_fn, kind: str, timeout: float = 5.0):
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    def __init__(self, stats_fn, timeout: float = 5.0):
         self.stats_fn = stats_fn
-        self.kind = kind
         self.timeout = timeout
         self.scrape_errors = 0
         self._pending: Future | None = None
         self._lock = threading.Lock()
-        #: each service shard's last answer: a shard too busy to answer in
-        #: time keeps its counters in the sums, which would otherwise drop
-        #: and read as a counter reset
+        #: each shard's last answer: a shard too busy to answer in time
+        #: keeps its counters in the sums, which would otherwise drop and
+        #: read as a counter reset
         self._last_shard: dict[int, dict] = {}
 
     def collect(self):
@@ -139,12 +155,17 @@ class StatsCollector:
     # -- stats dict -> families ---------------------------------------------------
 
     def _families(self, core, stats: dict):
-        totals, jobs, hists, gauges, shard_up = (self._service if self.kind == "service" else self._switch)(stats)
-        for metric, (help_text, labels, samples) in _counter_families(totals, _ALWAYS[self.kind], None).items():
+        names = _KINDS.get(stats.get("kind"))
+        if names is None:
+            raise ValueError(f"stats of kind {stats.get('kind')!r}; this exporter knows {', '.join(KINDS)}")
+        totals, jobs, hists, pool, shard_up = self._merge(stats)
+        totals = _renamed(totals, names.renamed)
+        for metric, (help_text, labels, samples) in _counter_families(totals, names.always, None).items():
             yield _family(core.CounterMetricFamily, f"aggnet_{metric}", help_text, labels, samples)
         per_job = collections.defaultdict(list)
         for name, job in jobs.items():
-            for metric, (help_text, labels, samples) in _counter_families(job["counters"], (), name).items():
+            counters = _renamed(job["counters"], names.renamed)
+            for metric, (help_text, labels, samples) in _counter_families(counters, (), name).items():
                 per_job[metric].append((help_text, labels, samples))
         for metric, parts in per_job.items():
             yield _family(core.CounterMetricFamily, f"aggnet_job_{metric}", parts[0][0] + " (per job)",
@@ -155,13 +176,14 @@ class StatsCollector:
         open_slots = [([name], j["open_slots"]) for name, j in jobs.items() if j.get("open_slots") is not None]
         if open_slots:
             yield _family(core.GaugeMetricFamily, "aggnet_open_slots", "Slots being summed now", ["job"], open_slots)
-        for name, (help_text, value) in gauges.items():
-            yield core.GaugeMetricFamily(f"aggnet_{name}", help_text, value)
+        for key, metric, help_text in _POOL_GAUGES:
+            if pool[key] is not None:
+                yield core.GaugeMetricFamily(f"aggnet_{metric}", help_text, pool[key])
         if shard_up:
             yield _family(core.GaugeMetricFamily, "aggnet_shard_up",
                           "1 when the shard answered this scrape (0: its last answer is used)", ["shard"],
                           [([str(i)], v) for i, v in sorted(shard_up.items())])
-        if "restarts" in stats:
+        if stats.get("restarts") is not None:
             yield core.CounterMetricFamily("aggnet_shard_restarts", "Shard processes restarted (their counters "
                                            "start again from 0)", stats["restarts"])
         for name, parts in sorted(hists.items()):
@@ -170,53 +192,39 @@ class StatsCollector:
                 yield core.HistogramMetricFamily(f"aggnet_{name}", _HISTOGRAM_HELP.get(name, f"{name} (histogram)"),
                                                  buckets=merged[0], sum_value=merged[1])
 
-    def _service(self, stats: dict):
+    def _merge(self, stats: dict):
+        """The aggregator-wide part and every shard's, summed (a silent
+        shard's last part stands in for it)."""
         totals = collections.Counter(stats.get("totals") or {})
-        shards, shard_up = [], {}
-        for i, s in enumerate(stats.get("shards") or []):
-            if s is not None:
-                self._last_shard[i] = s
+        parts, shard_up = [stats], {}
+        for i, part in enumerate(stats.get("shards") or []):
+            if part is not None:
+                self._last_shard[i] = part
                 shard_up[i] = 1
             else:
                 shard_up[i] = 0
-                s = self._last_shard.get(i)
-                if s is not None:
-                    totals.update(s.get("counters") or {})
-            if s is not None:
-                shards.append(s)
+                part = self._last_shard.get(i)
+                if part is not None:
+                    totals.update(part.get("counters") or {})
+            if part is not None:
+                parts.append(part)
         jobs: dict = {}
         hists = collections.defaultdict(list)
-        for name, h in (stats.get("histograms") or {}).items():
-            hists[name].append(h)
-        buffers, pool = 0, collections.Counter()
-        for s in shards:
-            buffers += s.get("pool_buffers", 0)
-            if isinstance(s.get("pool"), dict):
-                pool.update(s["pool"])
-            for name, h in (s.get("histograms") or {}).items():
+        pool = dict.fromkeys(key for key, _, _ in _POOL_GAUGES)
+        for part in parts:
+            for name, h in (part.get("histograms") or {}).items():
                 hists[name].append(h)
+            for key, v in (part.get("pool") or {}).items():
+                if key in pool and v is not None:
+                    pool[key] = (pool[key] or 0) + v
             # a job has a table on every shard it joined: one job, summed
-            for name, j in (s.get("jobs") or {}).items():
-                job = jobs.setdefault(name, {"members": 0, "open_slots": 0, "counters": collections.Counter()})
-                job["members"] = max(job["members"], len(j.get("members") or ()))
-                job["open_slots"] += j.get("open_slots", 0)
+            for name, j in (part.get("jobs") or {}).items():
+                job = jobs.setdefault(name, {"members": 0, "open_slots": None, "counters": collections.Counter()})
+                job["members"] = max(job["members"], j.get("members") or 0)
+                if j.get("open_slots") is not None:
+                    job["open_slots"] = (job["open_slots"] or 0) + j["open_slots"]
                 job["counters"].update(j.get("counters") or {})
-        gauges = {"pool_buffers": ("Accumulator buffers the shards' pools allocated", buffers)}
-        gauges.update(_pool_gauges(pool.get("slots"), pool.get("used")))
-        return totals, jobs, hists, gauges, shard_up
-
-    def _switch(self, stats: dict):
-        totals = _switch_names(stats.get("totals") or {})
-        jobs = {name: {"members": len(j.get("members") or ()), "counters": _switch_names(j.get("counters") or {})}
-                for name, j in (stats.get("jobs") or {}).items()}
-        hists = {name: [h] for name, h in (stats.get("histograms") or {}).items()}
-        pool = stats.get("pool")
-        if isinstance(pool, dict):
-            gauges = _pool_gauges(pool.get("slots"), pool.get("used"))
-        else:
-            used = sum(j.get("slots", 0) for j in (stats.get("jobs") or {}).values())
-            gauges = _pool_gauges(pool, used if pool is not None else None)
-        return totals, jobs, hists, gauges, {}
+        return totals, jobs, hists, pool, shard_up
 
 
 def _resolve(future: Future, fn) -> None:
@@ -226,20 +234,11 @@ def _resolve(future: Future, fn) -> None:
         future.set_exception(exc)
 
 
-def _switch_names(counters: dict) -> collections.Counter:
+def _renamed(counters: dict, renamed: dict) -> collections.Counter:
     out = collections.Counter()
     for name, v in counters.items():
-        out[_SWITCH_NAMES.get(name, name)] += v
+        out[renamed.get(name, name)] += v
     return out
-
-
-def _pool_gauges(slots, used) -> dict:
-    gauges = {}
-    if slots is not None:
-        gauges["pool_slots"] = ("Slots in the aggregator's pool", slots)
-    if used is not None:
-        gauges["pool_used"] = ("Pool slots held by jobs", used)
-    return gauges
 
 
 def _counter_families(counters: dict, always, job: str | None) -> dict:
@@ -327,11 +326,12 @@ def _serve(collector, port: int, host: str):
     return server, server.server_address[1]
 
 
-def start_metrics_server(port: int, stats_fn, kind: str, host: str = "127.0.0.1", timeout: float = 5.0):
+def start_metrics_server(port: int, stats_fn, host: str = "127.0.0.1", timeout: float = 5.0):
     """Serve an aggregator's metrics at ``http://host:port/metrics`` from a
-    daemon thread; port 0 takes any free port. Returns (server, bound
-    port); ``server.shutdown()`` then ``server.server_close()`` stops it."""
-    return _serve(StatsCollector(stats_fn, kind, timeout), port, host)
+    daemon thread; ``stats_fn`` is its ``stats`` (StatsCollector); port 0
+    takes any free port. Returns (server, bound port);
+    ``server.shutdown()`` then ``server.server_close()`` stops it."""
+    return _serve(StatsCollector(stats_fn, timeout), port, host)
 
 
 def export_client(client, port: int = 0, host: str = "127.0.0.1"):
@@ -344,13 +344,13 @@ def url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
 
 
-def serve_metrics_for(args, stats_fn, kind: str):
+def serve_metrics_for(args, stats_fn):
     """``aggnet serve --metrics-port PORT [--metrics-host HOST]``: start
     the endpoint and log where it is; a port that cannot be served stops
     the command, since the operator asked for metrics."""
     host = getattr(args, "metrics_host", None) or "127.0.0.1"
     try:
-        server, port = start_metrics_server(args.metrics_port, stats_fn, kind, host)
+        server, port = start_metrics_server(args.metrics_port, stats_fn, host)
     except (OSError, ImportError) as exc:
         raise SystemExit(f"aggnet serve: cannot serve metrics at {host}:{args.metrics_port}: {exc}") from None
     try:

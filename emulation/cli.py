@@ -10,10 +10,10 @@ import logging
 import sys
 import time
 
-from aggnet.config import format_size, parse_size
+from aggnet.client.config import format_size, parse_size
 
-from . import rack_runs
-from .netns import EmulationError, Rack
+from aggnet.emulation import rack_runs
+from aggnet.emulation.netns import EmulationError, Rack
 
 
 def add_arguments(p) -> None:
@@ -55,7 +55,7 @@ def add_arguments(p) -> None:
 
 def main(args) -> int:
     if args.topology is not None:
-        from . import fabric_cli
+        from aggnet.emulation import fabric_cli
 
         return fabric_cli.main(args)
     if args.racks is not None or args.uplink_rate is not None:

@@ -33,11 +33,11 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
-from aggnet.address import parse
-from aggnet.hosts.process import ServiceProcess
+from aggnet.protocol.address import parse
+from aggnet.processes import ServiceProcess
 
-from .fabric_plan import GATEWAY_HOST, ROOT_IP, Names, Plan
-from .netns import Emulated, EmulationError, Host, Rack, remove_namespaces, sh, shape
+from aggnet.emulation.fabric_plan import GATEWAY_HOST, ROOT_IP, Names, Plan
+from aggnet.emulation.netns import Emulated, EmulationError, Host, Rack, remove_namespaces, sh, shape
 
 log = logging.getLogger("aggnet.emulation")
 

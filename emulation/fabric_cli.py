@@ -9,13 +9,13 @@ import logging
 import sys
 import time
 
-from aggnet.config import format_size, parse_size
-from aggnet.topology import TopologyError
+from aggnet.client.config import format_size, parse_size
+from aggnet.protocol.topology import TopologyError
 
-from . import fabric_runs
-from .fabric import Fabric
-from .fabric_plan import Plan, PlanError, plan
-from .netns import EmulationError
+from aggnet.emulation import fabric_runs
+from aggnet.emulation.fabric import Fabric
+from aggnet.emulation.fabric_plan import Plan, PlanError, plan
+from aggnet.emulation.netns import EmulationError
 
 DEFAULT_SIZE = "32MiB"
 #: what ``aggnet emulate`` can do across racks (bench-ddp and BMv2 are one-rack runs)

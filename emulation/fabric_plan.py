@@ -22,8 +22,8 @@ import json
 import sys
 from dataclasses import dataclass
 
-from aggnet.address import parse
-from aggnet.topology import Aggregator, Topology, TopologyError, load
+from aggnet.protocol.address import parse
+from aggnet.protocol.topology import Aggregator, Topology, TopologyError, load
 
 ROOT_IP = "10.77.0.1"
 GATEWAY_HOST = 250

@@ -15,9 +15,9 @@ import subprocess
 import sys
 import uuid
 
-from .fabric import Fabric
-from .netns import EmulationError
-from .rack_runs import collect
+from aggnet.emulation.fabric import Fabric
+from aggnet.emulation.netns import EmulationError
+from aggnet.emulation.rack_runs import collect
 
 GLOO_PORT = 29500
 DEMO_PORT = 29501

@@ -29,7 +29,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-from aggnet.protocol import SWITCH_PORT
+from aggnet.protocol.limits import SWITCH_PORT
 
 log = logging.getLogger("aggnet.emulation")
 

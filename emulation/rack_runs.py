@@ -12,10 +12,10 @@ import sys
 import time
 import uuid
 
-from aggnet.hosts.process import ServiceProcess
-from aggnet.protocol import SWITCH_PORT
+from aggnet.processes import ServiceProcess
+from aggnet.protocol.limits import SWITCH_PORT
 
-from .netns import EmulationError, Rack
+from aggnet.emulation.netns import EmulationError, Rack
 
 log = logging.getLogger("aggnet.emulation")
 
@@ -171,7 +171,7 @@ class RackSwitch:
     through the control plane CLI inside the ToR's namespace."""
 
     def __init__(self, rack: Rack):
-        from .bmv2 import Bmv2Switch
+        from aggnet.emulation.bmv2 import Bmv2Switch
 
         if rack.bridge:
             raise EmulationError("build the rack with bridge=False to put BMv2 in the ToR's place")

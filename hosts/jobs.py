@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aggnet.shm import Segment
-from aggnet.wire import DType
+from aggnet.hosts.parent import Standing
+from aggnet.transport.shm import Segment
+from aggnet.protocol.wire import DType
 
 #: how many finished (round, chunk) keys a job remembers, so that a late or
 #: duplicated contribution is recognized and dropped instead of opening a
@@ -72,10 +73,9 @@ class Job:
     departed: set = field(default_factory=set)
     #: messages and bytes of this job (STATS, metrics)
     counters: collections.Counter = field(default_factory=collections.Counter)
-    #: a rack under a root: whether the root took the job, and the JOIN_OKs
-    #: (peer, header, payload) held for the workers until it does
-    uplink_ready: bool = True
-    pending_joins: list = field(default_factory=list)
+    #: a rack under a root: whether the root took the job, and the
+    #: members' JOIN_OKs held until it does
+    parent: Standing = field(default_factory=Standing)
 
     def remember_done(self, key) -> None:
         self.done[key] = None

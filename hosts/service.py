@@ -8,43 +8,37 @@ shard processes (default: one per core), each bound to its own address:
 * ``zmq+ipc:///path`` -> shards at ``/path.0 .. /path.K-1``
 * ``inproc://name`` -> shards ``name.0 ..`` as threads of this process (tests)
 
-SIGTERM or SIGINT stops the shards and then the supervisor; with
-``parent_pid`` the service also stops when that process is gone (the
-embedded default must never outlive the worker that started it).
+SIGTERM or SIGINT to ``aggnet serve`` stops the shards and then the
+supervisor; hosts/supervisor.py runs the shard processes. With
+``until_idle`` the service stops once its jobs are done, or once the
+process that started it is gone and its jobs fell silent (the embedded
+default must not outlive its use).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import multiprocessing
 import os
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from aggnet import keys, wire
-from aggnet.control import ControlError
-from aggnet.keys import Keyring
-from aggnet.processes import die_with_parent, keep_large_buffers
-from aggnet.address import Address, advertised_as, parse
+from aggnet.protocol import keys, wire
+from aggnet.protocol.control import ControlError
+from aggnet.protocol.keys import Keyring
+from aggnet.processes import keep_large_buffers
+from aggnet.protocol.address import Address, advertised_as, parse
 from aggnet.transport import Listener, connect, listen
-from aggnet.wire import ErrorCode, Header, MsgType
+from aggnet.protocol.wire import ErrorCode, Header, MsgType
 
-from .shard import Shard
-from .uplink import Uplink, UplinkConfig
+from aggnet.hosts.aggregator import Aggregator
+from aggnet.hosts.shard import Shard
+from aggnet.hosts.supervisor import STOP_TIMEOUT, RestartLimit, ShardStartError, ShardSupervisor, alive
+from aggnet.hosts.uplink import Uplink, UplinkConfig
 
 log = logging.getLogger("aggnet.hosts.service")
-
-#: seconds a shard process may take to start (imports, kernel warm-up)
-SHARD_START_TIMEOUT = 60.0
-#: seconds shards get to stop before they are killed
-SHARD_STOP_TIMEOUT = 5.0
-#: a shard restarted more often than this within the window stops the service
-MAX_RESTARTS = 5
-RESTART_WINDOW = 60.0
-
 
 def default_shards() -> int:
     return max(1, len(os.sched_getaffinity(0)))
@@ -80,60 +74,49 @@ def _warm_up_kernels() -> None:
         k.to_half(f, h, fmt)
 
 
-def _shard_main(index: int, address: str, report, log_level: int, keyring: Keyring | None = None,
+def _shard_main(index: int, report, should_stop, address: str, log_level: int, keyring: Keyring | None = None,
                 curve=None, uplink: UplinkConfig | None = None, count: int = 1) -> None:
-    """Entry point of a shard process."""
-    die_with_parent()
+    """A shard process's work, run by the ShardSupervisor (picklable: a
+    restarted shard is spawned)."""
     keep_large_buffers()
     logging.basicConfig(level=log_level, format=f"%(asctime)s aggnet shard {index} %(levelname)s %(message)s")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides
     try:
         _warm_up_kernels()
         listener = listen(address, **_curve_options(curve))
     except Exception as exc:
-        report.send(("error", f"shard {index} cannot start on {address}: {exc}"))
+        report.failed(f"shard {index} cannot start on {address}: {exc}")
         return
-    report.send(("ready", str(listener.address)))
-    report.close()
+    report.ready(str(listener.address))
     shard = Shard(listener, index, keyring, Uplink(uplink, index, count) if uplink is not None else None)
-    code = 1
     try:
-        shard.serve(stop.is_set)
-        code = 0
-    except BaseException:
-        log.exception("shard %d failed", index)
+        shard.serve(should_stop)
     finally:
         shard.close()
         listener.close()
-        logging.shutdown()
-        # skip interpreter teardown: transport libraries' finalizers (UCX's)
-        # can block an exit that has nothing left to do; the status tells
-        # the supervisor whether the shard stopped or failed
-        os._exit(code)
 
 
 @dataclass
 class _ShardHandle:
     address: str
-    process: multiprocessing.Process | None = None
-    thread: threading.Thread | None = None
-    restarts: list = field(default_factory=list)  #: when it was restarted
+    thread: threading.Thread | None = None  #: an in-process shard (inproc://)
 
 
 @dataclass
-class Service:
+class Service(Aggregator):
     """A running service: control endpoint plus shards."""
+
+    kind: ClassVar[str] = "service"
+    title: ClassVar[str] = "aggnet service"
 
     control: Listener
     shards: list[_ShardHandle]
+    #: the shard processes; None where the shards are threads (inproc://)
+    supervisor: ShardSupervisor | None = None
     stop_event: threading.Event = field(default_factory=threading.Event)
     in_process_shards: list[Shard] = field(default_factory=list)
     keyring: Keyring = field(default_factory=Keyring)
     #: restart a shard process that died (``aggnet serve --restart``)
     restart: bool = False
-    log_level: int = logging.INFO
     curve: object = None  #: the service's CURVE key pair (zmq+tcp)
     #: a rack under a root service: where its shards send partial sums
     uplink: UplinkConfig | None = None
@@ -141,10 +124,21 @@ class Service:
     #: the host the shard map names (``aggnet serve --advertise``); None:
     #: the listen host, a wildcard one resolved by each worker
     advertise: str | None = None
+    #: ``aggnet serve --until-idle``: see _idle
+    until_idle: float | None = None
+    #: the process that started the service: with until_idle, its exit
+    #: ends the service once the jobs fell silent
+    parent_pid: int | None = None
+    _closed: bool = field(default=False, init=False, repr=False)
+    _closing: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     @property
     def address(self) -> str:
         return str(self.control.address)
+
+    @property
+    def shard_count(self) -> int:
+        return len(self.shards)
 
     def shard_map(self) -> dict:
         return {"service": "aggnet", "version": wire.VERSION,
@@ -226,32 +220,36 @@ class Service:
             if s is not None and jobs is not None:
                 s["jobs"] = {name: j for name, j in s.get("jobs", {}).items() if name in jobs}
         return {"service": self.shard_map(), "totals": totals, "shards": shards,
-                "restarts": sum(len(s.restarts) for s in self.shards)}
+                "restarts": self.supervisor.restarts if self.supervisor is not None else 0}
 
-    def run(self, parent_pid: int | None = None, until_idle: float | None = None) -> None:
-        """Answer control requests until stopped (or the parent is gone).
-        With ``until_idle``, stop when the last member of the last job has
+    def stats(self) -> dict:
+        return stats_view(self.collect_stats())
+
+    def serve(self, should_stop=lambda: False, started=None) -> None:
+        """Answer control requests until ``should_stop()`` or stop(); the
+        shards serve already (start() waited for them). With
+        ``until_idle``, stop when the last member of the last job has
         left, or when no job came for that long: the embedded default
         serves a job, not the worker that started it."""
-        next_check = 0.0
-        started = time.monotonic()
-        self._seen_jobs = False
-        while not self.stop_event.is_set():
-            msg = self.control.recv(0.2)
-            if msg is not None:
-                self.handle_control(msg.peer, msg.header, msg.payload)
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + 0.5
-                if parent_pid is not None and until_idle is None and not _alive(parent_pid):
-                    log.info("parent process %d is gone; stopping", parent_pid)
-                    break
-                dead = [i for i, s in enumerate(self.shards) if s.process is not None and not s.process.is_alive()]
-                if dead and not self._recover(dead):
-                    break
-                if until_idle is not None and self._idle(now - started, until_idle, parent_pid):
-                    break
-        self.stop()
+        try:
+            if started is not None:
+                started()
+            next_check = 0.0
+            began = time.monotonic()
+            self._seen_jobs = False
+            while not self.stop_event.is_set() and not should_stop():
+                msg = self.control.recv(0.2)
+                if msg is not None:
+                    self.handle_control(msg.peer, msg.header, msg.payload)
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + 0.5
+                    if not self._recover():
+                        break
+                    if self.until_idle is not None and self._idle(now - began, self.until_idle, self.parent_pid):
+                        break
+        finally:
+            self.stop()
 
     def _idle(self, age: float, limit: float, parent_pid: int | None) -> bool:
         stats = self.collect_stats(timeout=1.0)
@@ -267,7 +265,7 @@ class Service:
         if jobs:
             # members killed without LEAVE: once the process that started
             # the service is gone too and nothing moves, nobody is left
-            if parent_pid is not None and not _alive(parent_pid) and now - self._quiet_since >= limit:
+            if parent_pid is not None and not alive(parent_pid) and now - self._quiet_since >= limit:
                 log.info("parent process %d is gone and the job(s) sent nothing for %gs; stopping", parent_pid, limit)
                 return True
             return False
@@ -279,49 +277,62 @@ class Service:
             return True
         return False
 
-    def _recover(self, dead: list[int]) -> bool:
+    def _recover(self) -> bool:
         """Restart dead shards at their addresses (with ``restart``); False
         when the service must stop instead. Workers of the jobs the shard
         held see their all-reduce fail naming it, and join it again."""
-        for i in dead:
-            handle = self.shards[i]
-            code = handle.process.exitcode
+        if self.supervisor is None:
+            return True
+        for shard in self.supervisor.exited():
             if not self.restart:
                 log.error("shard %d (pid %d) died with status %s; stopping the service (run `aggnet serve "
-                          "--restart` to restart shards instead)", i, handle.process.pid, code)
+                          "--restart` to restart shards instead)", shard.index, shard.pid, shard.exitcode)
                 return False
-            now = time.monotonic()
-            handle.restarts = [t for t in handle.restarts if now - t < RESTART_WINDOW] + [now]
-            if len(handle.restarts) > MAX_RESTARTS:
-                log.error("shard %d died %d times within %gs; stopping the service", i, len(handle.restarts),
-                          RESTART_WINDOW)
-                return False
-            log.warning("shard %d (pid %d) died with status %s; restarting it at %s", i, handle.process.pid, code,
-                        handle.address)
             try:
-                handle.process = _spawn_shard(i, handle.address, self.log_level, self.keyring, self.curve,
-                                              multiprocessing.get_context("spawn"), self.uplink, len(self.shards))
-            except RuntimeError as exc:
+                self.supervisor.restart(shard)
+            except (RestartLimit, ShardStartError) as exc:
                 log.error("%s; stopping the service", exc)
                 return False
         return True
 
     def stop(self) -> None:
+        """Stop the shards, then close the control endpoint; twice is harmless."""
         self.stop_event.set()
-        for s in self.shards:
-            if s.process is not None and s.process.is_alive():
-                s.process.terminate()
-        deadline = time.monotonic() + SHARD_STOP_TIMEOUT
-        for s in self.shards:
-            if s.process is not None:
-                s.process.join(max(0.0, deadline - time.monotonic()))
-                if s.process.is_alive():
-                    log.warning("shard process %d did not stop in time; killing it", s.process.pid)
-                    s.process.kill()
-                    s.process.join(1.0)
-            if s.thread is not None:
-                s.thread.join(max(0.0, deadline - time.monotonic()))
-        self.control.close()
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            if self.supervisor is not None:
+                self.supervisor.stop()
+            deadline = time.monotonic() + STOP_TIMEOUT
+            for s in self.shards:
+                if s.thread is not None:
+                    s.thread.join(max(0.0, deadline - time.monotonic()))
+            self.control.close()
+
+    def close(self) -> None:
+        self.stop()
+
+
+def stats_view(reply: dict) -> dict:
+    """A service's STATS reply (collect_stats) in the shape every
+    aggregator's stats() has (hosts/aggregator.py): one part per shard."""
+    shards = []
+    for s in reply.get("shards") or []:
+        if s is None:
+            shards.append(None)
+            continue
+        pool = s.get("pool") if isinstance(s.get("pool"), dict) else {}
+        shards.append({
+            "counters": dict(s.get("counters") or {}),
+            "jobs": {name: {"members": len(j.get("members") or ()), "open_slots": j.get("open_slots", 0),
+                            "counters": dict(j.get("counters") or {})} for name, j in (s.get("jobs") or {}).items()},
+            "histograms": dict(s.get("histograms") or {}),
+            "pool": {"slots": pool.get("slots"), "used": pool.get("used"), "buffers": s.get("pool_buffers", 0)},
+        })
+    return {"kind": Service.kind, "totals": dict(reply.get("totals") or {}), "jobs": {},
+            "histograms": dict(reply.get("histograms") or {}),
+            "pool": {"slots": None, "used": None, "buffers": 0}, "shards": shards, "restarts": reply.get("restarts")}
 
 
 def _curve_options(curve) -> dict:
@@ -329,50 +340,16 @@ def _curve_options(curve) -> dict:
     return {} if curve is None else {"curve": curve}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _spawn_shard(index: int, address: str, log_level: int, keyring: Keyring, curve, ctx,
-                 uplink: UplinkConfig | None = None, count: int = 1) -> multiprocessing.Process:
-    """Start one shard process and wait until it serves at ``address``."""
-    ours, theirs = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_shard_main, args=(index, address, theirs, log_level, keyring, curve, uplink, count),
-                    name=f"aggnet-shard-{index}", daemon=True)
-    p.start()
-    theirs.close()
-    try:
-        if not ours.poll(SHARD_START_TIMEOUT):
-            raise RuntimeError(f"shard {index} did not start within {SHARD_START_TIMEOUT:g}s")
-        kind, value = ours.recv()
-    except EOFError:
-        p.kill()
-        raise RuntimeError(f"shard {index} exited while starting (see its log above)") from None
-    except BaseException:
-        p.kill()
-        raise
-    finally:
-        ours.close()
-    if kind != "ready":
-        p.kill()
-        raise RuntimeError(value)
-    return p
-
-
 def start(listen_address: str, shards: int | None = None, log_level: int = logging.INFO,
           keyring: Keyring | None = None, restart: bool = False, curve=None,
-          uplink: UplinkConfig | None = None, advertise: str | None = None) -> Service:
+          uplink: UplinkConfig | None = None, advertise: str | None = None,
+          until_idle: float | None = None, parent_pid: int | None = None) -> Service:
     """Start shards and bind the control endpoint; returns when every shard
     is ready. ``inproc://`` services run their shards as threads. With
     ``uplink`` the service is a rack under a root service (hosts/uplink.py);
     with ``advertise`` its shard map names that host (a service behind NAT,
-    or one whose workers reach it by a name of its own)."""
+    or one whose workers reach it by a name of its own); ``until_idle`` and
+    ``parent_pid``: see Service."""
     keyring = keyring or Keyring()
     if keyring.enforced and keyring.admin is None:
         # the supervisor reads every shard's full table (STATS, metrics,
@@ -388,37 +365,21 @@ def start(listen_address: str, shards: int | None = None, log_level: int = loggi
                          f"file permissions (the socket's directory)")
     if control_addr.scheme == "inproc":
         return _start_threads(control_addr, addrs, keyring, uplink)
-    handles = []
+    handles = [_ShardHandle(str(a)) for a in addrs]
+    # a restarted shard binds the address its first process reported (the
+    # port a ":0" address was given), with the same settings
+    supervisor = ShardSupervisor(_shard_main, n, lambda i: (handles[i].address, log_level, keyring, curve, uplink, n))
     # fork before any socket exists in this process: children start fast and
     # inherit nothing they should not
-    ctx = multiprocessing.get_context("fork")
-    pipes = []
-    for i, a in enumerate(addrs):
-        ours, theirs = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_shard_main, args=(i, str(a), theirs, log_level, keyring, curve, uplink, n),
-                        name=f"aggnet-shard-{i}", daemon=True)
-        p.start()
-        theirs.close()
-        pipes.append(ours)
-        handles.append(_ShardHandle(str(a), process=p))
+    for handle, address in zip(handles, supervisor.start()):
+        handle.address = address
     try:
-        for i, (h, pipe) in enumerate(zip(handles, pipes)):
-            if not pipe.poll(SHARD_START_TIMEOUT):
-                raise RuntimeError(f"shard {i} did not start within {SHARD_START_TIMEOUT:g}s")
-            try:
-                kind, value = pipe.recv()
-            except EOFError:
-                raise RuntimeError(f"shard {i} exited while starting (see its log above)") from None
-            if kind != "ready":
-                raise RuntimeError(value)
-            h.address = value
         control = listen(control_addr, **_curve_options(curve))
     except BaseException:
-        for h in handles:
-            h.process.kill()
+        supervisor.stop()
         raise
-    svc = Service(control, handles, keyring=keyring, restart=restart, log_level=log_level, curve=curve,
-                  uplink=uplink, advertise=advertise)
+    svc = Service(control, handles, supervisor=supervisor, keyring=keyring, restart=restart, curve=curve,
+                  uplink=uplink, advertise=advertise, until_idle=until_idle, parent_pid=parent_pid)
     log.info("aggnet service at %s with %d shard(s): %s%s", svc.address, n, ", ".join(svc.shard_map()["shards"]),
              f"; rack {uplink.rack_id} of {uplink.racks} under {uplink.parent}" if uplink else "")
     return svc
@@ -434,7 +395,7 @@ def _start_threads(control_addr: Address, addrs: list[Address], keyring: Keyring
         handles.append(_ShardHandle(str(shard.listener.address), thread=t))
         svc.in_process_shards.append(shard)
         t.start()
-    ctl = threading.Thread(target=svc.run, name="aggnet-control", daemon=True)
+    ctl = threading.Thread(target=svc.serve, name="aggnet-control", daemon=True)
     ctl.start()
     return svc
 

@@ -18,17 +18,20 @@ import time
 
 import numpy as np
 
-from aggnet import control, kernels, wire
-from aggnet.control import ControlError
-from aggnet.keys import Keyring
+from aggnet import kernels
+from aggnet.protocol import control, wire
+from aggnet.protocol.control import ControlError
+from aggnet.protocol.keys import Keyring
 from aggnet.transport import Listener
-from aggnet.wire import DType, ErrorCode, Flag, Header, MsgType
+from aggnet.protocol.wire import DType, ErrorCode, Flag, Header, MsgType
 
 from aggnet.buffers import BufferPool
 
-from .jobs import ACC_DTYPE, Job, Segment, Slot
-from .sparse import MESSAGES as SPARSE_MESSAGES, SparseTables
-from .uplink import Uplink
+from aggnet.hosts.admission import Disagreement, PendingJoin, admit
+from aggnet.hosts.parent import refusal
+from aggnet.hosts.jobs import ACC_DTYPE, Job, Segment, Slot
+from aggnet.hosts.sparse import MESSAGES as SPARSE_MESSAGES, SparseTables
+from aggnet.hosts.uplink import Uplink
 
 log = logging.getLogger("aggnet.hosts.shard")
 
@@ -140,6 +143,12 @@ class Shard:
                            f"an aggregator does not accept {t.name} messages", h)
         except ControlError as exc:
             self._drop(peer, exc.reason, exc.code, str(exc), h)
+            job = self.jobs.get(h.job_id)
+            if isinstance(exc, Disagreement) and job is not None:
+                err = Header(MsgType.ERROR, job_id=h.job_id)
+                for member in job.members.values():
+                    if member != peer:
+                        self._reply(member, err, wire.error_payload(exc.code, str(exc)))
 
     # -- replies and drops ---------------------------------------------------------
 
@@ -162,17 +171,8 @@ class Shard:
         info = control.parse(control.JOIN, payload, "JOIN")
         name = info.get("name", str(h.job_id))
         timeout = info["timeout"]
-        if h.world < 1 or h.sender >= h.world:
-            raise ControlError(ErrorCode.REFUSED, f"rank {h.sender} is outside world size {h.world}", "bad_join")
-        self.keyring.verify("JOIN", h.job_id, h.sender, h.world, name, info, peer)
         job = self.jobs.get(h.job_id)
-        if job is not None and job.name != name:
-            raise ControlError(ErrorCode.JOB_MISMATCH, f"job id {h.job_id:08x} belongs to job {job.name!r}, not "
-                                                       f"{name!r}; choose another job name", "job_name_clash")
-        if job is not None and job.world != h.world:
-            raise ControlError(ErrorCode.JOB_MISMATCH,
-                               f"job {name!r} is registered with world size {job.world} but rank {h.sender} "
-                               f"joined with world size {h.world}; all workers must agree", "world_mismatch")
+        admit(self.keyring, h, name, info, peer, job)
         shm = info.get("shm")
         if shm is not None:
             if self.listener.address.scheme != "shm":
@@ -182,7 +182,7 @@ class Shard:
             control.check_shm(h.world, shm)
         if self.uplink is not None and self.uplink.error is not None:
             # workers resend their JOIN until answered: the next one hears it
-            if job is not None and not job.uplink_ready:
+            if job is not None and not job.parent.ready:
                 self._drop_job(job)
             raise ControlError(ErrorCode.REFUSED, f"this rack cannot reach its root: {self.uplink.error}",
                                "uplink_failed")
@@ -214,14 +214,13 @@ class Shard:
             details["shm"] = job.segment.describe()
         ok = Header(MsgType.JOIN_OK, job_id=h.job_id, sender=h.sender, world=job.world)
         if created and self.uplink is not None:
-            job.uplink_ready = False
-        if job.uplink_ready:
+            job.parent.lost()
+        if job.parent.ready:
             self._reply(peer, ok, wire.json_payload(details))
         else:
             # the workers hear JOIN_OK once the root took the job from this
             # rack: before that, no chunk of theirs could complete
-            job.pending_joins = [j for j in job.pending_joins if j[0] != peer]
-            job.pending_joins.append((peer, ok, wire.json_payload(details)))
+            job.parent.hold(PendingJoin(peer, ok, wire.json_payload(details)))
             self.uplink.join(job.job_id, job.name, job.stall_timeout)
 
     def _join_shm(self, h: Header, job: Job, want: dict) -> None:
@@ -487,22 +486,20 @@ class Shard:
             return
         if h.msg_type == MsgType.JOIN_OK:
             self.uplink.joined(job.job_id)
-            if not job.uplink_ready:
-                job.uplink_ready = True
+            if not job.parent.ready:
                 log.info("shard %d: the root took job %r from rack %d", self.index, job.name,
                          self.uplink.config.rack_id)
-                for peer, ok, details in job.pending_joins:
-                    self._reply(peer, ok, details)
-                job.pending_joins = []
+                for p in job.parent.accepted():
+                    self._reply(p.member, p.header, p.payload)
             return
         if h.msg_type == MsgType.ERROR:
             code, text = wire.parse_error(payload)
             key = (h.round, h.index, False)
             slot = job.slots.get(key) or job.slots.get((h.round, h.index, True))
-            if code == ErrorCode.NOT_JOINED and job.uplink_ready:
+            if code == ErrorCode.NOT_JOINED and job.parent.ready:
                 # the root lost the job (it restarted): ask again; workers
                 # that rejoin after this round's error wait for its answer
-                job.uplink_ready = False
+                job.parent.lost()
                 self.uplink.join(job.job_id, job.name, job.stall_timeout)
             if slot is not None and slot.sent_up:
                 # the workers are members here: a job the root lost is this
@@ -513,15 +510,14 @@ class Shard:
                 self._abandon(job, slot, relay,
                               f"the root aggregator {self.uplink.config.parent} gave up round {h.round} "
                               f"{self._what(slot)} of job {job.name!r}: {text}")
-            elif not job.uplink_ready and not h.round:
+            elif not job.parent.ready and not h.round:
                 # the root's answer to this rack's JOIN (a round's late
                 # error, of a slot given up already, is no answer to it)
                 self.uplink.joined(job.job_id)
-                for peer, _, _ in job.pending_joins:
-                    self._reply(peer, Header(MsgType.ERROR, job_id=job.job_id), wire.error_payload(
-                        ErrorCode.REFUSED, f"the root aggregator {self.uplink.config.parent} refused job "
-                                           f"{job.name!r} from rack {self.uplink.config.rack_id}: {text}"))
-                job.pending_joins = []
+                told = refusal(self.uplink.config.parent, job.name, self.uplink.config.rack_id, text)
+                for p in job.parent.refused():
+                    self._reply(p.member, Header(MsgType.ERROR, job_id=job.job_id),
+                                wire.error_payload(ErrorCode.REFUSED, told))
                 self._drop_job(job)
             else:
                 self.counters["uplink_errors"] += 1

@@ -3,13 +3,13 @@ aggnet's hybrid (Parallax: dense variables are all-reduced, sparse ones are
 best served by a parameter server, 4αwm(N-1)/N bytes per machine and step
 against 2αwm(N-1) for an all-gather).
 
-A table is cut into row partitions (:mod:`aggnet.sparse_layout`); this
+A table is cut into row partitions (:mod:`aggnet.protocol.sparse_layout`); this
 shard holds the partitions that fall to it, and nothing here is shared with
 another shard. Workers push the gradient rows of a round to every partition
 (an empty push where they touched none), and a round completes on a
 partition once all its ``pushers`` pushed it: every worker, or one per host
 when the workers of a host combine their rows first
-(:mod:`aggnet.host_group`); the contributions are then summed in rank
+(:mod:`aggnet.client.host_group`); the contributions are then summed in rank
 order, so every worker and every rerun gets the same bits. The answer goes
 to every worker that opened the table.
 
@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aggnet import control, sparse_layout, wire
-from aggnet.control import ControlError
-from aggnet.wire import DType, ErrorCode, Flag, Header, MsgType
+from aggnet.protocol import control, sparse_layout, wire
+from aggnet.protocol.control import ControlError
+from aggnet.protocol.wire import DType, ErrorCode, Flag, Header, MsgType
 
 log = logging.getLogger("aggnet.hosts.sparse")
 
@@ -73,13 +73,6 @@ def memory_bound() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
     except (ValueError, OSError):
         return 4 << 30
-
-
-class SparseError(Exception):
-    def __init__(self, code: ErrorCode, reason: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.reason = reason
 
 
 @dataclass(eq=False)
@@ -237,8 +230,6 @@ class SparseTables:
                 self._on_pull(peer, h, payload)
             elif h.msg_type == MsgType.SPARSE_LOAD:
                 self._on_load(peer, h, payload)
-        except SparseError as exc:
-            self._refuse(peer, h, exc.reason, exc.code, str(exc))
         except ControlError as exc:
             self._refuse(peer, h, exc.reason, exc.code, str(exc))
 
@@ -265,11 +256,11 @@ class SparseTables:
         info = control.parse(control.TABLE, payload, "TABLE")
         name = info["table"]
         if h.world < 1 or h.sender >= h.world:
-            raise SparseError(ErrorCode.REFUSED, "bad_table", f"rank {h.sender} is outside world size {h.world}")
+            raise ControlError(ErrorCode.REFUSED, f"rank {h.sender} is outside world size {h.world}", "bad_table")
         self.shard.keyring.verify("TABLE", h.job_id, h.sender, h.world, info["job"], info, peer)
         if h.index != sparse_layout.table_id(name):
-            raise SparseError(ErrorCode.MALFORMED, "table_id", f"header names table id {h.index:08x}, but table "
-                                                               f"{name!r} has id {sparse_layout.table_id(name):08x}")
+            raise ControlError(ErrorCode.MALFORMED, f"header names table id {h.index:08x}, but table "
+                                                               f"{name!r} has id {sparse_layout.table_id(name):08x}", "table_id")
         key = (h.job_id, h.index)
         table = self.tables.get(key)
         if info["close"]:
@@ -282,37 +273,32 @@ class SparseTables:
         self._check_choices(info)
         info["optimizer"].setdefault("eps", 1e-10 if info["optimizer"]["name"] == "adagrad" else 1e-8)
         if info["shards"] <= self.shard.index:
-            raise SparseError(ErrorCode.MALFORMED, "field_shards", f"TABLE says the service has {info['shards']} "
-                                                                    f"shard(s), but this is shard {self.shard.index}")
+            raise ControlError(ErrorCode.MALFORMED, f"TABLE says the service has {info['shards']} "
+                                                                    f"shard(s), but this is shard {self.shard.index}", "field_shards")
         init = info.get("init")
         info.setdefault("pushers", h.world)
         if info["pushers"] > h.world:
-            raise SparseError(ErrorCode.MALFORMED, "field_pushers",
-                              f"TABLE says {info['pushers']} ranks push each round, more than the {h.world} "
-                              f"workers of the job")
+            raise ControlError(ErrorCode.MALFORMED, f"TABLE says {info['pushers']} ranks push each round, more than the {h.world} "
+                              f"workers of the job", "field_pushers")
         if table is None:
             table = self._create(h, info, init)
         elif table.name != name or table.job != info["job"]:
-            raise SparseError(ErrorCode.JOB_MISMATCH, "table_clash",
-                              f"table id {h.index:08x} of this job belongs to table {table.name!r} of job "
-                              f"{table.job!r}; choose another table name")
+            raise ControlError(ErrorCode.JOB_MISMATCH, f"table id {h.index:08x} of this job belongs to table {table.name!r} of job "
+                              f"{table.job!r}; choose another table name", "table_clash")
         elif table.world != h.world:
-            raise SparseError(ErrorCode.JOB_MISMATCH, "world_mismatch",
-                              f"table {name!r} is open with world size {table.world}, rank {h.sender} opened it "
-                              f"with world size {h.world}; all workers must agree")
+            raise ControlError(ErrorCode.JOB_MISMATCH, f"table {name!r} is open with world size {table.world}, rank {h.sender} opened it "
+                              f"with world size {h.world}; all workers must agree", "world_mismatch")
         else:
             want = Table(0, 0, "", "", info["rows"], info["width"], info["partitions"], info["mode"], info["op"],
                          info["optimizer"], init, h.world, info["pushers"])
             if want.spec() != table.spec():
-                raise SparseError(ErrorCode.JOB_MISMATCH, "spec_mismatch",
-                                  f"table {name!r} exists as {_describe(table)}; rank {h.sender} asked for "
-                                  f"{_describe(want)}; every worker must open it alike")
+                raise ControlError(ErrorCode.JOB_MISMATCH, f"table {name!r} exists as {_describe(table)}; rank {h.sender} asked for "
+                                  f"{_describe(want)}; every worker must open it alike", "spec_mismatch")
         pushing = table.pushing | {h.sender} if info["pusher"] else table.pushing - {h.sender}
         if len(pushing) > table.pushers:
-            raise SparseError(ErrorCode.JOB_MISMATCH, "pushers",
-                              f"table {name!r} takes pushes from {table.pushers} rank(s) per round (one per host "
+            raise ControlError(ErrorCode.JOB_MISMATCH, f"table {name!r} takes pushes from {table.pushers} rank(s) per round (one per host "
                               f"when workers combine their rows), but ranks {sorted(pushing)} say they push; give "
-                              f"every worker of a host the same host group")
+                              f"every worker of a host the same host group", "pushers")
         old = table.members.get(h.sender)
         if old is not None and old != peer:
             self.counters["sparse_reopens"] += 1
@@ -331,27 +317,24 @@ class SparseTables:
                                      ("optimizer.name", info["optimizer"]["name"], tuple(OPTIMIZERS)),
                                      ("init.kind", (info.get("init") or {"kind": "zeros"})["kind"], INITS)):
             if value not in allowed:
-                raise SparseError(ErrorCode.MALFORMED, f"field_{what.split('.')[0]}",
-                                  f"field {what!r} must be one of {list(allowed)}, got {value!r}")
+                raise ControlError(ErrorCode.MALFORMED, f"field {what!r} must be one of {list(allowed)}, got {value!r}", f"field_{what.split('.')[0]}")
 
     def _create(self, h: Header, info, init) -> Table:
         table = Table(h.job_id, h.index, info["job"], info["table"], info["rows"], info["width"],
                       info["partitions"], info["mode"], info["op"], info["optimizer"], init, h.world,
                       info["pushers"])
         if table.partitions > table.rows:
-            raise SparseError(ErrorCode.MALFORMED, "field_partitions",
-                              f"{table.partitions} partitions of a table of {table.rows} rows would leave some "
-                              f"empty; use at most {table.rows}")
+            raise ControlError(ErrorCode.MALFORMED, f"{table.partitions} partitions of a table of {table.rows} rows would leave some "
+                              f"empty; use at most {table.rows}", "field_partitions")
         edges = sparse_layout.bounds(table.rows, table.partitions)
         mine = [p for p in range(table.partitions) if sparse_layout.shard_of(p, info["shards"]) == self.shard.index]
         nslots = 1 + len(OPTIMIZERS[table.optimizer["name"]]) if table.mode == "ps" else 0
         need = sum(int(edges[p + 1] - edges[p]) for p in mine) * table.width * 4 * nslots
         if self.used + need > self.bound:
-            raise SparseError(ErrorCode.REFUSED, "memory",
-                              f"table {table.name!r} ({_describe(table)}) needs {need} bytes on shard "
+            raise ControlError(ErrorCode.REFUSED, f"table {table.name!r} ({_describe(table)}) needs {need} bytes on shard "
                               f"{self.shard.index} for {len(mine)} of its partitions; this shard's sparse tables may "
                               f"use {self.bound} bytes and {self.used} are in use: spread it over more shards "
-                              f"(aggnet serve --shards) or hosts, or raise AGGNET_SPARSE_MEMORY")
+                              f"(aggnet serve --shards) or hosts, or raise AGGNET_SPARSE_MEMORY", "memory")
         for p in mine:
             lo, hi = int(edges[p]), int(edges[p + 1])
             part = Partition(p, lo, hi)
@@ -383,17 +366,14 @@ class SparseTables:
     def _locate(self, peer, h: Header) -> tuple[Table, Partition]:
         table = self.tables.get((h.job_id, h.index))
         if table is None:
-            raise SparseError(ErrorCode.NOT_JOINED, "unknown_table",
-                              f"table id {h.index:08x} of job id {h.job_id:08x} does not exist on shard "
-                              f"{self.shard.index}; open it first (SparseClient.table) with the same name")
+            raise ControlError(ErrorCode.NOT_JOINED, f"table id {h.index:08x} of job id {h.job_id:08x} does not exist on shard "
+                              f"{self.shard.index}; open it first (SparseClient.table) with the same name", "unknown_table")
         if table.members.get(h.sender) != peer:
-            raise SparseError(ErrorCode.NOT_JOINED, "not_member",
-                              f"rank {h.sender} has not opened table {table.name!r} from this connection")
+            raise ControlError(ErrorCode.NOT_JOINED, f"rank {h.sender} has not opened table {table.name!r} from this connection", "not_member")
         part = table.parts.get(h.offset)
         if part is None:
-            raise SparseError(ErrorCode.MALFORMED, "partition",
-                              f"table {table.name!r} has no partition {h.offset} on shard {self.shard.index} "
-                              f"(it holds {sorted(table.parts)} of {table.partitions})")
+            raise ControlError(ErrorCode.MALFORMED, f"table {table.name!r} has no partition {h.offset} on shard {self.shard.index} "
+                              f"(it holds {sorted(table.parts)} of {table.partitions})", "partition")
         return table, part
 
     @staticmethod
@@ -405,20 +385,18 @@ class SparseTables:
             bad = int(idx[np.argmax(outside)])
             where = (f"outside the table's rows [0, {table.rows})" if not 0 <= bad < table.rows else
                      f"in another partition than {part.index} (rows {part.lo}..{part.hi - 1})")
-            raise SparseError(ErrorCode.MALFORMED, "out_of_range",
-                              f"row index {bad} of table {table.name!r} is {where}; {int(outside.sum())} of "
-                              f"{idx.size} indices are; nothing was changed")
+            raise ControlError(ErrorCode.MALFORMED, f"row index {bad} of table {table.name!r} is {where}; {int(outside.sum())} of "
+                              f"{idx.size} indices are; nothing was changed", "out_of_range")
 
     def _rows_of(self, table: Table, part: Partition, h: Header, payload, width: int | None):
         try:
             idx, rows = sparse_layout.unpack_rows(payload, h.ref, width)
         except ValueError as exc:
-            raise SparseError(ErrorCode.MALFORMED, "width", f"{h.msg_type.name} to table {table.name!r} "
-                                                           f"partition {part.index}: {exc}; nothing was changed")
+            raise ControlError(ErrorCode.MALFORMED, f"{h.msg_type.name} to table {table.name!r} "
+                                                           f"partition {part.index}: {exc}; nothing was changed", "width")
         self._check_range(table, part, idx)
         if rows is not None and not np.isfinite(rows).all():
-            raise SparseError(ErrorCode.MALFORMED, "nonfinite",
-                              f"{h.msg_type.name} to table {table.name!r} holds NaN/Inf values; nothing was changed")
+            raise ControlError(ErrorCode.MALFORMED, f"{h.msg_type.name} to table {table.name!r} holds NaN/Inf values; nothing was changed", "nonfinite")
         return idx, rows
 
     # -- rounds ----------------------------------------------------------------------
@@ -426,25 +404,23 @@ class SparseTables:
     def _on_push(self, peer, h: Header, payload) -> None:
         table, part = self._locate(peer, h)
         if h.sender not in table.pushing:
-            raise SparseError(ErrorCode.REFUSED, "not_pusher",
-                              f"rank {h.sender} opened table {table.name!r} as a worker whose rows its host's "
-                              f"first worker combines and pushes; it cannot push itself")
+            raise ControlError(ErrorCode.REFUSED, f"rank {h.sender} opened table {table.name!r} as a worker whose rows its host's "
+                              f"first worker combines and pushes; it cannot push itself", "not_pusher")
         idx, rows = self._rows_of(table, part, h, payload, table.width)
         if h.round <= part.done:
-            raise SparseError(ErrorCode.REFUSED, "late", f"round {h.round} of table {table.name!r} partition "
-                                                         f"{part.index} is finished (the last was {part.done})")
+            raise ControlError(ErrorCode.REFUSED, f"round {h.round} of table {table.name!r} partition "
+                                                         f"{part.index} is finished (the last was {part.done})", "late")
         pending = part.rounds.setdefault(h.round, {})
         if h.sender in pending:
-            raise SparseError(ErrorCode.REFUSED, "duplicate", f"rank {h.sender} pushed round {h.round} of table "
-                                                              f"{table.name!r} partition {part.index} twice")
+            raise ControlError(ErrorCode.REFUSED, f"rank {h.sender} pushed round {h.round} of table "
+                                                              f"{table.name!r} partition {part.index} twice", "duplicate")
         nbytes = idx.nbytes + rows.nbytes
         if self.used + nbytes > self.bound:
             if not pending:
                 del part.rounds[h.round]
-            raise SparseError(ErrorCode.REFUSED, "memory",
-                              f"holding round {h.round} of table {table.name!r} needs {nbytes} more bytes; shard "
+            raise ControlError(ErrorCode.REFUSED, f"holding round {h.round} of table {table.name!r} needs {nbytes} more bytes; shard "
                               f"{self.shard.index} is at {self.used} of its {self.bound}-byte bound "
-                              f"(AGGNET_SPARSE_MEMORY)")
+                              f"(AGGNET_SPARSE_MEMORY)", "memory")
         # the payload may be the transport's memory, valid until its next
         # receive: rows that wait for other ranks are copied; the last
         # pusher's complete the round now, straight from the payload
@@ -508,11 +484,11 @@ class SparseTables:
 
     def _ps_slot(self, table: Table, h: Header) -> int:
         if table.mode != "ps":
-            raise SparseError(ErrorCode.REFUSED, "mode", f"table {table.name!r} is an all-reduce table: it holds "
-                                                         f"no rows to pull or load")
+            raise ControlError(ErrorCode.REFUSED, f"table {table.name!r} is an all-reduce table: it holds "
+                                                         f"no rows to pull or load", "mode")
         if h.nsum > len(OPTIMIZERS[table.optimizer["name"]]):
-            raise SparseError(ErrorCode.MALFORMED, "slot", f"table {table.name!r} has state slots 0.."
-                                                           f"{len(OPTIMIZERS[table.optimizer['name']])}, not {h.nsum}")
+            raise ControlError(ErrorCode.MALFORMED, f"table {table.name!r} has state slots 0.."
+                                                           f"{len(OPTIMIZERS[table.optimizer['name']])}, not {h.nsum}", "slot")
         return h.nsum
 
     def _on_pull(self, peer, h: Header, payload) -> None:

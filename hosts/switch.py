@@ -22,26 +22,28 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
-import signal
 import socket
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from aggnet import control, wire
-from aggnet.address import Address, advertised_as, parse
-from aggnet.control import ControlError
-from aggnet.keys import Keyring
-from aggnet.processes import die_with_parent
-from aggnet.protocol import (
-    DEFAULT_HOST_ELEMENTS, DEFAULT_POOL, MAX_ELEMENTS, MAX_JOB_SLOTS, MAX_WORKERS, auto_slots,
+from aggnet.protocol import control, wire
+from aggnet.protocol.address import Address, advertised_as, parse
+from aggnet.protocol.control import ControlError
+from aggnet.protocol.keys import Keyring
+from aggnet.protocol.limits import (
+    DEFAULT_HOST_ELEMENTS, DEFAULT_POOL, MAX_ELEMENTS, MAX_JOB_SLOTS, MAX_JOBS, MAX_SHARD_PORTS, MAX_WORKERS, Drop,
+    auto_slots, check_shard_layout,
 )
+from aggnet.protocol.messages import JoinOk, JoinShards
+from aggnet.protocol.pool import Placement, SlotPool
 from aggnet.transport.udp import BATCH_BYTES, DatagramSocket, addr_key, key_addr
-from aggnet.wire import HEADER_SIZE, ErrorCode, Header, MsgType
+from aggnet.protocol.wire import HEADER_SIZE, ErrorCode, Header, MsgType
 
-from .switch_datapath import A_CONTROL, C, COUNTERS, MAX_JOBS, SendPlan, SwitchRegisters
+from aggnet.hosts.switch_datapath import A_CONTROL, COUNTERS, SendPlan, SwitchRegisters, verdicts_for
+from aggnet.hosts.aggregator import Aggregator
+from aggnet.hosts.supervisor import ShardSupervisor
 
 log = logging.getLogger("aggnet.hosts.switch")
 
@@ -99,8 +101,11 @@ def _bind_shards(addr: Address, shards: int, io: str | None, max_bytes: int) -> 
     raise OSError(f"no {shards} consecutive free UDP ports on {addr.host}")
 
 
-class SwitchService:
+class SwitchService(Aggregator):
     """K shard sockets over one shared data path; control on shard 0."""
+
+    kind = "switch"
+    title = "aggnet switch-mode aggregator"
 
     def __init__(self, listen: str | Address, pool: int = DEFAULT_POOL, elements: int = DEFAULT_HOST_ELEMENTS,
                  parent: str | None = None, rack_id: int = 0, racks: int = 1,
@@ -122,8 +127,8 @@ class SwitchService:
             raise ValueError(f"elements per packet must be 1..{max_elements}, got {elements}")
         if pool < 1:
             raise ValueError(f"pool must hold at least one slot, got {pool}")
-        if not 1 <= shards <= min(pool, 64):
-            raise ValueError(f"shards must be 1..{min(pool, 64)}, got {shards}")
+        if not 1 <= shards <= min(pool, MAX_SHARD_PORTS):
+            raise ValueError(f"shards must be 1..{min(pool, MAX_SHARD_PORTS)}, got {shards}")
         if not reclaim_idle > 0:
             raise ValueError(f"reclaim_idle must be a positive number of seconds, got {reclaim_idle!r}")
         if not 0 <= rack_id < racks <= MAX_WORKERS:
@@ -138,12 +143,10 @@ class SwitchService:
         self.sock = self.socks[0]
         host, port = self.sock.address
         self.address = Address("udp", host, port)
-        self.actions = np.zeros(MAX_BATCH, np.int8)
-        self.act_job = np.zeros(MAX_BATCH, np.int32)
-        self.out_len = np.zeros(MAX_BATCH, np.int32)
+        self.verdicts = verdicts_for(MAX_BATCH)
         self.plan = SendPlan(MAX_BATCH)
         self.jobs: dict[int, SwitchJob] = {}
-        self.free = [(0, pool)]  # free (base, slots) runs of the pool
+        self.pool = SlotPool(pool, MAX_JOBS)
         self.parent = None
         if parent is not None:
             p = parse(parent)
@@ -153,7 +156,7 @@ class SwitchService:
         self.rack_id = rack_id
         self.racks = racks
         self.control_counters: collections.Counter = collections.Counter()
-        self._children: list[int] = []
+        self._supervisor: ShardSupervisor | None = None  #: shards 1.. once serving
         # compile the data path before serving: a first packet must not wait
         self._step(self.sock, 0, 0)
 
@@ -172,12 +175,12 @@ class SwitchService:
     def serve(self, should_stop, started=None) -> None:
         """Fork the data shards, then serve shard 0 (data and control)
         until ``should_stop()``; the shards stop with it. ``started`` runs
-        once the shards are forked (threads started earlier would be
-        copied into them half-way)."""
+        once the shards serve (threads started earlier would be copied
+        into them half-way)."""
         self._start_shards()
-        if started is not None:
-            started()
         try:
+            if started is not None:
+                started()
             while not should_stop():
                 n = self.sock.receive(POLL_SECONDS, BATCH_BYTES)
                 if n:
@@ -186,86 +189,49 @@ class SwitchService:
                 if now >= self._next_activity_check:
                     self._next_activity_check = now + ACTIVITY_CHECK_INTERVAL
                     self._note_activity(now)
-                    if self._children and not self._children_alive():
-                        log.error("a switch-mode shard process died; stopping the aggregator")
+                    dead = self._supervisor.exited()
+                    if dead:
+                        # a shard's slots would go unanswered: no restart, the
+                        # registers it held may be half-written
+                        log.error("switch-mode shard %d (pid %d) died with status %s; stopping the aggregator",
+                                  dead[0].index, dead[0].pid, dead[0].exitcode)
                         break
         finally:
             self._stop_shards()
 
     def _start_shards(self) -> None:
-        for i in range(1, self.shards):
-            pid = os.fork()
-            if pid == 0:  # the shard process
-                code = 0
-                try:
-                    self._shard_main(i)
-                except BaseException:
-                    log.exception("switch-mode shard %d failed", i)
-                    code = 1
-                finally:
-                    os._exit(code)
-            self._children.append(pid)
+        """Fork shards 1..K-1: each inherits its bound socket and the shared
+        registers, and shares nothing else it uses."""
+        self._supervisor = ShardSupervisor(self._shard_main, self.shards - 1, first=1, label="switch-mode shard")
+        self._supervisor.start()
         for s in self.socks[1:]:
             s.close()  # the shard processes own them now
 
-    def _shard_main(self, index: int) -> None:
-        die_with_parent()
-        stop = []
-        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    def _shard_main(self, index: int, report, should_stop) -> None:
         for i, s in enumerate(self.socks):
             if i != index:
                 s.close()
         sock = self.socks[index]
-        while not stop:
+        report.ready(str(Address("udp", *sock.address)))
+        while not should_stop():
             n = sock.receive(POLL_SECONDS, BATCH_BYTES)
             if n:
                 self._step(sock, index, n)
 
-    def _children_alive(self) -> bool:
-        for pid in self._children:
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                return False
-            if done:
-                return False
-        return True
-
     def _stop_shards(self) -> None:
-        for pid in self._children:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 5.0
-        for pid in self._children:
-            while time.monotonic() < deadline:
-                try:
-                    done, _ = os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if done:
-                    break
-                time.sleep(0.02)
-            else:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                except (ProcessLookupError, ChildProcessError):
-                    pass
-        self._children = []
+        if self._supervisor is not None:
+            self._supervisor.stop()
 
     def _step(self, sock: DatagramSocket, shard: int, n: int) -> None:
-        self.regs.run(sock, shard, self.actions, self.act_job, self.out_len)
+        self.regs.run(sock, shard, self.verdicts)
         if n:
-            controls = np.flatnonzero(self.actions[:n] == A_CONTROL)
+            controls = np.flatnonzero(self.verdicts.action[:n] == A_CONTROL)
             for i in controls:
                 if shard == 0:
                     self._control_guarded(int(i))
                 else:
-                    self.regs.counters[shard, C["dropped_control_at_data_shard"]] += 1
-        runs = self.plan.plan(sock, self.regs, self.actions, self.act_job, self.out_len)
+                    self.regs.count_drop(shard, Drop.CONTROL_AT_DATA_SHARD)
+        runs = self.plan.plan(sock, self.regs, self.verdicts)
         if runs:
             self.plan.send(sock, runs)
 
@@ -311,7 +277,7 @@ class SwitchService:
                 self.control_counters[f"dropped_{exc.reason}"] += 1
                 self._error(src, h, exc.code, str(exc))
                 return
-            self._reply(src, MsgType.STATS_OK, wire.json_payload(self.stats(view)))
+            self._reply(src, MsgType.STATS_OK, wire.json_payload(self.collect_stats(view)))
         elif h.msg_type == MsgType.HELLO:
             self._reply(src, MsgType.HELLO_OK, wire.json_payload(
                 {"service": "aggnet", "mode": "switch", "version": wire.VERSION,
@@ -348,7 +314,9 @@ class SwitchService:
         slots = info["slots"]
         # a member's shard layout (a sharded rack joining its parent): where
         # its packets for a slot come from and where results go
-        layout = (h.offset, h.ref) if h.ref else (0, 0)
+        layout = JoinShards.from_header(h)
+        if not layout.shard_slots:
+            layout = JoinShards(0, 0)
         job = self.jobs.get(h.job_id)
         created = job is None
         if job is None:
@@ -361,7 +329,7 @@ class SwitchService:
                 raise ControlError(ErrorCode.JOB_MISMATCH,
                                    f"job {name!r} asked for {k} elements per packet, but this worker's path MTU "
                                    f"fits {fits}; ask for fewer elements or raise the MTU (jumbo frames)")
-            job = self._install(h.job_id, name, world, slots or self._auto_slots(k), k, src, h)
+            job = self._install(h.job_id, name, world, slots or self._auto_slots(k), k)
             if job is None:
                 return
         elif job.name != name:
@@ -380,30 +348,23 @@ class SwitchService:
                                f"job {name!r} sums {job.elements} elements per packet ({HEADER_SIZE + 4 * job.elements}"
                                f"-byte datagrams), more than rank {h.sender}'s path MTU fits ({fits} elements); "
                                f"raise that worker's MTU or start the job with fewer elements")
-        if layout[1]:
-            # a sharded member's ports: at most 64, all in the port range
-            ports = (layout[0] + job.slots - 1) // layout[1] + 1
-            if layout[0] >= 1 << 32 or ports > 64 or src[1] + ports - 1 > 0xFFFF:
+        if layout.shard_slots:
+            try:
+                check_shard_layout(layout.base, job.slots, layout.shard_slots, src[1])
+            except ValueError as exc:
                 if created:
                     self._remove(job)  # a refused JOIN installs nothing
-                raise ControlError(ErrorCode.MALFORMED,
-                                   f"JOIN's shard layout (base {layout[0]}, {layout[1]} slots per shard) puts job "
-                                   f"{name!r}'s {job.slots} slots on {ports} ports from {src[1]}; at most 64, "
-                                   f"below 65536")
+                raise ControlError(ErrorCode.MALFORMED, f"JOIN's shard layout for job {name!r}: {exc}") from None
         old = job.members.get(h.sender)
         if old is not None and old != src:
             log.warning("switch: job %r rank %d re-joined from %s (was %s)", name, h.sender, src, old)
             self.control_counters["rejoins"] += 1
         job.members[h.sender] = src
         job.last_active = time.monotonic()
-        r = self.regs
-        r.mbase[job.index, h.sender], r.mshard[job.index, h.sender] = layout
-        r.members[job.index, h.sender] = addr_key(src)
-        # the reply is the JOIN itself, answered in its header (slots in
-        # index, K in nsum, base in offset, world), as the P4 program does;
-        # a sharded host adds its pool slots per shard in ref
-        h.msg_type, h.index, h.nsum, h.offset, h.world = MsgType.JOIN_OK, job.slots, job.elements, job.base, world
-        h.ref = self.shard_slots_advertised
+        self.regs.set_member(job.index, h.sender, addr_key(src), layout.base, layout.shard_slots)
+        # the reply is the JOIN itself, answered in its header as the P4
+        # program does; a sharded host adds its pool slots per shard
+        JoinOk(job.slots, job.elements, job.base, world, self.shard_slots_advertised).to_header(h)
         reply = bytearray(raw)
         wire.pack_into(reply, h)
         if job.uplink_ready:
@@ -412,7 +373,7 @@ class SwitchService:
             job.pending_joins.append((src, bytes(reply), h))
             self._ask_parent(job)
 
-    def _install(self, job_id: int, name: str, world: int, slots: int, k: int, src, h: Header) -> SwitchJob | None:
+    def _install(self, job_id: int, name: str, world: int, slots: int, k: int) -> SwitchJob:
         if not 1 <= slots <= min(MAX_JOB_SLOTS, self.regs.pool):
             raise ControlError(ErrorCode.REFUSED, f"job {name!r} asked for {slots} slots; this aggregator gives a "
                                                   f"job 1..{min(MAX_JOB_SLOTS, self.regs.pool)}")
@@ -422,22 +383,10 @@ class SwitchService:
         if place is None:
             raise ControlError(ErrorCode.REFUSED,
                                f"no room for job {name!r}: {len(self.jobs)} jobs, largest free run of the pool "
-                               f"{max((s for _, s in self.free), default=0)} slots, asked for {slots}")
+                               f"{self.pool.largest_free} slots, asked for {slots}")
         row, base = place
-        r = self.regs
-        r.job_used[row] = False
-        r.reset_slice(base, slots)
-        r.job_ids[row], r.job_base[row], r.job_slots[row], r.job_world[row] = job_id, base, slots, world
-        r.job_k[row] = k
-        r.members[row, :] = -1
-        r.mbase[row, :] = 0
-        r.mshard[row, :] = 0
-        r.job_counters[:, row, :] = 0
-        r.job_uplink[row] = self.parent is not None
-        r.job_rack[row] = self.rack_id
-        r.job_parent[row] = addr_key(self.parent) if self.parent is not None else -1
-        r.job_pbase[row] = r.job_pshard[row] = 0
-        r.job_used[row] = True  # last: the data shards may look at the row from now on
+        self.regs.install(row, job_id, base, slots, world, k, rack=self.rack_id,
+                          parent=addr_key(self.parent) if self.parent is not None else -1)
         job = SwitchJob(row, job_id, name, world, base, slots, k, uplink_ready=self.parent is None)
         self.jobs[job_id] = job
         log.info("switch: job %r (id %08x) installed: world %d, slots %d..%d, %d elements per packet%s", name,
@@ -449,14 +398,14 @@ class SwitchService:
         """A job that did not say gets about 1 MiB in flight, at most a
         quarter of the pool (room for other jobs), less when that is all
         that is free."""
-        largest = max((size for _, size in self.free), default=0)
+        largest = self.pool.largest_free
         want = max(1, min(auto_slots(k), self.regs.pool // 4))
         return max(1, min(want, largest)) if largest else want
 
     def _ask_parent(self, job: SwitchJob) -> None:
-        # this rack's shard layout rides in offset/ref, as a worker's never does
-        h = Header(MsgType.JOIN, job_id=job.job_id, sender=self.rack_id, world=self.racks,
-                   offset=job.base if self.shards > 1 else 0, ref=self.shard_slots_advertised)
+        # this rack's shard layout rides along, as a worker's never does
+        h = JoinShards(job.base if self.shards > 1 else 0, self.shard_slots_advertised).to_header(
+            Header(MsgType.JOIN, job_id=job.job_id, sender=self.rack_id, world=self.racks))
         payload = wire.json_payload({"name": job.name, "slots": job.slots, "elements": job.elements})
         self._send(h.pack_for(payload) + payload, self.parent)
 
@@ -464,16 +413,17 @@ class SwitchService:
         job = self.jobs.get(h.job_id)
         if job is None or job.uplink_ready:
             return
-        if h.nsum != job.elements or h.index != job.slots:
+        ok = JoinOk.from_header(h)
+        if ok.elements != job.elements or ok.slots != job.slots:
             for src, _, reply in job.pending_joins:
                 self._error(src, reply, ErrorCode.JOB_MISMATCH,
-                            f"the parent aggregator {self.parent} gave job {job.name!r} {h.index} slots of {h.nsum} "
-                            f"elements, this rack uses {job.slots} of {job.elements}; configure both alike")
+                            f"the parent aggregator {self.parent} gave job {job.name!r} {ok.slots} slots of "
+                            f"{ok.elements} elements, this rack uses {job.slots} of {job.elements}; configure both "
+                            f"alike")
             job.pending_joins.clear()
             return
         job.uplink_ready = True
-        self.regs.job_pbase[job.index] = h.offset
-        self.regs.job_pshard[job.index] = h.ref
+        self.regs.set_parent_shards(job.index, ok.base, ok.shard_slots)
         log.info("switch: parent %s accepted job %r from rack %d", self.parent, job.name, self.rack_id)
         for src, reply, _ in job.pending_joins:
             self._send(reply, src)
@@ -494,15 +444,14 @@ class SwitchService:
         if job is None or job.members.get(h.sender) != src:
             return
         del job.members[h.sender]
-        self.regs.members[job.index, h.sender] = -1
+        self.regs.remove_member(job.index, h.sender)
         if not job.members:
             self._remove(job)
             log.info("switch: job %r finished (every worker left)", job.name)
 
     def _remove(self, job: SwitchJob) -> None:
-        self.regs.job_used[job.index] = False
-        self.regs.members[job.index, :] = -1
-        self._release(job.base, job.slots)
+        self.regs.remove(job.index)
+        self.pool.release(job.index, job.base, job.slots)
         del self.jobs[job.job_id]
 
     def _note_activity(self, now: float) -> None:
@@ -526,35 +475,12 @@ class SwitchService:
             self._remove(job)
         return bool(idle)
 
-    def _place(self, slots: int) -> tuple[int, int] | None:
+    def _place(self, slots: int) -> Placement | None:
         """A free job row and a free run of ``slots`` slots, or None."""
-        free_rows = np.flatnonzero(~self.regs.job_used)
-        if free_rows.size == 0:
-            return None
-        base = self._allocate(slots)
-        return None if base is None else (int(free_rows[0]), base)
+        return self.pool.place(slots)
 
-    def _allocate(self, slots: int) -> int | None:
-        for i, (base, size) in enumerate(self.free):
-            if size >= slots:
-                self.free[i] = (base + slots, size - slots)
-                if self.free[i][1] == 0:
-                    del self.free[i]
-                return base
-        return None
-
-    def _release(self, base: int, slots: int) -> None:
-        runs = sorted(self.free + [(base, slots)])
-        merged = []
-        for b, s in runs:
-            if merged and merged[-1][0] + merged[-1][1] == b:
-                merged[-1] = (merged[-1][0], merged[-1][1] + s)
-            else:
-                merged.append((b, s))
-        self.free = merged
-
-    def stats(self, jobs: set | None = None) -> dict:
-        """Counters; with ``jobs`` (names), only those jobs' tables."""
+    def collect_stats(self, jobs: set | None = None) -> dict:
+        """The STATS reply: counters; with ``jobs`` (names), only those jobs' tables."""
         r = self.regs
         totals = {name: int(v) for name, v in zip(COUNTERS, r.counters.sum(axis=0)) if v}
         totals.update(self.control_counters)
@@ -571,6 +497,21 @@ class SwitchService:
                 "max_elements": r.max_elements, "pool": r.pool, "shards": self.shards,
                 "shard_slots": r.shard_slots, "io": self.io, "totals": totals, "per_shard": per_shard,
                 "pool_used": int(sum(job.slots for job in list(self.jobs.values()))), "jobs": shown}
+
+    def stats(self) -> dict:
+        """collect_stats() in the shape of hosts/aggregator.py: the shards
+        share the registers, so one read holds them all."""
+        reply = self.collect_stats()
+        jobs = {name: {"members": len(j["members"]), "open_slots": None, "counters": dict(j["counters"])}
+                for name, j in reply["jobs"].items()}
+        return {"kind": self.kind, "totals": dict(reply["totals"]), "jobs": jobs,
+                "histograms": dict(reply.get("histograms") or {}),
+                "pool": {"slots": reply["pool"], "used": reply["pool_used"], "buffers": None},
+                "shards": [], "restarts": None}
+
+    @property
+    def shard_count(self) -> int:
+        return self.shards
 
     def close(self) -> None:
         self._stop_shards()

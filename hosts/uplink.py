@@ -20,15 +20,15 @@ import logging
 import time
 from dataclasses import dataclass
 
-from aggnet import wire
-from aggnet.address import parse, reached_via
+from aggnet.protocol import wire
+from aggnet.protocol.address import parse, reached_via
+from aggnet.hosts.parent import RETRY_INTERVAL, Joins
+from aggnet.protocol.limits import MAX_WORKERS
 from aggnet.transport import TransportError, connect
-from aggnet.wire import Header, MsgType
+from aggnet.protocol.wire import Header, MsgType
 
 log = logging.getLogger("aggnet.hosts.uplink")
 
-#: seconds between HELLOs (and JOINs) while the root has not answered
-RETRY_INTERVAL = 0.5
 #: schemes a root service is reached at from its racks' shards
 ROOT_SCHEMES = ("zmq+tcp", "zmq+ipc")
 
@@ -47,9 +47,9 @@ class UplinkConfig:
         if scheme not in ROOT_SCHEMES:
             raise ValueError(f"the parent of a service rack is a service at zmq+tcp://host:port (or zmq+ipc:// on "
                              f"one host), not {self.parent}")
-        if not 0 <= self.rack_id < self.racks <= 32:
-            raise ValueError(f"rack id {self.rack_id} of {self.racks} racks: a parent takes 1..32 racks, ids "
-                             f"0..racks-1")
+        if not 0 <= self.rack_id < self.racks <= MAX_WORKERS:
+            raise ValueError(f"rack id {self.rack_id} of {self.racks} racks: a parent takes 1..{MAX_WORKERS} racks, "
+                             f"ids 0..racks-1")
 
 
 class Uplink:
@@ -67,8 +67,9 @@ class Uplink:
         #: why the root cannot be used (shard counts differ, a bad answer)
         self.error: str | None = None
         self._next_hello = 0.0
-        #: job id -> (JOIN header, payload) still unanswered, and when last sent
-        self._joining: dict[int, tuple] = {}
+        #: job id -> its JOIN (header, payload), sent until the root answers
+        self._join_messages: dict[int, tuple] = {}
+        self._joins = Joins(self._send_join)
         self.counters = {"partials_up": 0, "finals_down": 0, "bytes_up": 0, "bytes_down": 0}
 
     @property
@@ -82,11 +83,15 @@ class Uplink:
         :meth:`receive` as a JOIN_OK or an ERROR)."""
         h = Header(MsgType.JOIN, job_id=job_id, sender=self.config.rack_id, world=self.config.racks)
         payload = wire.json_payload({"name": name, "timeout": timeout})
-        self._joining[job_id] = (h.pack_for(payload), payload, 0.0)
-        self.tick(time.monotonic())
+        self._join_messages[job_id] = (h.pack_for(payload), payload)
+        self._joins.want(job_id, time.monotonic())
+
+    def _send_join(self, job_id: int) -> None:
+        if self.data is not None and self.error is None:
+            self._send(*self._join_messages[job_id])
 
     def leave(self, job_id: int) -> None:
-        self._joining.pop(job_id, None)
+        self.joined(job_id)
         if self.data is not None:
             h = Header(MsgType.LEAVE, job_id=job_id, sender=self.config.rack_id, world=self.config.racks)
             self._send(h.pack())
@@ -103,13 +108,11 @@ class Uplink:
                 except TransportError:
                     pass
             return
-        for job_id, (header, payload, last) in list(self._joining.items()):
-            if now - last >= RETRY_INTERVAL:
-                self._send(header, payload)
-                self._joining[job_id] = (header, payload, now)
+        self._joins.tick(now)
 
     def joined(self, job_id: int) -> None:
-        self._joining.pop(job_id, None)
+        self._joins.answered(job_id)
+        self._join_messages.pop(job_id, None)
 
     # -- data ---------------------------------------------------------------------------
 
@@ -172,7 +175,7 @@ class Uplink:
         else:
             log.info("rack shard %d: partials go to root shard %s as rack %d of %d", self.index, self.root_shard,
                      self.config.rack_id, self.config.racks)
-            self.tick(time.monotonic())
+            self._joins.tick(time.monotonic(), every=True)
 
     def close(self) -> None:
         for conn in self.connections:

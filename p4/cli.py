@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .control import Member, SwitchControl, SwitchControlError, Uplink
+from aggnet.p4.control import Member, SwitchControl, SwitchControlError, Uplink
 
 
 def add_arguments(p) -> None:

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .tools import find_tool
+from aggnet.p4.tools import find_tool
 
 HERE = Path(__file__).resolve().parent
 SOURCES = HERE / "aggnet"
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     if p4c is None:
         print("p4c is not installed: the committed artifacts in p4/build stay as they are", file=sys.stderr)
         return 1
-    from . import generate
+    from aggnet.p4 import generate
 
     if generate.main(["--check"]) != 0:
         print("regenerate first: python -m aggnet.p4.generate", file=sys.stderr)

@@ -17,22 +17,19 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aggnet.client import job_id_of
+from aggnet.protocol.limits import FLOOD_GROUP, MAX_JOBS, MAX_WORKERS, P4_POOL, Drop, Event
+from aggnet.protocol.pool import SlotPool
+from aggnet.protocol.wire import job_id_of
 
-from .compile import BMV2_JSON, P4INFO
-from .tools import find_tool
+from aggnet.p4.compile import BMV2_JSON, P4INFO
+from aggnet.p4.tools import find_tool
 
 log = logging.getLogger("aggnet.p4.control")
 
-POOL = 1024
-MAX_JOBS = 64
-FLOOD_GROUP = 1000
 P = "AggIngress.aggregate."
-#: drop reasons and events: the indices of the program's counters (types.p4)
-DROP_REASONS = ("short", "magic", "version", "reserved", "dtype", "length", "unknown_job", "not_admitted",
-                "index", "stale", "duplicate", "early", "exponent", "final", "type")
-EVENTS = ("received", "summed", "completed", "results_resent", "uplink_sent", "uplink_resent", "finals", "probes",
-          "joins")
+#: the names of the program's counters by index (limits.p4 is generated from the same enums)
+DROP_REASONS = tuple(d.name.lower() for d in Drop)
+EVENTS = tuple(e.name.lower() for e in Event)
 _SLOT_REGISTERS = ("tag", "count", "seen", "exponent", "max_exponent")
 
 
@@ -75,7 +72,7 @@ class InstalledJob:
 
     @property
     def rid_base(self) -> int:
-        return self.row * 32 + 1
+        return self.row * MAX_WORKERS + 1
 
 
 def _mac(text: str) -> int:
@@ -177,22 +174,15 @@ class SwitchControl:
         each member as its bit (its index in ``members``), the multicast
         group of its results with per-member rewrites, and its uplink."""
         world = len(members)
-        if not 1 <= world <= 32:
-            raise ValueError(f"a switch job takes 1 to 32 members, got {world}")
-        if not 1 <= slots <= POOL:
-            raise ValueError(f"slots must be 1..{POOL}, got {slots}")
+        if not 1 <= world <= MAX_WORKERS:
+            raise ValueError(f"a switch job takes 1 to {MAX_WORKERS} members, got {world}")
+        if not 1 <= slots <= P4_POOL:
+            raise ValueError(f"slots must be 1..{P4_POOL}, got {slots}")
         job_id = job_id_of(name)
         existing = self.jobs()
         if any(j.job_id == job_id for j in existing):
             raise SwitchControlError(f"job {name!r} (id {job_id:08x}) is installed already; remove it first")
-        rows = {j.row for j in existing}
-        row = next((r for r in range(MAX_JOBS) if r not in rows), None)
-        if row is None:
-            raise SwitchControlError(f"the switch holds {MAX_JOBS} jobs already")
-        if base is None:
-            base = _first_fit([(j.base, j.slots) for j in existing], slots)
-            if base is None:
-                raise SwitchControlError(f"no free run of {slots} slots in the pool of {POOL}")
+        row, base = self._place(existing, slots, base)
         job = InstalledJob(name, job_id, row, base, slots, world, list(members))
         self.reset_slice(base, slots)
         sh = self.sh
@@ -225,6 +215,28 @@ class SwitchControl:
                  base + slots - 1, world, f", uplink to {uplink.parent_ip} as rack {uplink.rack_id}" if uplink else "")
         return job
 
+    @staticmethod
+    def _place(existing: list[InstalledJob], slots: int, base: int | None) -> tuple[int, int]:
+        """A free row and the first free run of ``slots`` slots, or the run
+        from ``base`` when that is free."""
+        try:
+            pool = SlotPool.holding(P4_POOL, MAX_JOBS, ((j.row, j.base, j.slots) for j in existing))
+        except ValueError as exc:
+            raise SwitchControlError(f"the switch's installed jobs overlap ({exc}): remove them first") from None
+        row = pool.free_row()
+        if row is None:
+            raise SwitchControlError(f"the switch holds {MAX_JOBS} jobs already")
+        if base is None:
+            place = pool.place(slots)
+            if place is None:
+                raise SwitchControlError(f"no free run of {slots} slots in the pool of {P4_POOL}")
+            return place
+        try:
+            pool.take(row, base, slots)
+        except ValueError as exc:
+            raise SwitchControlError(f"cannot place the job at base {base}: {exc}") from None
+        return row, base
+
     def remove_job(self, name: str) -> None:
         job_id = job_id_of(name)
         job = next((j for j in self.jobs() if j.job_id == job_id), None)
@@ -255,7 +267,7 @@ class SwitchControl:
         for name in _SLOT_REGISTERS:
             for version in (0, 1):
                 for s in range(base, base + slots):
-                    lines.append(f"register_write {P}{name} {version * POOL + s} 0")
+                    lines.append(f"register_write {P}{name} {version * P4_POOL + s} 0")
         self._cli("\n".join(lines) + "\n")
 
     def _cli(self, commands: str) -> str:
@@ -286,15 +298,6 @@ class SwitchControl:
         sh.CounterEntry(P + "events").read(function=reader(out["events"], EVENTS))
         sh.CounterEntry(P + "completions").read(function=reader(out["completions"], None))
         return out
-
-
-def _first_fit(used: list[tuple[int, int]], slots: int) -> int | None:
-    start = 0
-    for b, s in sorted(used):
-        if b - start >= slots:
-            return start
-        start = max(start, b + s)
-    return start if POOL - start >= slots else None
 
 
 def _match_int(te, field_name: str) -> int:

@@ -27,7 +27,7 @@ def init(rank: int, world: int, init_method: str, address: str | None, chunk_byt
     torch.set_num_threads(1)
     os.environ.pop("AGGNET_ADDRESS", None)
     import aggnet.torch  # noqa: F401  (registers the backend)
-    from aggnet.config import ClientConfig
+    from aggnet.client.config import ClientConfig
 
     config = ClientConfig(address=address, chunk_bytes=chunk_bytes, timeout=30.0, connect_timeout=30.0)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, pg_options=config,
@@ -255,7 +255,7 @@ def _stall_part(rank: int, world: int, gloo) -> dict:
     """A group of its own (``new_group`` on the aggnet backend, a short
     timeout) where rank 0 all-reduces and the others never do: rank 0's
     collective must fail, naming who is missing, instead of waiting."""
-    from aggnet.config import ClientConfig
+    from aggnet.client.config import ClientConfig
 
     config = ClientConfig(address=dist.group.WORLD.config.address, timeout=2.0)
     group = dist.new_group(backend="aggnet", pg_options=config)

@@ -149,7 +149,7 @@ def first_step_error(rank: int, world: int, port: int, address: str, job: str | 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        from aggnet.config import ClientConfig
+        from aggnet.client.config import ClientConfig
         from aggnet.torch import AggnetState, allreduce_hook
 
         ddp = DDP(make_model(0))

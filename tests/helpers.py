@@ -18,7 +18,7 @@ import numpy as np
 from aggnet import Client
 from aggnet.errors import AggregationTimeout
 from aggnet.hosts import service as service_mod
-from aggnet.hosts.process import ServiceProcess
+from aggnet.processes import ServiceProcess
 
 
 def free_port() -> int:
@@ -154,7 +154,7 @@ class RunningService:
             self.address = self._svc.address
 
     def stats(self) -> dict:
-        from aggnet import wire
+        from aggnet.protocol import wire
         from aggnet.transport import connect
 
         with connect([self.address]) as conn:

@@ -11,11 +11,11 @@ import struct
 import time
 import uuid
 
-from aggnet import wire
-from aggnet.client import job_id_of
-from aggnet.hosts.process import ServiceProcess
-from aggnet.protocol import SWITCH_PORT
-from aggnet.wire import HEADER_SIZE, Header, MsgType
+from aggnet.protocol import wire
+from aggnet.protocol.wire import job_id_of
+from aggnet.processes import ServiceProcess
+from aggnet.protocol.limits import SWITCH_PORT
+from aggnet.protocol.wire import HEADER_SIZE, Header, MsgType
 from helpers import free_ports
 
 K = 64
@@ -122,7 +122,7 @@ class HostAggregator:
         return gather(self.socks, wait, read)
 
     def drops(self) -> dict:
-        from aggnet.switch_client import query_stats
+        from aggnet.client.switch import query_stats
 
         out = {}
         for svc in (self.flat, self.rack):

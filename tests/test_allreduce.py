@@ -12,7 +12,8 @@ import uuid
 import numpy as np
 import pytest
 
-from aggnet import Client, wire
+from aggnet import Client
+from aggnet.protocol import wire
 from aggnet.errors import (
     AggregationTimeout,
     AggregatorUnreachable,
@@ -154,7 +155,7 @@ def test_two_jobs_concurrently_get_independent_exact_results(service):
 
 def test_malformed_messages_are_dropped_counted_and_answered(service):
     job = f"bad-{uuid.uuid4().hex[:6]}"
-    from aggnet.client import job_id_of
+    from aggnet.protocol.wire import job_id_of
 
     good = wire.Header(wire.MsgType.PUSH, job_id=job_id_of(job), round=1, index=0, sender=0,
                        dtype=wire.DType.FLOAT32, count=4, flags=wire.Flag.LITTLE_ENDIAN)
@@ -251,24 +252,24 @@ def test_a_silent_worker_is_named_by_the_others(service):
     assert res[2] == "idle"
 
 
-def _world_worker(rank, address, job):
-    world = 2 if rank == 0 else 3
-    if rank == 1:
-        time.sleep(0.5)  # let rank 0 register the job first
-    try:
-        with Client(address, job=job, rank=rank, world_size=world, connect_timeout=5):
-            if rank == 0:
-                time.sleep(2)  # stay a member while rank 1 tries
-            return "joined"
-    except JobMismatch as exc:
-        return str(exc)
-
-
-def test_world_size_mismatch_is_refused_at_join(service):
+@pytest.mark.parametrize("kind", ["inproc", "zmq+tcp", "shm"])
+def test_a_world_size_mismatch_is_told_to_every_rank_at_once(service_factory, kind):
+    """Rank 1 joins with another world size than the job rank 0 registered:
+    rank 1 is refused, and rank 0, already a member, hears the same verdict
+    at once (its all-reduce fails naming both sizes, and so does the next),
+    not a timeout that blames a missing rank."""
+    svc = service_factory(kind)
     job = f"world-{uuid.uuid4().hex[:6]}"
-    res = run_workers(service.address, 2, _world_worker, service.address, job)
-    assert res[0] == "joined"
-    assert "registered with world size 2" in res[1] and "world size 3" in res[1]
+    with Client(svc.address, job=job, rank=0, world_size=2, timeout=30) as first:
+        pending = first.allreduce(np.ones(50_000, np.float32))
+        with pytest.raises(JobMismatch, match="registered with world size 2 .* world size 3"):
+            Client(svc.address, job=job, rank=1, world_size=3, connect_timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(JobMismatch, match="registered with world size 2 .* world size 3"):
+            pending.result(timeout=30)
+        assert time.monotonic() - t0 < 5, "the verdict comes at once, not after a timeout"
+        with pytest.raises(JobMismatch, match="world size 3"):
+            first.allreduce(np.ones(10, np.float32)).result(timeout=5)
 
 
 def _size_worker(rank, address, job):

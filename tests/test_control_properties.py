@@ -9,8 +9,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggnet import control, keys
-from aggnet.control import ControlError
+from aggnet.protocol import control, keys
+from aggnet.protocol.control import ControlError
 
 settings.register_profile("aggnet-control", max_examples=300, derandomize=True, deadline=None)
 settings.load_profile("aggnet-control")

@@ -68,9 +68,9 @@ print("exact")
 
 _FOREIGN = """
 import socket, sys, time
-from aggnet import wire
-from aggnet.client import job_id_of
-from aggnet.wire import DType, Flag, Header, MsgType
+from aggnet.protocol import wire
+from aggnet.protocol.wire import job_id_of
+from aggnet.protocol.wire import DType, Flag, Header, MsgType
 job, dest = sys.argv[1], ("{ip}", {port})
 jid = job_id_of(job)
 join = Header(MsgType.JOIN, job_id=jid, sender=0, world=2).pack()

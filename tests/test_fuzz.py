@@ -1,7 +1,7 @@
 """Hostile traffic at live aggregators while a real job runs on them.
 
 A switch-mode aggregator takes 100,000 random and mutated datagrams, and a
-ZeroMQ service 10,000 malformed messages (aggnet.fuzz), while two workers
+ZeroMQ service 10,000 malformed messages (aggnet.cli.fuzz), while two workers
 all-reduce int32 and float32 buffers whose sums they check exactly. Both
 aggregators must stay up and answer STATS, count what they dropped by
 reason, never fail on a message (``internal_error``), and keep the job's
@@ -26,14 +26,15 @@ import numpy as np
 import pytest
 import zmq
 
-from aggnet import Client, keys, wire
-from aggnet.address import parse
-from aggnet.client import job_id_of
-from aggnet.fuzz import KNOWN_BAD_JOINS, drop_counters, run_campaign
-from aggnet.hosts.process import ServiceProcess
-from aggnet.stats_cli import query
+from aggnet import Client
+from aggnet.protocol import keys, wire
+from aggnet.protocol.address import parse
+from aggnet.protocol.wire import job_id_of
+from aggnet.cli.fuzz import KNOWN_BAD_JOINS, drop_counters, run_campaign
+from aggnet.processes import ServiceProcess
+from aggnet.client.stats import query
 from aggnet.transport.zmq import zmq_endpoint
-from aggnet.wire import Header, MsgType
+from aggnet.protocol.wire import Header, MsgType
 
 pytestmark = pytest.mark.slow
 

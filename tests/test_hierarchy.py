@@ -20,11 +20,12 @@ import uuid
 import numpy as np
 import pytest
 
-from aggnet import Client, stats_cli
+from aggnet import Client
+from aggnet.client import stats as stats_cli
 from aggnet.errors import AggregationError
-from aggnet.hosts.process import ServiceProcess
-from aggnet.address import parse
-from aggnet.protocol import SWITCH_PORT
+from aggnet.processes import ServiceProcess
+from aggnet.protocol.address import parse
+from aggnet.protocol.limits import SWITCH_PORT
 from helpers import free_port, run_workers
 
 N = 300_003  # not a multiple of any chunk or packet size

@@ -7,7 +7,7 @@ import pytest
 
 from aggnet import kernels
 from aggnet.kernels import reference as ref
-from aggnet.wire import EXPONENT_NONFINITE, EXPONENT_ZERO
+from aggnet.protocol.wire import EXPONENT_NONFINITE, EXPONENT_ZERO
 
 F32 = np.finfo(np.float32)
 

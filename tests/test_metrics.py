@@ -16,12 +16,13 @@ import pytest
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from aggnet import Client, ClientStats, metrics  # noqa: E402
-from aggnet.client import job_id_of  # noqa: E402
+from aggnet import Client, ClientStats  # noqa: E402
+from aggnet import metrics  # noqa: E402
+from aggnet.protocol.wire import job_id_of  # noqa: E402
 from aggnet.hosts import service  # noqa: E402
-from aggnet.hosts.process import ServiceProcess  # noqa: E402
+from aggnet.processes import ServiceProcess  # noqa: E402
 from aggnet.transport import connect  # noqa: E402
-from aggnet.wire import DType, Header, MsgType  # noqa: E402
+from aggnet.protocol.wire import DType, Header, MsgType  # noqa: E402
 
 K = 64
 
@@ -53,8 +54,8 @@ def endpoints():
         s.server_close()
 
 
-def _serve(endpoints, stats_fn, kind, **kw):
-    server, port = metrics.start_metrics_server(0, stats_fn, kind, **kw)
+def _serve(endpoints, stats_fn, **kw):
+    server, port = metrics.start_metrics_server(0, stats_fn, **kw)
     endpoints.append(server)
     return port
 
@@ -63,7 +64,7 @@ def test_service_metrics_match_what_the_job_did(endpoints):
     svc = service.start(f"inproc://metrics-{uuid.uuid4().hex[:6]}", shards=2)
     clients = []
     try:
-        port = _serve(endpoints, svc.collect_stats, "service")
+        port = _serve(endpoints, svc.stats)
         job = f"m-{uuid.uuid4().hex[:6]}"
         clients = [Client(svc.address, job=job, rank=r, world_size=2, chunk_bytes=4096, timeout=20) for r in range(2)]
         bufs = [np.full(10000, r + 1, np.float32) for r in range(2)]  # 40000 bytes: 10 chunks of 4096
@@ -116,7 +117,7 @@ def test_switch_metrics_match_the_aggregator_counters(endpoints):
     loop.start()
     clients = []
     try:
-        port = _serve(endpoints, svc.stats, "switch")
+        port = _serve(endpoints, svc.stats)
         job = f"sw-{uuid.uuid4().hex[:6]}"
         clients = [Client(str(svc.address), job=job, rank=r, world_size=2, elements=K, timeout=20)
                    for r in range(2)]
@@ -127,11 +128,11 @@ def test_switch_metrics_match_the_aggregator_counters(endpoints):
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.sendto(b"short", (svc.address.host, svc.address.port))
         deadline = time.monotonic() + 5
-        while svc.stats()["totals"].get("dropped_short", 0) < 1 and time.monotonic() < deadline:
+        while svc.collect_stats()["totals"].get("dropped_short", 0) < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
 
         got = scrape(port)
-        stats = svc.stats()
+        stats = svc.collect_stats()
         totals = stats["totals"]
         assert value(got, "aggnet_up") == 1
         assert value(got, "aggnet_messages_total") == totals["received"]
@@ -174,7 +175,7 @@ def test_a_failing_or_stuck_stats_call_reads_as_down_not_as_a_failed_scrape(endp
         calls.append(1)
         raise ConnectionError("the aggregator went away")
 
-    port = _serve(endpoints, broken, "service")
+    port = _serve(endpoints, broken)
     for n in (1, 2):
         got = scrape(port)
         assert value(got, "aggnet_up") == 0
@@ -188,9 +189,9 @@ def test_a_failing_or_stuck_stats_call_reads_as_down_not_as_a_failed_scrape(endp
     def stuck():
         started.append(1)
         release.wait(30)
-        return {"totals": {}, "shards": []}
+        return {"kind": "service", "totals": {}, "shards": []}
 
-    port = _serve(endpoints, stuck, "service", timeout=0.2)
+    port = _serve(endpoints, stuck, timeout=0.2)
     try:
         t0 = time.monotonic()
         assert value(scrape(port), "aggnet_up") == 0
@@ -220,7 +221,8 @@ def test_shards_are_summed_and_a_silent_shard_keeps_its_last_counters(endpoints)
         {"totals": {"messages": 21, "pushes": 4, "results": 2, "dropped_unknown_job": 1}, "shards": [shard0, None],
          "restarts": 0},
     ]
-    port = _serve(endpoints, lambda: answers.pop(0), "service")
+    # a service's STATS replies, in the shape its stats() gives the exporter
+    port = _serve(endpoints, lambda: service.stats_view(answers.pop(0)))
     for up in ({"0": 1, "1": 1}, {"0": 1, "1": 0}):
         got = scrape(port)
         assert labelled(got, "aggnet_shard_up", "shard") == up
@@ -255,9 +257,13 @@ def test_client_collector_exports_every_counter(endpoints):
                                                   "dropped_replies", "fast_retransmissions")} <= set(mine)
 
 
-def test_unknown_kind_is_refused():
-    with pytest.raises(ValueError, match="kind"):
-        metrics.StatsCollector(dict, "router")
+def test_stats_of_an_unknown_kind_read_as_down_and_say_why(endpoints, caplog):
+    port = _serve(endpoints, lambda: {"kind": "router", "totals": {"pushes": 1}})
+    with caplog.at_level("WARNING", logger="aggnet.metrics"):
+        got = scrape(port)
+    assert value(got, "aggnet_up") == 0 and value(got, "aggnet_scrape_errors_total") == 1
+    assert ("aggnet_pushes_total", frozenset()) not in got
+    assert any("'router'" in r.getMessage() and "service, switch" in r.getMessage() for r in caplog.records)
 
 
 def _free_port() -> int:
@@ -286,17 +292,17 @@ def test_serve_refuses_a_port_it_cannot_bind(endpoints):
     class Args:
         metrics_host = "127.0.0.1"
 
-    server, port = metrics.start_metrics_server(0, dict, "service")
+    server, port = metrics.start_metrics_server(0, dict)
     endpoints.append(server)
     Args.metrics_port = port  # taken
     with pytest.raises(SystemExit, match="cannot serve metrics"):
-        metrics.serve_metrics_for(Args, dict, "service")
+        metrics.serve_metrics_for(Args, dict)
 
 
 def test_a_raw_push_for_an_unknown_job_is_a_drop_by_reason(endpoints):
     svc = service.start(f"inproc://metrics-{uuid.uuid4().hex[:6]}", shards=1)
     try:
-        port = _serve(endpoints, svc.collect_stats, "service")
+        port = _serve(endpoints, svc.stats)
         payload = np.zeros(4, np.float32).tobytes()
         h = Header(MsgType.PUSH, job_id=job_id_of("nobody"), dtype=DType.FLOAT32, count=4, world=1)
         with connect([svc.shards[0].address]) as conn:

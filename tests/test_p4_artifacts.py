@@ -1,5 +1,5 @@
 """The switch program's sources, generated definitions and compiled
-artifacts stay in step with aggnet/wire.py and with each other."""
+artifacts stay in step with aggnet/protocol/wire.py and with each other."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from aggnet import wire
+from aggnet.protocol import limits, messages, wire
 from aggnet.p4 import compile as p4compile
 from aggnet.p4 import control, generate
 
@@ -46,3 +46,38 @@ def test_recompiling_reproduces_the_committed_artifacts(tmp_path):
     json_path, p4info = p4compile.compile_to(tmp_path, p4compile.find_p4c())
     assert json_path.read_bytes() == p4compile.BMV2_JSON.read_bytes()
     assert p4info.read_bytes() == p4compile.P4INFO.read_bytes()
+
+
+def _p4_consts(path) -> dict:
+    return {name: int(value, 0) for name, value in
+            re.findall(r"const bit<\d+> (\w+) = (0x[0-9A-Fa-f]+|\d+);", path.read_text())}
+
+
+def test_p4_limits_and_counter_indices_are_limits_py():
+    consts = _p4_consts(generate.SOURCES / "limits.p4")
+    assert {n: consts[f"DROP_{n}"] for n in limits.Drop.__members__} == {d.name: int(d) for d in limits.Drop}
+    assert {n: consts[f"EV_{n}"] for n in limits.Event.__members__} == {e.name: int(e) for e in limits.Event}
+    assert consts["AGG_DROP_REASONS"] == len(limits.Drop) and consts["AGG_EVENTS"] == len(limits.Event)
+    assert (consts["AGG_POOL"], consts["AGG_MAX_JOBS"], consts["AGG_MAX_WORKERS"], consts["FLOOD_GROUP"]) == \
+        (limits.P4_POOL, limits.MAX_JOBS, limits.MAX_WORKERS, limits.FLOOD_GROUP)
+    # a job's multicast group is its row + 1: the flood group lies above them all
+    assert limits.FLOOD_GROUP > limits.MAX_JOBS
+    assert control.DROP_REASONS[limits.Drop.TYPE] == "type" and control.EVENTS[limits.Event.JOINS] == "joins"
+
+
+def test_hand_written_p4_defines_no_generated_constant():
+    generated = set()
+    for name in generate.outputs():
+        generated |= set(_p4_consts(name))
+    for path in generate.SOURCES.glob("*.p4"):
+        if path in generate.outputs():
+            continue
+        copies = generated & set(_p4_consts(path))
+        assert not copies, f"{path.name} defines {sorted(copies)}, which are generated from aggnet/protocol"
+
+
+def test_the_p4_answers_are_written_by_the_generated_actions():
+    text = (generate.SOURCES / "aggregate.p4").read_text()
+    for view in messages.P4_ANSWERS:
+        assert f"answer_{view.MSG_TYPE.name.lower()}(" in text
+        assert f"msg_type_t.{view.MSG_TYPE.name};" not in text, f"aggregate.p4 writes {view.MSG_TYPE.name} by hand"

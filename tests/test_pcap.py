@@ -25,11 +25,13 @@ from scapy.layers.l2 import Ether  # noqa: E402
 from scapy.packet import Raw  # noqa: E402
 from scapy.utils import wrpcap  # noqa: E402
 
-from aggnet import cli, pcap, wire  # noqa: E402
-from aggnet.client import job_id_of  # noqa: E402
+from aggnet.protocol import wire  # noqa: E402
+from aggnet.cli import main as cli
+from aggnet.protocol import pcap
+from aggnet.protocol.wire import job_id_of  # noqa: E402
 from aggnet.emulation.netns import Rack, can_emulate  # noqa: E402
-from aggnet.protocol import SWITCH_PORT  # noqa: E402
-from aggnet.wire import DType, Flag, Header, MsgType  # noqa: E402
+from aggnet.protocol.limits import SWITCH_PORT  # noqa: E402
+from aggnet.protocol.wire import DType, Flag, Header, MsgType  # noqa: E402
 
 NUMERIC = {DType.FLOAT32: np.float32, DType.INT32: np.int32, DType.FLOAT16: np.float16, DType.INT16: np.int16}
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggnet import sparse_layout
+from aggnet.protocol import sparse_layout
 from aggnet.errors import AggregationError, AggregationTimeout
-from aggnet.hosts.process import ServiceProcess
-from aggnet.sparse_client import SparseClient
-from aggnet.wire import MsgType
+from aggnet.processes import ServiceProcess
+from aggnet.client.sparse import SparseClient
+from aggnet.protocol.wire import MsgType
 from helpers import RunningService, free_port, run_workers
 
 STEPS = 20
@@ -27,7 +27,7 @@ def service():
 
 
 def shard_list(address: str) -> list[str]:
-    from aggnet import wire
+    from aggnet.protocol import wire
     from aggnet.transport import connect
 
     with connect([address]) as conn:
@@ -94,7 +94,7 @@ def test_push_sums_rows_and_allreduce_returns_every_workers_sum(service):
 # -- workers of one host combine their rows -----------------------------------------------
 
 def grouped_worker(rank: int, shards: list, nodes: int, local_size: int, job: str):
-    from aggnet.host_group import HostGroup
+    from aggnet.client.host_group import HostGroup
 
     group = HostGroup(rank // local_size, nodes, rank % local_size, local_size)
     with SparseClient(shards, job=job, rank=rank, world_size=nodes * local_size, timeout=20,
@@ -147,7 +147,7 @@ def test_workers_of_a_host_combine_rows_before_the_network(service):
 
 
 def test_host_group_comes_from_torchruns_variables(monkeypatch):
-    from aggnet.host_group import HostGroup
+    from aggnet.client.host_group import HostGroup
 
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
@@ -162,7 +162,7 @@ def test_host_group_comes_from_torchruns_variables(monkeypatch):
 
 
 def test_a_follower_without_its_leader_fails_clearly(service):
-    from aggnet.host_group import HostGroup
+    from aggnet.client.host_group import HostGroup
 
     with SparseClient(shard_list(service.address), job="orphan", rank=1, world_size=2, timeout=2,
                       host_group=HostGroup(0, 1, 1, 2)) as sc:

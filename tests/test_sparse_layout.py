@@ -1,11 +1,11 @@
-"""Row messages and row sums of sparse tables (aggnet.sparse_layout): the
+"""Row messages and row sums of sparse tables (aggnet.protocol.sparse_layout): the
 same bits as a plain loop that adds each index's rows in input order, which
 is what makes a shard's sums identical on every worker and every run."""
 
 import numpy as np
 import pytest
 
-from aggnet import sparse_layout
+from aggnet.protocol import sparse_layout
 
 
 def reference(indices, rows):

@@ -11,8 +11,8 @@ import pytest
 
 from aggnet import Client
 from aggnet.errors import JobMismatch
-from aggnet.hosts.process import ServiceProcess
-from aggnet.switch_client import query_stats
+from aggnet.processes import ServiceProcess
+from aggnet.client.switch import query_stats
 from aggnet.transport import mmsg
 from aggnet.transport.udp import DatagramSocket
 
@@ -94,8 +94,8 @@ def test_a_job_slice_spanning_shards_sums_exactly():
 
 
 def test_a_packet_sent_to_the_wrong_shard_is_dropped_and_counted():
-    from aggnet.client import job_id_of
-    from aggnet.wire import DType, Header, MsgType
+    from aggnet.protocol.wire import job_id_of
+    from aggnet.protocol.wire import DType, Header, MsgType
 
     agg = switch("--shards", "2", "--pool", "256", "--elements", "64")
     try:
@@ -208,9 +208,9 @@ def test_a_join_whose_shard_layout_points_outside_its_ports_is_refused():
     refused, and the aggregator keeps serving."""
     import socket
 
-    from aggnet import wire
-    from aggnet.client import job_id_of
-    from aggnet.wire import HEADER_SIZE, Header, MsgType
+    from aggnet.protocol import wire
+    from aggnet.protocol.wire import job_id_of
+    from aggnet.protocol.wire import HEADER_SIZE, Header, MsgType
 
     agg = switch("--pool", "256", "--elements", "64")
     try:

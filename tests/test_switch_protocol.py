@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 from aggnet import Client
-from aggnet.client import job_id_of
+from aggnet.protocol.wire import job_id_of
 from aggnet.emulation.lossy_relay import LossyRelay
 from aggnet.errors import AggregationError, NonFiniteError
-from aggnet.hosts.process import ServiceProcess
+from aggnet.processes import ServiceProcess
 from aggnet.kernels import quant_shift
-from aggnet.protocol import MAX_WORKERS
-from aggnet.switch_client import query_stats
-from aggnet.wire import DType, Flag, Header, MsgType
+from aggnet.protocol.limits import MAX_WORKERS
+from aggnet.client.switch import query_stats
+from aggnet.protocol.wire import DType, Flag, Header, MsgType
 from helpers import run_workers, silent_rank_run
 
 K = 64

@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from aggnet import topology
-from aggnet.topology import TopologyError
+from aggnet.protocol import topology
+from aggnet.protocol.topology import TopologyError
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples" / "topologies"
 

@@ -72,8 +72,8 @@ def test_service_reduce_scatter_sends_each_rank_only_its_share(kind):
 
 
 def test_a_push_for_an_owner_outside_the_world_is_dropped_and_answered(service):
-    from aggnet import wire
-    from aggnet.client import job_id_of
+    from aggnet.protocol import wire
+    from aggnet.protocol.wire import job_id_of
     from aggnet.transport import connect
 
     job = "rs-bad-owner"

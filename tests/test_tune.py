@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from aggnet.tune import Fit, choose, fit, search
+from aggnet.client.partitions import Fit, choose, fit, search
 
 THETA = (0.004, 0.064, 0.001)  # minimum at P = sqrt(0.064 / 0.001) = 8
 

@@ -9,7 +9,7 @@ import pytest
 
 ucxx = pytest.importorskip("ucxx", reason="ucxx is not installed (pip install aggnet[rdma])")
 
-from aggnet import wire  # noqa: E402
+from aggnet.protocol import wire  # noqa: E402
 from aggnet.transport import connect, listen  # noqa: E402
 from aggnet.transport import ucx  # noqa: E402
 

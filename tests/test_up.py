@@ -19,8 +19,9 @@ import time
 import numpy as np
 import pytest
 
-from aggnet import Client, up_state
-from aggnet.stats_cli import query
+from aggnet import Client
+from aggnet.deploy import state as up_state
+from aggnet.client.stats import query
 from helpers import free_ports
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -397,7 +398,7 @@ def _bmv2_ok() -> tuple[bool, str]:
 @pytest.mark.requires_bmv2
 @pytest.mark.skipif(not _bmv2_ok()[0], reason=_bmv2_ok()[1])
 def test_up_installs_the_job_on_a_switch_once_and_down_removes_it(tmp_path, request):
-    from aggnet.client import job_id_of
+    from aggnet.protocol.wire import job_id_of
     from aggnet.emulation.bmv2 import Bmv2Switch
     from aggnet.p4.control import SwitchControl
 

@@ -4,10 +4,10 @@ import struct
 
 import pytest
 
-from aggnet import wire
-from aggnet.address import AddressError, advertised_as, parse, reached_via
+from aggnet.protocol import wire
+from aggnet.protocol.address import AddressError, advertised_as, parse, reached_via
 from aggnet.transport import connect, listen
-from aggnet.wire import DType, Flag, Header, MsgType, WireError
+from aggnet.protocol.wire import DType, Flag, Header, MsgType, WireError
 
 
 def sample() -> Header:
@@ -53,6 +53,16 @@ def test_malformed_headers_are_rejected_with_the_reason(mutate, reason, text):
     with pytest.raises(WireError) as err:
         wire.unpack_header(mutate(sample().pack()))
     assert err.value.reason == reason and text in str(err.value)
+
+
+def test_both_packers_refuse_a_field_out_of_range_with_the_same_error():
+    h = Header(MsgType.PUSH, sender=1 << 16)
+    with pytest.raises(ValueError, match="cannot pack aggnet header"):
+        h.pack()
+    with pytest.raises(ValueError, match="cannot pack aggnet header"):
+        wire.pack_into(bytearray(wire.HEADER_SIZE), h)
+    with pytest.raises(ValueError, match="buffer of 10 bytes"):
+        wire.pack_into(bytearray(10), Header(MsgType.PUSH))
 
 
 def test_payload_length_must_match_count():

@@ -15,10 +15,10 @@ import math
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from aggnet import control, wire
-from aggnet.control import ControlError
-from aggnet.fuzz import HOSTILE_PAYLOADS, HOSTILE_VALUES, KNOWN_BAD_JOINS
-from aggnet.wire import HEADER_SIZE, DType, ErrorCode, Header, MsgType, WireError
+from aggnet.protocol import control, wire
+from aggnet.protocol.control import ControlError
+from aggnet.cli.fuzz import HOSTILE_PAYLOADS, HOSTILE_VALUES, KNOWN_BAD_JOINS
+from aggnet.protocol.wire import HEADER_SIZE, DType, ErrorCode, Header, MsgType, WireError
 
 PROPERTY = settings(max_examples=300, derandomize=True, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

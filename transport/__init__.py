@@ -1,6 +1,6 @@
 """aggnet transports: one interface (:mod:`.base`), one module per transport,
 chosen by address scheme."""
 
-from .base import Connection, Incoming, Listener, TransportError, connect, listen
+from aggnet.transport.base import Connection, Incoming, Listener, TransportError, connect, listen
 
 __all__ = ["Connection", "Incoming", "Listener", "TransportError", "connect", "listen"]

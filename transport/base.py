@@ -1,6 +1,6 @@
 """The transport interface: how aggnet messages move, whatever carries them.
 
-A message is a 48-byte header (:mod:`aggnet.wire`) and an optional payload
+A message is a 48-byte header (:mod:`aggnet.protocol.wire`) and an optional payload
 buffer. Servers (aggregator shards) hold a :class:`Listener`; clients hold a
 :class:`Connection` to every endpoint of a service. Transports are chosen by
 address scheme through :func:`listen` and :func:`connect`; each lives in its
@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..address import SCHEMES, Address, AddressError, parse
+from aggnet.protocol.address import SCHEMES, Address, AddressError, parse
 
 
 class TransportError(ConnectionError):
@@ -99,7 +99,14 @@ class Transport(ABC):
     def connect(self, addresses: Sequence[Address], **options) -> Connection: ...
 
 
-#: scheme -> "module:class", imported on first use
+#: scheme -> "module:class", imported on first use. ``udp://`` is not
+#: here on purpose: the switch protocol is not a stream of messages to
+#: endpoints but datagrams batched by the hundred per system call, parsed
+#: and built in place by numba kernels over one arena (transport/udp.py,
+#: transport/mmsg.py), sent to a P4 switch that answers what it receives
+#: and nothing else. A Connection's one-message-per-call interface would
+#: cost that path its batching; the switch client and switch-mode hosts
+#: use :class:`aggnet.transport.udp.DatagramSocket` directly instead.
 _BACKENDS = {
     "zmq+tcp": "aggnet.transport.zmq:ZmqTransport",
     "zmq+ipc": "aggnet.transport.zmq:ZmqTransport",

@@ -11,8 +11,8 @@ import queue
 import threading
 from typing import Sequence
 
-from ..address import Address
-from .base import Connection, Incoming, Listener, Transport, TransportError
+from aggnet.protocol.address import Address
+from aggnet.transport.base import Connection, Incoming, Listener, Transport, TransportError
 
 _registry: dict[str, "InprocListener"] = {}
 _lock = threading.Lock()

@@ -39,10 +39,10 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the machine
     raise ImportError("the ucx:// transport needs ucxx: pip install 'aggnet[rdma]'") from exc
 
-from .. import wire
-from ..address import Address
-from ..buffers import BufferPool
-from .base import Connection, Incoming, Listener, Transport, TransportError
+from aggnet.protocol import wire
+from aggnet.protocol.address import Address
+from aggnet.buffers import BufferPool
+from aggnet.transport.base import Connection, Incoming, Listener, Transport, TransportError
 
 log = logging.getLogger("aggnet.transport.ucx")
 

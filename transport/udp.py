@@ -38,7 +38,7 @@ import struct
 import numba
 import numpy as np
 
-from ..address import Address
+from aggnet.protocol.address import Address
 
 log = logging.getLogger("aggnet.transport.udp")
 
@@ -60,8 +60,6 @@ MAX_DATAGRAM = 65507
 RECEIVE_CHUNK = 65536
 #: bytes a receiver takes per batch before it processes and answers them
 BATCH_BYTES = 256 << 10
-#: IPv4 + UDP headers: what the MTU must hold besides the datagram
-IP_UDP_OVERHEAD = 28
 
 IO_MODES = ("gso", "mmsg", "plain")
 #: peers whose (ip, port) <-> key conversions are remembered
@@ -130,7 +128,7 @@ def _probe_gso(sock: socket.socket) -> bool:
 def choose_io(sock: socket.socket, wanted: str | None = None) -> str:
     """The batching this socket gets: ``wanted`` (or ``AGGNET_UDP_IO``) when
     the kernel supports it, else the best available."""
-    from . import mmsg
+    from aggnet.transport import mmsg
 
     wanted = wanted or os.environ.get("AGGNET_UDP_IO") or None
     if wanted is not None and wanted not in IO_MODES:
@@ -178,7 +176,7 @@ class DatagramSocket:
     def __init__(self, addr: Address | tuple, *, io: str | None = None, arena_bytes: int = 4 << 20,
                  max_datagrams: int = 8192, max_datagram_bytes: int = RECEIVE_CHUNK,
                  buffer_bytes: int = SOCKET_BUFFER):
-        from . import mmsg
+        from aggnet.transport import mmsg
 
         self.sock = open_udp(addr, buffer_bytes)
         self.fd = self.sock.fileno()

@@ -18,8 +18,8 @@ from typing import Sequence
 
 import zmq
 
-from ..address import Address
-from .base import Connection, Incoming, Listener, Transport, TransportError
+from aggnet.protocol.address import Address
+from aggnet.transport.base import Connection, Incoming, Listener, Transport, TransportError
 
 #: messages queued per socket before sends block (clients bound their
 #: in-flight chunks by a window far below this)

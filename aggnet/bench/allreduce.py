@@ -23,7 +23,7 @@ import uuid
 
 import numpy as np
 
-from aggnet.config import format_size, parse_size
+from aggnet.client.config import format_size, parse_size
 
 DEFAULT_SIZES = "1MiB,16MiB,100MiB"
 
@@ -198,7 +198,7 @@ def _free_port() -> int:
 
 
 def _service_stats(address: str) -> dict:
-    from aggnet import wire
+    from aggnet.protocol import wire
     from aggnet.transport import connect
 
     with connect([address]) as conn:
@@ -208,11 +208,11 @@ def _service_stats(address: str) -> dict:
 
 
 def main(args) -> int:
-    from aggnet.config import ClientConfig
-    from aggnet.hosts.process import ServiceProcess
+    from aggnet.client.config import ClientConfig
+    from aggnet.processes import ServiceProcess
 
     if getattr(args, "collective", "allreduce") == "reduce_scatter":
-        from .collectives import main as collectives_main
+        from aggnet.bench.collectives import main as collectives_main
 
         return collectives_main(args)
 

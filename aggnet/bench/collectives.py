@@ -30,9 +30,9 @@ import uuid
 
 import numpy as np
 
-from aggnet.config import format_size, parse_size
+from aggnet.client.config import format_size, parse_size
 
-from .allreduce import _system_info, _timed, spawn_workers
+from aggnet.bench.allreduce import _system_info, _timed, spawn_workers
 
 
 def _timed_pair(barrier, fa, fb, reps: int) -> tuple[list[float], list[float]]:
@@ -63,7 +63,7 @@ def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, po
 
     import aggnet.torch  # noqa: F401  (registers the backend)
     from aggnet import Client
-    from aggnet.config import ClientConfig
+    from aggnet.client.config import ClientConfig
 
     torch.set_num_threads(1)
     config = ClientConfig(address=address, timeout=300.0)
@@ -101,7 +101,7 @@ def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, po
 
 
 def main(args) -> int:
-    from aggnet.hosts.process import ServiceProcess
+    from aggnet.processes import ServiceProcess
 
     try:
         import torch.distributed  # noqa: F401

@@ -223,7 +223,7 @@ def _sample(roles: dict, service) -> dict:
 def run_soak(kind: str, allreduces: int, loss: float, elements: int, workers: int) -> dict:
     """One soak of ``kind`` ("switch" or "service"); returns its record."""
     from aggnet.emulation.lossy_relay import LossyRelay
-    from aggnet.hosts.process import ServiceProcess
+    from aggnet.processes import ServiceProcess
 
     points = checkpoints(allreduces)
     if kind == "switch":

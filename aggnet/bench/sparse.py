@@ -44,7 +44,7 @@ import uuid
 
 import numpy as np
 
-from .allreduce import _system_info, spawn_workers
+from aggnet.bench.allreduce import _system_info, spawn_workers
 
 SYSTEMS = ("aggnet-ps", "aggnet-allreduce", "gloo-sparse", "dense")
 #: systems run unless --systems says otherwise (all of them)
@@ -190,7 +190,7 @@ def _worker(rank: int, world: int, cfg: dict, address: str, port: int, barrier) 
     import torch.distributed as dist
 
     from aggnet import Client
-    from aggnet.sparse_client import SparseClient
+    from aggnet.client.sparse import SparseClient
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -285,7 +285,7 @@ def model_bytes(system: str, rows_one: float, rows_union: float, row_bytes: int,
 
 
 def main(args) -> int:
-    from aggnet.hosts.process import ServiceProcess
+    from aggnet.processes import ServiceProcess
 
     try:
         import torch.distributed  # noqa: F401  (the workers' gloo groups)

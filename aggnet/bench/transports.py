@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from aggnet.config import format_size, parse_size
+from aggnet.client.config import format_size, parse_size
 
 WINDOW = 4
 
@@ -34,7 +34,7 @@ def _receiver(listen_addr: str, report, plan) -> None:
     from aggnet.processes import die_with_parent
 
     die_with_parent()
-    from aggnet import wire
+    from aggnet.protocol import wire
     from aggnet.transport import listen
 
     lst = listen(listen_addr)
@@ -55,7 +55,7 @@ def _sender(address: str, plan, out) -> None:
     from aggnet.processes import die_with_parent
 
     die_with_parent()
-    from aggnet import wire
+    from aggnet.protocol import wire
     from aggnet.transport import connect
 
     conn = connect([address])

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from aggnet.config import format_size, parse_size
+from aggnet.client.config import format_size, parse_size
 
 SOL_UDP, UDP_SEGMENT, UDP_GRO = 17, 103, 104
 
@@ -137,8 +137,8 @@ def _cpu_of_tree(pid: int) -> float:
 
 def aggnet_client(elements: int, nbytes: int, reps: int, io: str | None, shards: int) -> dict:
     from aggnet import Client
-    from aggnet.hosts.process import ServiceProcess
-    from aggnet.wire import HEADER_SIZE
+    from aggnet.processes import ServiceProcess
+    from aggnet.protocol.wire import HEADER_SIZE
 
     args = ["--mode", "switch", "--elements", str(elements), "--shards", str(shards)]
     if io:
@@ -173,7 +173,7 @@ def aggnet_client(elements: int, nbytes: int, reps: int, io: str | None, shards:
 
 
 def main(args) -> int:
-    from aggnet.wire import HEADER_SIZE
+    from aggnet.protocol.wire import HEADER_SIZE
 
     nbytes = parse_size(args.size)
     ios = [None] if args.io == "auto" else [m.strip() for m in args.io.split(",")]

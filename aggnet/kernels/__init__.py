@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from types import ModuleType
 
-from ..wire import EXPONENT_NONFINITE, EXPONENT_ZERO
+from aggnet.protocol.wire import EXPONENT_NONFINITE, EXPONENT_ZERO
 
 KERNEL_API = (
     "block_stats",
@@ -36,11 +36,11 @@ QUANT_BITS = 30
 def load(name: str) -> ModuleType:
     """The kernel module called ``name`` (``reference``, ``cpu``, ``gpu``)."""
     if name == "reference":
-        from . import reference as mod
+        from aggnet.kernels import reference as mod
     elif name == "cpu":
-        from . import cpu as mod
+        from aggnet.kernels import cpu as mod
     elif name == "gpu":
-        from . import gpu as mod
+        from aggnet.kernels import gpu as mod
     else:
         raise ValueError(f"unknown kernel backend {name!r}; known: reference, cpu, gpu")
     missing = [f for f in KERNEL_API if not callable(getattr(mod, f, None))]

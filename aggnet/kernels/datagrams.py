@@ -7,20 +7,27 @@ loop over packets is here: the client builds each slot's next use (header
 plus quantized big-endian payload, read straight from the caller's buffer)
 and decodes results into the caller's buffer; packets to send are staged
 contiguously so one GSO call carries many. Byte offsets come from the one
-header definition in :mod:`aggnet.wire`, never written by hand.
+header definition in :mod:`aggnet.protocol.wire`, never written by hand,
+and those of reused fields from :mod:`aggnet.protocol.messages`.
+
+The kernels take their arrays grouped in named tuples (numba compiles a
+field access to a plain load): a received :class:`Batch`, a client's
+:class:`Window` of slots, one all-reduce's :class:`Task`, and return
+what they found as tuples.
 """
 
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 
 import numba
 import numpy as np
 
-from .. import wire
-from . import QUANT_BITS as _QUANT_BITS
-from .cpu import _byteswap32, _dequantize, _quantize
-from ..wire import EXPONENT_NONFINITE, EXPONENT_ZERO, HEADER_SIZE, MAGIC, VERSION
+from aggnet.protocol import messages, wire
+from aggnet.kernels import QUANT_BITS as _QUANT_BITS
+from aggnet.kernels.cpu import _byteswap32, _dequantize, _quantize
+from aggnet.protocol.wire import EXPONENT_NONFINITE, EXPONENT_ZERO, HEADER_SIZE, MAGIC, VERSION
 
 
 def _offsets() -> dict:
@@ -33,6 +40,16 @@ def _offsets() -> dict:
 
 
 OFFSET = _offsets()
+WIDTH = {name: bits // 8 for name, bits in wire.HEADER_FIELDS}
+
+
+def field_at(view, name: str) -> tuple[int, int]:
+    """(byte offset, bytes) of the header field that carries value ``name``
+    of a :mod:`aggnet.protocol.messages` view, for :func:`put_field`."""
+    f = view.FIELDS[name]
+    return OFFSET[f], WIDTH[f]
+
+
 O_MAGIC = OFFSET["magic"]
 O_VERSION = OFFSET["version"]
 O_TYPE = OFFSET["msg_type"]
@@ -61,6 +78,31 @@ F_UPLINK = int(wire.Flag.UPLINK)
 D_INT32 = int(wire.DType.INT32)
 QUANT_BITS = _QUANT_BITS  # the scale rule of aggnet.kernels.quant_shift
 KIND_IDLE, KIND_PRIMING, KIND_DATA = 0, 1, 2
+#: where a PROBE_OK carries the slot's state
+PROBE_COUNT = field_at(messages.ProbeOk, "count")
+PROBE_SEEN = field_at(messages.ProbeOk, "seen")
+PROBE_TAG = field_at(messages.ProbeOk, "tag")
+PROBE_WORLD = field_at(messages.ProbeOk, "world")
+
+#: received datagrams: datagram i lies at arena[offsets[i]:offsets[i] +
+#: lengths[i]] and came from sources[i] (an address key); ``count`` of them
+Batch = namedtuple("Batch", "arena offsets lengths sources count")
+#: a client's slots: each one's packet (header from ``template``, then
+#: ``k`` values), and the use it carries (tag, whether its result is
+#: outstanding, its kind and block)
+Window = namedtuple("Window", "packets template k tags busy kind block")
+#: one all-reduce: the caller's buffer (float32 quantized with ``wbits``
+#: bits of headroom and ``exps`` block exponents, or int32), its blocks,
+#: the slots it uses from ``first_slot``, its round and its priming
+#: ``fingerprint``, whose sum holds ``world`` contributions
+Task = namedtuple("Task", "buf_f buf_i quantized nelem wbits multiplier used blocks exps fingerprint world rnd "
+                          "first_slot")
+#: which results a client takes: from the aggregator's ports
+#: ``src_lo..src_hi``, for its job and slots, of ``packet_bytes``
+Accept = namedtuple("Accept", "src_lo src_hi job_id slots packet_bytes")
+#: where classify_results puts what it took: each result's slot and
+#: arena offset, and the probe answers' offsets
+Taken = namedtuple("Taken", "slot offset probe")
 
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
 _inline = numba.njit(cache=True, nogil=True, inline="always")
@@ -98,6 +140,15 @@ def put64(p, o, v):
     v = np.uint64(v)
     put32(p, o, np.uint32(v >> np.uint64(32)))
     put32(p, o + 4, np.uint32(v & np.uint64(0xFFFFFFFF)))
+
+
+@_inline
+def put_field(p, at, v):
+    """Write ``v`` big-endian into the field ``at`` (see :func:`field_at`)."""
+    o, n = at
+    v = np.uint64(v)
+    for b in range(n):
+        p[o + n - 1 - b] = np.uint8((v >> np.uint64(8 * b)) & np.uint64(0xFF))
 
 
 @_inline
@@ -140,64 +191,63 @@ def _next_tag(tags, s):
 
 
 @_jit
-def classify_results(arena, offsets, lengths, srcs, n, src_lo, src_hi, job_id, slots, packet_bytes, tags, busy,
-                     out_slot, out_off, probe_off):
-    """Pick the results that answer an outstanding use (from the
-    aggregator's ports ``src_lo..src_hi``, right job, slot, tag, size) out
-    of ``n`` received datagrams; mark their slots idle. Returns (results,
-    probes, dropped): probe answers' offsets go to ``probe_off``; dropped
-    counts what came from elsewhere or is malformed (not duplicates)."""
+def classify_results(batch, accept, window, taken):
+    """Pick the results that answer an outstanding use (right source,
+    job, slot, tag and size) out of a received batch; mark their slots
+    idle. Returns (results, probes, dropped): results and probe answers go
+    to ``taken``; dropped counts what came from elsewhere or is malformed
+    (not duplicates)."""
     m = 0
     probes = 0
     dropped = 0
-    for i in range(n):
-        if srcs[i] < src_lo or srcs[i] > src_hi:
+    for i in range(batch.count):
+        if batch.sources[i] < accept.src_lo or batch.sources[i] > accept.src_hi:
             dropped += 1
             continue
-        length = lengths[i]
+        length = batch.lengths[i]
         if length < HEADER_SIZE:
             dropped += 1
             continue
-        o = offsets[i]
-        p = arena[o:o + length]
-        if be16(p, O_MAGIC) != MAGIC or p[O_VERSION] != VERSION or be32(p, O_JOB) != job_id:
+        o = batch.offsets[i]
+        p = batch.arena[o:o + length]
+        if be16(p, O_MAGIC) != MAGIC or p[O_VERSION] != VERSION or be32(p, O_JOB) != accept.job_id:
             dropped += 1
             continue
         index = be32(p, O_INDEX)
-        if index >= np.uint32(slots):
+        if index >= np.uint32(accept.slots):
             dropped += 1
             continue
         t = p[O_TYPE]
         if t == T_PROBE_OK:
-            if length == HEADER_SIZE and probes < probe_off.size:
-                probe_off[probes] = o
+            if length == HEADER_SIZE and probes < taken.probe.size:
+                taken.probe[probes] = o
                 probes += 1
             else:
                 dropped += 1
             continue
-        if t != T_RESULT or length != packet_bytes or p[O_DTYPE] != D_INT32:
+        if t != T_RESULT or length != accept.packet_bytes or p[O_DTYPE] != D_INT32:
             dropped += 1
             continue
         s = np.int64(index)
-        if not busy[s] or be32(p, O_REF) != tags[s]:
+        if not window.busy[s] or be32(p, O_REF) != window.tags[s]:
             continue  # a duplicate result, or one for an older use
-        busy[s] = False
-        out_slot[m] = s
-        out_off[m] = o
+        window.busy[s] = False
+        taken.slot[m] = s
+        taken.offset[m] = o
         m += 1
     return m, probes, dropped
 
 
 @_inline
-def _build_use(packets, s, template, k, kind, block, exponent, next_exponent, tag, rnd,
-               buf_f, buf_i, quantized, nelem, wbits):
+def _build_use(window, task, s, kind, block, exponent, next_exponent, tag):
     """Write slot ``s``'s packet for a use: header from the template, then
     the block's payload (quantized with the agreed exponent, big-endian)."""
-    p = packets[s]
+    p = window.packets[s]
+    k = window.k
     for b in range(HEADER_SIZE):
-        p[b] = template[b]
+        p[b] = window.template[b]
     p[O_FLAGS] = np.uint8(F_VERSION if tag & np.uint32(1) else 0)
-    put32(p, O_ROUND, rnd)
+    put32(p, O_ROUND, task.rnd)
     put32(p, O_INDEX, s)
     put32(p, O_REF, tag)
     start = block * k
@@ -211,35 +261,33 @@ def _build_use(packets, s, template, k, kind, block, exponent, next_exponent, ta
     put16(p, O_EXPONENT, exponent)
     put16(p, O_NEXT_EXPONENT, next_exponent)
     put64(p, O_OFFSET, start)
-    n = min(k, nelem - start)
+    n = min(k, task.nelem - start)
     payload = p[HEADER_SIZE:HEADER_SIZE + 4 * k].view(np.uint32)
-    if quantized:
-        _quantize(buf_f[start:start + n], math.ldexp(1.0, QUANT_BITS - exponent - wbits), payload[:n], True)
+    if task.quantized:
+        _quantize(task.buf_f[start:start + n], math.ldexp(1.0, QUANT_BITS - exponent - task.wbits), payload[:n], True)
     else:
-        _byteswap32(buf_i[start:start + n].view(np.uint32), payload[:n])
+        _byteswap32(task.buf_i[start:start + n].view(np.uint32), payload[:n])
     for e in range(n, k):
         payload[e] = 0
 
 
 @_jit
-def start_uses(packets, slots_in, count, template, k, rnd, tags, busy, kind, block,
-               buf_f, buf_i, quantized, nelem, wbits, first_slot, local_exps, fingerprint):
-    """The first use of each slot in ``slots_in[:count]`` for a request: a
-    priming use. It carries the request's fingerprint (its size, whether
+def start_uses(window, task, slots_in, count):
+    """The first use of each slot in ``slots_in[:count]`` for a task: a
+    priming use. It carries the task's fingerprint (its size, whether
     quantized), which the sum shows all workers agree on, and, quantized,
     the exponent of the slot's first block."""
-    slots_total = tags.size
+    slots_total = window.tags.size
     for i in range(count):
         s = slots_in[i]
-        pos = (s - first_slot) % slots_total
-        t = _next_tag(tags, s)
-        busy[s] = True
-        block[s] = pos
-        kind[s] = KIND_PRIMING
-        _build_use(packets, s, template, k, KIND_PRIMING, pos, 0, local_exps[pos] if quantized else 0, t, rnd,
-                   buf_f, buf_i, quantized, nelem, wbits)
-        for e in range(fingerprint.size):
-            put32(packets[s], HEADER_SIZE + 4 * e, fingerprint[e])
+        pos = (s - task.first_slot) % slots_total
+        t = _next_tag(window.tags, s)
+        window.busy[s] = True
+        window.block[s] = pos
+        window.kind[s] = KIND_PRIMING
+        _build_use(window, task, s, KIND_PRIMING, pos, 0, task.exps[pos] if task.quantized else 0, t)
+        for e in range(task.fingerprint.size):
+            put32(window.packets[s], HEADER_SIZE + 4 * e, task.fingerprint[e])
 
 
 def fingerprint(nelem: int, quantized: bool, k: int) -> np.ndarray:
@@ -257,68 +305,86 @@ def fingerprint(nelem: int, quantized: bool, k: int) -> np.ndarray:
     return out
 
 
+@_inline
+def _fingerprint_agrees(p, task):
+    """Whether a priming sum holds ``world`` equal fingerprints."""
+    for e in range(task.fingerprint.size):
+        if np.int64(np.int32(be32(p, HEADER_SIZE + 4 * e))) != np.int64(task.fingerprint[e]) * task.world:
+            return False
+    return True
+
+
+@_inline
+def _decode(p, window, task, b):
+    """A data result's block into the caller's buffer."""
+    k = window.k
+    start = b * k
+    n = min(k, task.nelem - start)
+    payload = p[HEADER_SIZE:HEADER_SIZE + 4 * k].view(np.uint32)
+    if task.quantized:
+        e = s16(be16(p, O_EXPONENT))
+        _dequantize(payload[:n], math.ldexp(1.0, -(QUANT_BITS - e - task.wbits)) * task.multiplier,
+                    task.buf_f[start:start + n], True)
+    else:
+        _byteswap32(payload[:n], task.buf_i[start:start + n].view(np.uint32))
+
+
+@_inline
+def _use_next(window, task, s, nb, agreed):
+    """Slot ``s``'s next use: block ``nb``, quantized with the ``agreed``
+    exponent, proposing the exponent of the block it carries after it."""
+    after = nb + task.used
+    nxt = EXPONENT_ZERO
+    if task.quantized and after < task.blocks:
+        nxt = task.exps[after]
+    t = _next_tag(window.tags, s)
+    window.busy[s] = True
+    window.kind[s] = KIND_DATA
+    window.block[s] = nb
+    _build_use(window, task, s, KIND_DATA, nb, agreed, nxt, t)
+
+
 @_jit
-def advance(arena, res_slot, res_off, m, packets, template, k, rnd, tags, busy, kind, block,
-            buf_f, buf_i, quantized, nelem, wbits, multiplier, used, blocks, local_exps,
-            next_slots, finished, state, fp, world):
-    """Take ``m`` results of one request: decode data results into the
-    caller's buffer, and build each slot's next use of this request.
-    Slots with nothing left in this request go to ``finished``.
-    ``state`` = [next uses built, slots finished, first block after a
-    NaN/Inf marker or -1, 1 when a priming sum shows the workers'
-    buffers differ (``fp``: this request's fingerprint; ``world``: the
-    contributions every sum holds)]."""
+def advance(arena, res_slot, res_off, m, window, task, next_slots, finished):
+    """Take ``m`` results of one task: decode data results into the
+    caller's buffer, and build each slot's next use of the task into
+    ``next_slots``; slots with nothing left in it go to ``finished``.
+    Returns (next uses built, slots finished, first block after a NaN/Inf
+    marker or -1, whether a priming sum shows the workers' buffers
+    differ)."""
     nn = 0
     nf = 0
+    nonfinite = -1
+    differ = False
     for i in range(m):
         s = res_slot[i]
-        p = arena[res_off[i]:res_off[i] + HEADER_SIZE + 4 * k]
-        b = block[s]
-        if kind[s] == KIND_PRIMING:
-            for e in range(fp.size):
-                if np.int64(np.int32(be32(p, HEADER_SIZE + 4 * e))) != np.int64(fp[e]) * world:
-                    state[3] = 1  # the workers' buffers differ
-        if kind[s] == KIND_DATA:
-            start = b * k
-            n = min(k, nelem - start)
-            payload = p[HEADER_SIZE:HEADER_SIZE + 4 * k].view(np.uint32)
-            if quantized:
-                e = s16(be16(p, O_EXPONENT))
-                _dequantize(payload[:n], math.ldexp(1.0, -(QUANT_BITS - e - wbits)) * multiplier,
-                            buf_f[start:start + n], True)
-            else:
-                _byteswap32(payload[:n], buf_i[start:start + n].view(np.uint32))
-            nb = b + used
-        else:
-            nb = b
-        kind[s] = KIND_IDLE
-        if nb >= blocks:
+        p = arena[res_off[i]:res_off[i] + HEADER_SIZE + 4 * window.k]
+        b = window.block[s]
+        if window.kind[s] == KIND_PRIMING and not _fingerprint_agrees(p, task):
+            differ = True
+        nb = b
+        if window.kind[s] == KIND_DATA:
+            _decode(p, window, task, b)
+            nb = b + task.used
+        window.kind[s] = KIND_IDLE
+        if nb >= task.blocks:
             finished[nf] = s
             nf += 1
             continue
         agreed = 0
-        if quantized:
+        if task.quantized:
             agreed = s16(be16(p, O_NEXT_EXPONENT))
             if agreed == EXPONENT_NONFINITE:
                 # every worker got the marker: all stop this slot's blocks
-                if state[2] < 0 or nb < state[2]:
-                    state[2] = nb
+                if nonfinite < 0 or nb < nonfinite:
+                    nonfinite = nb
                 finished[nf] = s
                 nf += 1
                 continue
-        after = nb + used
-        nxt = EXPONENT_ZERO
-        if quantized and after < blocks:
-            nxt = local_exps[after]
-        t = _next_tag(tags, s)
-        busy[s] = True
-        kind[s] = KIND_DATA
-        block[s] = nb
-        _build_use(packets, s, template, k, KIND_DATA, nb, agreed, nxt, t, rnd, buf_f, buf_i, quantized, nelem, wbits)
+        _use_next(window, task, s, nb, agreed)
         next_slots[nn] = s
         nn += 1
-    state[0] = nn
-    state[1] = nf
+    return nn, nf, nonfinite, differ
 
 
 @_jit

@@ -16,9 +16,9 @@ torch.distributed and does nothing else (docs/torch.md says which piece
 to pick when).
 """
 
-from . import backend
-from .hook import AggnetState, allreduce_hook
-from .sparse import ShardedEmbedding
+from aggnet.torch import backend
+from aggnet.torch.hook import AggnetState, allreduce_hook
+from aggnet.torch.sparse import ShardedEmbedding
 
 backend.register()
 

@@ -86,10 +86,11 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
-from ..client import Client
-from ..config import ClientConfig
-from ..errors import AggnetError, AggregatorUnreachable
-from .hook import _CODECS, _numpy_view
+from aggnet.client.base import Client
+from aggnet.client.config import ClientConfig
+from aggnet.errors import AggnetError, AggregatorUnreachable
+from aggnet.torch.futures import torch_future, when_all
+from aggnet.torch.hook import _CODECS, _numpy_view
 
 __all__ = ["BACKEND_NAME", "AggnetProcessGroup", "AggnetWork", "UnsupportedCollective", "register"]
 
@@ -451,38 +452,29 @@ class AggnetProcessGroup(dist.ProcessGroup):
         return one work that completes when all are done and finished."""
         what = f"{what} on rank {self._rank} (job {self.job!r})"
         started = [start() for _, start in parts]
-        inner: torch.futures.Future = torch.futures.Future()
+        finishes = dict(started)
         failure: list[BaseException] = []
-        left = [len(started)]
-        lock = threading.Lock()
 
-        def unwrap(f):
-            # raised inside a callback, an error reaches C++ consumers (DDP's
-            # reducer) as an error; set_exception would hand them a value
-            if failure:
-                raise failure[0]
-            return f.value()
+        def value(all_done) -> list:
+            first = None
+            # in the order the parts finished: the error raised is the first
+            # to happen; every part that succeeded still lands in its tensor
+            for fut in all_done.result():
+                try:
+                    fut.result()
+                    finishes[fut]()
+                except BaseException as exc:
+                    first = first if first is not None else exc
+            if first is not None:
+                raise first
+            return list(result)
 
-        def done(fut, finish) -> None:
-            try:
-                fut.result()
-                finish()
-            except BaseException as exc:
-                if isinstance(exc, AggnetError):  # say which collective the client's error is about
-                    exc = type(exc)(f"aggnet backend: {what}: {exc}")
-                with lock:
-                    failure.append(exc)
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                inner.set_result(list(result))
+        def context(exc: BaseException) -> BaseException:
+            if isinstance(exc, AggnetError):  # say which collective the client's error is about
+                return type(exc)(f"aggnet backend: {what}: {exc}")
+            return exc
 
-        out = inner.then(unwrap)
-        if not started:
-            inner.set_result(list(result))
-        for fut, finish in started:
-            fut.add_done_callback(lambda f, finish=finish: done(f, finish))
+        out = torch_future(when_all([fut for fut, _ in started]), value, context, errors=failure)
         return AggnetWork(out, what, self._timeout, failure)
 
 

@@ -30,11 +30,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import kernels
-from ..client import Client
-from ..config import ClientConfig
-from ..errors import AggnetError, AggregatorUnreachable, NonFiniteError
-from ..wire import DType
+from aggnet import kernels
+from aggnet.client.base import Client
+from aggnet.client.config import ClientConfig
+from aggnet.errors import AggnetError, AggregatorUnreachable, NonFiniteError
+from aggnet.protocol.wire import DType
+from aggnet.torch.futures import torch_future
 
 __all__ = ["AggnetState", "allreduce_hook"]
 
@@ -70,7 +71,7 @@ class AggnetState:
       ``"propagate"`` passes them on (AMP's GradScaler then skips the step);
     * ``job``: the aggregator job name; by default one is agreed over the
       process group, distinct for every DDP model of the run;
-    * ``topology``: a topology file of racks (:mod:`aggnet.topology`; None:
+    * ``topology``: a topology file of racks (:mod:`aggnet.protocol.topology`; None:
       ``AGGNET_TOPOLOGY`` when no address is set): each rank all-reduces
       through its rack's aggregator, and the racks through the root.
     * ``alpha_threshold`` / ``alpha_steps``: routing by α
@@ -226,7 +227,7 @@ def allreduce_hook(state: AggnetState, bucket: dist.GradBucket) -> torch.futures
     if buf.is_sparse:
         return _sparse_allreduce(state, buf)
     if state.alpha_threshold is not None:
-        from . import routing
+        from aggnet.torch import routing
 
         fut = routing.route(state, bucket.index(), buf, bucket)
         if fut is not None:
@@ -242,22 +243,13 @@ def _dense_allreduce(state: "AggnetState", index: int, buf: torch.Tensor, bucket
     local_bad = _count_nonfinite(host, arr) if state.check_finite else 0
     codec = state.codec if host.dtype == torch.float32 else None
     fut = state.client.allreduce(arr, op=state.op, codec=codec, key=index, _wire_hint=hint)
-    # DDP reads the future's value in C++: an error must be raised inside a
-    # ``then`` callback to reach it as an error rather than as a value
-    out: torch.futures.Future = torch.futures.Future()
-    failure: list[BaseException] = []
-
-    def unwrap(f):
-        if failure:
-            raise failure[0]
-        return f.value()
     stats = state.buckets.setdefault(index, BucketStats())
     wire_bytes = host.numel() * _wire_itemsize(host, codec)
     # a chunk client's chunks, or a switch client's packets of K values
     per_chunk = getattr(state.client, "chunk_bytes", None) or 4 * getattr(state.client, "elements", 1)
     chunks = -(-wire_bytes // per_chunk)
 
-    def done(f) -> None:
+    def value(f) -> torch.Tensor:
         try:
             try:
                 f.result()
@@ -277,35 +269,29 @@ def _dense_allreduce(state: "AggnetState", index: int, buf: torch.Tensor, bucket
                         f"aggnet DDP hook: bucket {index} aggregated to NaN/Inf on rank {state.rank}: another "
                         f"rank's gradients were not finite (that rank's error names it)"
                     )
-            if host is not buf:
-                buf.copy_(host)
-            stats.calls += 1
-            stats.elements += host.numel()
-            stats.wire_bytes += wire_bytes
-            stats.chunks += chunks
-            stats.seconds += time.perf_counter() - t0
-            out.set_result(buf)
-        except NonFiniteError as exc:
-            if state.on_nonfinite == "propagate":
-                # the int32 codec cannot carry NaN: mark the whole bucket so
-                # the optimizer (or GradScaler) sees it was not finite
-                buf.fill_(float("nan"))
-                out.set_result(buf)
-            else:
-                failure.append(exc)
-                out.set_result(buf)
-        except Exception as exc:  # the future must always complete
-            failure.append(exc)
-            out.set_result(buf)
+        except NonFiniteError:
+            if state.on_nonfinite != "propagate":
+                raise
+            # the int32 codec cannot carry NaN: mark the whole bucket so
+            # the optimizer (or GradScaler) sees it was not finite
+            buf.fill_(float("nan"))
+            return buf
+        if host is not buf:
+            buf.copy_(host)
+        stats.calls += 1
+        stats.elements += host.numel()
+        stats.wire_bytes += wire_bytes
+        stats.chunks += chunks
+        stats.seconds += time.perf_counter() - t0
+        return buf
 
-    fut.add_done_callback(done)
-    return out.then(unwrap)
+    return torch_future(fut, value)
 
 
 def _sparse_allreduce(state: AggnetState, buf: torch.Tensor) -> torch.futures.Future:
     """Sparse COO buckets: aggnet's sparse tables, or torch.distributed on
     the DDP process group."""
-    from . import sparse
+    from aggnet.torch import sparse
 
     if state.sparse == "aggnet" and sparse.supports(buf) and sparse.tables_reachable(state):
         return sparse.sparse_allreduce(state, buf)

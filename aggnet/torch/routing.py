@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..errors import AggnetError, NonFiniteError
+from aggnet.errors import AggnetError, NonFiniteError
+from aggnet.torch.futures import torch_future, when_all
 
 log = logging.getLogger("aggnet.torch")
 
@@ -106,7 +107,7 @@ def route(state, index: int, buf: torch.Tensor, bucket):
 
 def _agree(state, index: int, rb: _Bucket, views, stats: RouteStats) -> None:
     """Every rank's α per parameter, MAX over ranks: one decision for all."""
-    from . import sparse
+    from aggnet.torch import sparse
 
     n, world = len(views), state.world_size
     vec = np.zeros(world * n, np.float32)
@@ -133,8 +134,8 @@ def _agree(state, index: int, rb: _Bucket, views, stats: RouteStats) -> None:
 
 
 def _rows_allreduce(state, index: int, buf: torch.Tensor, views, rb: _Bucket) -> torch.futures.Future:
-    from . import sparse
-    from .hook import BucketStats
+    from aggnet.torch import sparse
+    from aggnet.torch.hook import BucketStats
 
     t0 = time.perf_counter()
     sc = sparse._client_of(state)
@@ -174,56 +175,34 @@ def _rows_allreduce(state, index: int, buf: torch.Tensor, views, rb: _Bucket) ->
         futures.append(table.allreduce(idx, vals))
     futures.append(state.client.allreduce(rest, op=state.op, codec=None, key=index))
     stats = state.buckets.setdefault(index, BucketStats())
-    out: torch.futures.Future = torch.futures.Future()
-    failure: list[BaseException] = []
-    pending = [len(futures)]
 
-    def finish() -> None:
-        timeout = state.config.timeout + 5
+    def value(_all) -> torch.Tensor:
         try:
-            try:
-                results = [f.result(timeout) for f in futures]
-            except AggnetError as exc:
-                raise type(exc)(f"aggnet DDP hook, bucket {index} (as rows) on rank {state.rank}: {exc}") from None
-            if results[-1][-1] != 0:
-                if state.check_finite and state.on_nonfinite == "raise":
-                    whose = (f"rank {state.rank}'s gradients" if not finite else
-                             "another rank's gradients (that rank's error names it)")
-                    raise NonFiniteError(f"aggnet DDP hook: bucket {index} holds NaN/Inf: {whose} were not finite; "
-                                         f"check the loss and inputs, or use AggnetState(on_nonfinite='propagate') "
-                                         f"with AMP's GradScaler")
-                buf.fill_(float("nan"))
-            else:
-                for (off, g), (idx, vals) in zip(routed, results[:-1]):
-                    g.zero_()
-                    if idx.size:
-                        g[torch.from_numpy(idx)] = torch.from_numpy(vals)
-                got, at = results[-1], 0
-                for a, b in segments:
-                    flat[a:b].copy_(torch.from_numpy(got[at:at + b - a]))
-                    at += b - a
-            stats.calls += 1
-            stats.elements += buf.numel()
-            stats.wire_bytes += sent
-            stats.seconds += time.perf_counter() - t0
-        except Exception as exc:  # the future must always complete
-            failure.append(exc)
-        out.set_result(buf)
+            results = [f.result() for f in futures]
+        except AggnetError as exc:
+            raise type(exc)(f"aggnet DDP hook, bucket {index} (as rows) on rank {state.rank}: {exc}") from None
+        if results[-1][-1] != 0:
+            if state.check_finite and state.on_nonfinite == "raise":
+                whose = (f"rank {state.rank}'s gradients" if not finite else
+                         "another rank's gradients (that rank's error names it)")
+                raise NonFiniteError(f"aggnet DDP hook: bucket {index} holds NaN/Inf: {whose} were not finite; "
+                                     f"check the loss and inputs, or use AggnetState(on_nonfinite='propagate') "
+                                     f"with AMP's GradScaler")
+            buf.fill_(float("nan"))
+        else:
+            for (off, g), (idx, vals) in zip(routed, results[:-1]):
+                g.zero_()
+                if idx.size:
+                    g[torch.from_numpy(idx)] = torch.from_numpy(vals)
+            got, at = results[-1], 0
+            for a, b in segments:
+                flat[a:b].copy_(torch.from_numpy(got[at:at + b - a]))
+                at += b - a
+        stats.calls += 1
+        stats.elements += buf.numel()
+        stats.wire_bytes += sent
+        stats.seconds += time.perf_counter() - t0
+        return buf
 
-    def done(_f) -> None:
-        with state._lock:
-            pending[0] -= 1
-            last = pending[0] == 0
-        if last:
-            finish()
-
-    for f in futures:
-        f.add_done_callback(done)
-
-    def unwrap(f):
-        # DDP reads the value in C++: an error must be raised in a callback
-        if failure:
-            raise failure[0]
-        return f.value()
-
-    return out.then(unwrap)
+    # every table's rows and the rest of the bucket: the bucket is done when all are
+    return torch_future(when_all(futures), value)

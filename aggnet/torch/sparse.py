@@ -26,7 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..sparse_client import SparseClient, SparseTable
+from aggnet.client.sparse import SparseClient, SparseTable
+from aggnet.torch.futures import torch_future
 
 log = logging.getLogger("aggnet.torch")
 
@@ -81,35 +82,21 @@ def sparse_allreduce(state, buf: torch.Tensor) -> torch.futures.Future:
         table = state._sparse_tables[name] = sc.table(name, rows, width, mode="allreduce", op=state.sparse_op)
     idx = buf._indices()[0].numpy()
     vals = buf._values().detach().reshape(-1, width).numpy()
-    out: torch.futures.Future = torch.futures.Future()
-    failure: list[BaseException] = []
 
-    def done(f) -> None:
-        try:
-            uniq, summed = f.result()
-            t = torch.sparse_coo_tensor(torch.from_numpy(uniq)[None], torch.from_numpy(summed).reshape(
-                (uniq.size,) + shape[1:]), shape, is_coalesced=True, check_invariants=False)
-            out.set_result(t)
-        except Exception as exc:  # the future must always complete
-            failure.append(RuntimeError(f"aggnet DDP hook, sparse bucket {shape} on rank {state.rank}: {exc}"))
-            out.set_result(buf)
+    def value(f) -> torch.Tensor:
+        uniq, summed = f.result()
+        return torch.sparse_coo_tensor(torch.from_numpy(uniq)[None], torch.from_numpy(summed).reshape(
+            (uniq.size,) + shape[1:]), shape, is_coalesced=True, check_invariants=False)
 
-    table.allreduce(idx, vals).add_done_callback(done)
-
-    def unwrap(f):
-        # DDP reads the value in C++: an error must be raised in a callback
-        if failure:
-            raise failure[0]
-        return f.value()
-
-    return out.then(unwrap)
+    return torch_future(table.allreduce(idx, vals), value, lambda exc: RuntimeError(
+        f"aggnet DDP hook, sparse bucket {shape} on rank {state.rank}: {exc}"))
 
 
 class ShardedEmbedding(nn.Module):
     """An embedding whose table and optimizer live on the aggnet service.
 
     ``client``: a connected :class:`aggnet.Client` (or a
-    :class:`~aggnet.sparse_client.SparseClient`); every worker creates the
+    :class:`~aggnet.client.sparse.SparseClient`); every worker creates the
     module with the same arguments. The server applies ``optimizer``
     (``"sgd"``, ``"momentum"``, ``"adagrad"``, ``"adam"``: torch's sparse
     SGD, lazy momentum, sparse Adagrad, SparseAdam) with ``hyper`` (lr,
@@ -149,7 +136,7 @@ class ShardedEmbedding(nn.Module):
         self._lock = threading.Lock()
 
     def _tune(self, name: str, alpha: float, steps: int) -> int:
-        from ..tune import tune_table
+        from aggnet.client.partitions import tune_table
 
         sc = self.sparse_client
         lines: list[str] = []

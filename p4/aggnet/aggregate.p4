@@ -1,5 +1,5 @@
 // The aggregation rules of docs/protocol.md on the slot pool's registers.
-// Every branch mirrors hosts/switch.py:process_batch, which is the
+// Every branch mirrors hosts/switch_datapath.py:process_batch, which is the
 // reference this control is tested against packet for packet.
 #ifndef AGGNET_AGGREGATE_P4
 #define AGGNET_AGGREGATE_P4
@@ -21,6 +21,7 @@ control Aggregate(inout headers_t hdr, inout metadata_t meta, inout standard_met
     register<bit<16>>(AGG_REGISTERS) max_exponent;
 
 #include "values.p4"
+#include "messages.p4"
 
     action drop_for(bit<32> reason) {
         drops.count(reason);
@@ -62,7 +63,7 @@ control Aggregate(inout headers_t hdr, inout metadata_t meta, inout standard_met
         }
         actions = { admit; NoAction; }
         default_action = NoAction();
-        size = AGG_MAX_JOBS * 32;
+        size = AGG_MAX_MEMBERS;
     }
 
     // -- where a rewritten packet goes ---------------------------------------------
@@ -156,11 +157,9 @@ control Aggregate(inout headers_t hdr, inout metadata_t meta, inout standard_met
                 return;
             }
             member_port.write((bit<32>)meta.rid_base + (bit<32>)hdr.agg.sender, hdr.udp.src_port);
-            hdr.agg.msg_type = msg_type_t.JOIN_OK;
-            hdr.agg.index = meta.slots;
-            hdr.agg.nsum = (bit<16>)AGG_ELEMENTS;
-            hdr.agg.offset = (bit<64>)meta.base;
-            hdr.agg.world = (bit<16>)meta.world;
+            // shard slots: the JOIN's ref goes back as it came (0 from a worker)
+            answer_join_ok(meta.slots, (bit<16>)AGG_ELEMENTS, (bit<64>)meta.base, (bit<16>)meta.world,
+                           hdr.agg.ref);
             back_to_sender();
             events.count(EV_JOINS);
             return;
@@ -186,11 +185,7 @@ control Aggregate(inout headers_t hdr, inout metadata_t meta, inout standard_met
                 drop_for(DROP_LENGTH);
                 return;
             }
-            hdr.agg.msg_type = msg_type_t.PROBE_OK;
-            hdr.agg.nsum = (bit<16>)c;
-            hdr.agg.ref = s;
-            hdr.agg.world = (bit<16>)meta.world;
-            hdr.agg.offset = (bit<64>)stored_tag;
+            answer_probe_ok((bit<16>)c, s, (bit<64>)stored_tag, (bit<16>)meta.world);
             back_to_sender();
             events.count(EV_PROBES);
             return;

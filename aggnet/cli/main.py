@@ -1,0 +1,47 @@
+"""``aggnet`` command line: serve, stats, bench, demo."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+
+#: commands whose module provides add_arguments(parser) and main(args):
+#: (name, module, help); imported when the parser is built
+MODULE_COMMANDS = (
+    ("serve", "aggnet.cli.serve", "run an aggregator (service or switch mode)"),
+    ("stats", "aggnet.cli.stats", "print a running aggregator's counters"),
+    ("up", "aggnet.deploy.up", "start the aggregators a topology file places on this machine; install its P4 jobs"),
+    ("down", "aggnet.deploy.down", "stop what aggnet up started for a topology file"),
+    ("job", "aggnet.cli.jobs", "job keys: aggnet job create NAME --keys FILE"),
+    ("bench", "aggnet.bench.allreduce", "all-reduce benchmark: aggnet beside gloo and memory copy"),
+    ("bench-ddp", "aggnet.bench.ddp", "DDP step time with the aggnet hook beside gloo"),
+    ("bench-udp", "aggnet.bench.udp", "switch-protocol client datagram rate beside a raw Python UDP loop"),
+    ("bench-sparse", "aggnet.bench.sparse",
+     "an embedding table's step time and bytes per worker: aggnet PS and all-reduce tables beside gloo"),
+    ("soak", "aggnet.bench.soak", "many all-reduces at a loss rate: RSS and open fds of every process, start to end"),
+    ("bench-transport", "aggnet.bench.transports", "point-to-point throughput: UCX beside ZeroMQ tcp and ipc"),
+    ("switch", "aggnet.p4.cli", "the P4 switch's control plane (P4Runtime; needs aggnet[p4])"),
+    ("emulate", "aggnet.emulation.cli", "run inside an emulated rack (network namespaces; needs root)"),
+    ("demo", "aggnet.demo", "train a small model with DDP through aggnet"),
+    ("tune", "aggnet.cli.tune", "pick a sparse table's partition count: Parallax's cost model over measured steps"),
+    ("pcap", "aggnet.cli.pcap", "decode the aggnet messages of a packet capture (needs aggnet[pcap])"),
+    ("fuzz", "aggnet.cli.fuzz", "send hostile datagrams or messages at an aggregator, then show its drop counters"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="aggnet", description="Gradient aggregation as a network service.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    for name, module_name, text in MODULE_COMMANDS:
+        module = importlib.import_module(module_name)
+        cmd = sub.add_parser(name, help=text)
+        module.add_arguments(cmd)
+        cmd.set_defaults(func=module.main)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

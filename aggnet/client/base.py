@@ -1,0 +1,448 @@
+"""The aggnet client: one per worker process, all-reducing through a service.
+
+``Client.allreduce(buf)`` returns a future at once; a background I/O thread
+moves the buffer to the aggregators and writes each result into the
+caller's buffer in place as it arrives. All-reduces are collective: every
+worker of the job calls them in the same order with buffers of the same
+size and dtype.
+
+``Client(address)`` picks the protocol from the address: aggregator
+services (``zmq+tcp``, ``zmq+ipc``, ``shm``, ``inproc``) get chunks over
+messages (:mod:`aggnet.client.chunked`); switches and aggregator hosts in
+switch mode (``udp``) get the in-network aggregation protocol
+(:mod:`aggnet.client.switch`). Every wait is bounded: an all-reduce that
+makes no progress for ``timeout`` seconds fails naming the job, the round
+and what it is waiting on.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import itertools
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+
+from aggnet.protocol import keys
+from aggnet.protocol.address import parse
+from aggnet.client.codec import Encoding
+from aggnet.client.config import ClientConfig
+from aggnet.errors import ClientClosed
+from aggnet.protocol.wire import DType, job_id_of
+
+log = logging.getLogger("aggnet.client")
+
+#: fraction of the client's timeout after which its aggregator reports the
+#: workers a slot is still waiting for; half leaves the aggregator's answer,
+#: which names the missing ranks, time to arrive before the client's own
+#: timeout (which can only name the shard) fires, over any transport
+STALL_FRACTION = 0.5
+
+
+@dataclass
+class ClientStats:
+    allreduces: int = 0
+    chunks_sent: int = 0  #: chunks (or packets) sent, retransmissions included
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    results: int = 0
+    retransmissions: int = 0
+    fast_retransmissions: int = 0  #: of which sent early, on later results
+    #: replies dropped: malformed, from an address that is not the
+    #: aggregator's, or naming nothing this client waits for
+    dropped_replies: int = 0
+    #: ERRORs and timeouts that failed one of this client's all-reduces
+    errors: int = 0
+    #: times the client joined its aggregator again (after a restart)
+    rejoins: int = 0
+    seconds: float = 0.0  #: wall time from submission to completion, summed
+
+
+@dataclass(eq=False)
+class Request:
+    """One all-reduce in flight."""
+
+    round: int
+    buf: np.ndarray  #: flat view of the caller's buffer
+    caller_buf: object  #: what the future resolves to
+    enc: Encoding
+    future: Future
+    key: int | None
+    submitted: float
+    failed: bool = False
+    #: the error the request ends with once its outstanding work is done
+    error: Exception | None = None
+    #: a reduce-scatter: rank r's share is buf[bounds[r]:bounds[r + 1]],
+    #: and this worker's share of the result goes to ``out``
+    bounds: list | None = None
+    out: np.ndarray | None = None
+
+
+_WIRE_NAMES = {"float32": None, "int32": "int32", "float16": "fp16", "fp16": "fp16", "bfloat16": "bf16", "bf16": "bf16"}
+
+
+def _codec_for_dtype(buf, dtype: str, codec: str | None) -> str | None:
+    """The codec that makes ``dtype`` travel for ``buf``."""
+    if dtype not in _WIRE_NAMES:
+        raise ValueError(f"dtype must be one of {sorted(_WIRE_NAMES)}, got {dtype!r}")
+    if codec is not None:
+        raise ValueError("give codec or dtype, not both")
+    if getattr(buf, "dtype", None) is not None and buf.dtype.name == dtype:
+        return None  # the buffer's own type: nothing to convert
+    return _WIRE_NAMES[dtype]
+
+
+#: address scheme -> "module:class" of the client that speaks to that kind
+#: of aggregator, imported on first use (as the transports are): a new
+#: aggregator kind is one module and one line here or a call to
+#: :func:`register_client_kind`
+CLIENT_KINDS = {
+    "udp": "aggnet.client.switch:SwitchClient",
+    "zmq+tcp": "aggnet.client.chunked:ChunkClient",
+    "zmq+ipc": "aggnet.client.chunked:ChunkClient",
+    "shm": "aggnet.client.chunked:ChunkClient",
+    "ucx": "aggnet.client.chunked:ChunkClient",
+    "inproc": "aggnet.client.chunked:ChunkClient",
+}
+#: the kind of the embedded local aggregator (no address configured)
+_EMBEDDED_KIND = "aggnet.client.chunked:ChunkClient"
+
+
+def register_client_kind(scheme: str, target: str) -> None:
+    """Serve ``scheme://`` addresses with the client class at ``target``
+    ("module:Class")."""
+    CLIENT_KINDS[scheme] = target
+
+
+def _client_class(address, config: ClientConfig | None, topology=None, rank=0):
+    if address is None and topology is None:
+        config = config or ClientConfig.from_env()
+        address = config.address
+        if address is None and config.topology is not None:
+            topology = config.topology
+    if address is None and topology is not None:
+        from aggnet.protocol import topology as topo
+
+        address = topo.load(topology).place(rank).address
+    target = _EMBEDDED_KIND if address is None else CLIENT_KINDS.get(parse(address).scheme)
+    if target is None:
+        raise ValueError(f"no aggregator kind serves {address}; kinds exist for {', '.join(CLIENT_KINDS)}")
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class Client(ABC):
+    """A worker's connection to aggregators for one job.
+
+    ``address`` names them (``zmq+tcp://host:port``, ``zmq+ipc:///path``,
+    ``shm:///path``, ``udp://host:port``, ``inproc://name``); None uses
+    ``AGGNET_ADDRESS``, or an embedded aggregator on this machine that
+    rank 0 starts and stops. ``topology`` (a topology file, see
+    :mod:`aggnet.protocol.topology`; ``AGGNET_TOPOLOGY``) places ``rank`` in its rack
+    instead: the rack's aggregator, the world size and the job's name come
+    from it. Without one, ``member_rank``/``members`` place the worker among
+    the workers of its own rack by hand (``rank``/``world_size`` stay those
+    of the whole job).
+    """
+
+    def __new__(cls, address: str | None = None, **kwargs):
+        if cls is Client:
+            cls = _client_class(address, kwargs.get("config"), kwargs.get("topology"), kwargs.get("rank", 0))
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        job: str | None = None,
+        rank: int = 0,
+        world_size: int | None = None,
+        config: ClientConfig | None = None,
+        member_rank: int | None = None,
+        members: int | None = None,
+        topology=None,
+        **settings,
+    ):
+        self.config = config.replace(**settings) if config else ClientConfig.from_env(**settings)
+        if topology is None and address is None and self.config.address is None:
+            topology = self.config.topology
+        #: where this worker sits in a topology of racks (None: no topology)
+        self.placement = None
+        #: a rack's host aggregator, used when its P4 switch has no room or is dead
+        self.fallback_address: str | None = None
+        if topology is not None:
+            from aggnet.protocol import topology as topo
+
+            if address is not None:
+                raise ValueError("give address or topology, not both: the topology names each rack's aggregator")
+            if member_rank is not None or members is not None:
+                raise ValueError("member_rank and members come from the topology; leave them out")
+            t = topo.load(topology)
+            if world_size is not None and world_size != t.world:
+                raise ValueError(f"world_size={world_size} but topology {t.source} holds {t.world} workers; "
+                                 f"leave world_size out or fix the topology")
+            self.placement = t.place(rank)
+            world_size, address = t.world, self.placement.address
+            member_rank, members = self.placement.member_rank, self.placement.members
+            if job is None:
+                job = t.job
+            if self.placement.rack.fallback is not None:
+                self.fallback_address = self.placement.rack.fallback.address
+        job = "default" if job is None else job
+        world_size = 1 if world_size is None else world_size
+        if not isinstance(world_size, int) or world_size < 1 or world_size > 65535:
+            raise ValueError(f"world_size must be an integer from 1 to 65535, got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+        if not job or not isinstance(job, str):
+            raise ValueError(f"job must be a non-empty name, got {job!r}")
+        #: this worker's place among the workers of its own aggregator (a
+        #: rack of a hierarchy); the whole job by default
+        self.members = world_size if members is None else members
+        self.member_rank = rank if member_rank is None else member_rank
+        if not isinstance(self.members, int) or not 1 <= self.members <= world_size:
+            raise ValueError(f"members must be an integer from 1 to world_size={world_size}, got {members!r}")
+        if not isinstance(self.member_rank, int) or not 0 <= self.member_rank < self.members:
+            raise ValueError(f"member_rank must be an integer in [0, {self.members}), got {member_rank!r}")
+        if address is None:
+            address = self.config.address
+        self.job = job
+        self.job_id = job_id_of(job)
+        self.rank = rank
+        self.world_size = world_size
+        self.stats = ClientStats()
+        self._embedded = None
+        self._key = keys.parse_key(self.config.job_key) if self.config.job_key else None
+        if address is None:
+            from aggnet.client.embedded import local_aggregator, read_job_key
+
+            self._embedded, address = local_aggregator(job, rank, self.config)
+            if self._key is None:
+                self._key = (keys.parse_key(self._embedded.key) if self._embedded is not None
+                             else read_job_key(job, self.config.connect_timeout))
+        self.address = str(parse(address))
+        self._lock = threading.Lock()
+        self._submitted: collections.deque[Request] = collections.deque()
+        self._active: dict[int, Request] = {}
+        self._rounds = itertools.count(1)
+        self._failed: BaseException | None = None
+        #: the aggregator's verdict that this job cannot run as configured
+        #: (a member joined with another world size): every all-reduce,
+        #: pending or later, fails with it
+        self._verdict: BaseException | None = None
+        self._closing = False
+        try:
+            self._connect()
+        except BaseException:
+            self._disconnect(leave=False)
+            if self._embedded is not None:
+                self._embedded.stop()
+            raise
+        self._thread = threading.Thread(target=self._run, name=f"aggnet-io-{job}-{rank}", daemon=True)
+        self._thread.start()
+
+    def _context(self) -> str:
+        return f"job {self.job!r} rank {self.rank} at {self.address}"
+
+    def _signed(self, kind: str, h, fields: dict) -> dict:
+        """``fields`` with the job key's signature over them and ``h``'s
+        job, rank and world (unchanged without a key)."""
+        if self._key is not None:
+            fields = {**fields, "auth": keys.sign(self._key, kind, h.job_id, h.sender, h.world, fields)}
+        return fields
+
+    # -- what each protocol provides ---------------------------------------------
+
+    @abstractmethod
+    def _connect(self) -> None:
+        """Reach the aggregators and join the job (raises naming why not)."""
+
+    @abstractmethod
+    def _disconnect(self, leave: bool) -> None:
+        """Leave the job (if ``leave``) and release sockets and memory."""
+
+    @abstractmethod
+    def _wakeup(self) -> None:
+        """Make the I/O thread look at new requests now."""
+
+    def _encoding(self, buf, codec, op, wire_hint) -> Encoding:
+        """How ``buf`` travels; refuses what this protocol cannot carry."""
+        return Encoding(buf, codec, op, self.world_size, wire_hint)
+
+    @abstractmethod
+    def _io_loop(self) -> None:
+        """Move requests to the aggregators and results back, until closed."""
+
+    # -- public API ----------------------------------------------------------
+
+    def allreduce(self, buf, op: str = "sum", codec: str | None = None, *, dtype: str | None = None,
+                  key: int | None = None, _wire_hint: DType | None = None) -> Future:
+        """Sum (or average) ``buf`` over every worker of the job, in place.
+
+        Returns a :class:`concurrent.futures.Future` that resolves to ``buf``
+        once every element holds the result. ``codec`` compresses float32
+        buffers on the wire (``"int32"``, ``"fp16"``, ``"bf16"``); ``dtype``
+        says the same as the type that travels (``"float32"``, ``"int32"``,
+        ``"float16"``, ``"bfloat16"``). ``key`` names the buffer for
+        placement on aggregator shards (e.g. a DDP bucket index). The buffer
+        must not be touched until the future is done.
+        """
+        if dtype is not None:
+            codec = _codec_for_dtype(buf, dtype, codec)
+        if not isinstance(buf, np.ndarray):
+            raise TypeError(f"allreduce takes a NumPy array, got {type(buf).__name__}")
+        if not buf.flags.c_contiguous or not buf.flags.writeable:
+            raise ValueError("allreduce needs a C-contiguous, writable buffer (results are written in place)")
+        enc = self._encoding(buf, codec, op, _wire_hint)
+        return self._submit(buf.reshape(-1), buf, enc, key)
+
+    #: whether this client can have each chunk's result sent to one rank
+    #: (:meth:`reduce_scatter`); a client kind that can says so
+    owner_results = False
+
+    def reduce_scatter(self, buf, out, bounds: list[int] | None = None, op: str = "sum", codec: str | None = None,
+                       *, dtype: str | None = None, key: int | None = None,
+                       _wire_hint: DType | None = None) -> Future:
+        """Sum (or average) ``buf`` over every worker of the job; this
+        worker receives only its own share of the sum, in ``out``.
+
+        Rank ``r``'s share is ``buf[bounds[r]:bounds[r + 1]]`` (by default
+        equal shares: ``buf.size`` must divide by the world size). Each
+        worker sends all of ``buf`` and receives only its share, so it
+        moves S up and S/N down where an all-reduce moves S both ways.
+        ``buf`` is left as it was; the future resolves to ``out``. Neither
+        may be touched until it is done. Options as for :meth:`allreduce`.
+        """
+        if not self.owner_results:
+            raise NotImplementedError(
+                f"{self._context()}: this aggregator path cannot send one rank its share alone (a switch, or "
+                f"a worker in a rack of a hierarchy); all-reduce the buffer and keep your share instead")
+        if dtype is not None:
+            codec = _codec_for_dtype(buf, dtype, codec)
+        for name, a in (("buf", buf), ("out", out)):
+            if not isinstance(a, np.ndarray):
+                raise TypeError(f"reduce_scatter takes NumPy arrays, got {type(a).__name__} for {name}")
+            if not a.flags.c_contiguous:
+                raise ValueError(f"reduce_scatter needs a C-contiguous {name}")
+        if not out.flags.writeable or out.dtype != buf.dtype:
+            raise ValueError(f"reduce_scatter writes its result into out: it must be writable and of buf's dtype "
+                             f"({buf.dtype}), got {out.dtype}")
+        n = self.world_size
+        if bounds is None:
+            if buf.size % n:
+                raise ValueError(f"buf of {buf.size} elements does not split into {n} equal shares; give bounds")
+            bounds = [r * (buf.size // n) for r in range(n + 1)]
+        bounds = [int(b) for b in bounds]
+        if len(bounds) != n + 1 or bounds[0] != 0 or bounds[-1] != buf.size or \
+                any(b > e for b, e in zip(bounds, bounds[1:])):
+            raise ValueError(f"bounds must be {n + 1} non-decreasing offsets from 0 to buf.size={buf.size}, "
+                             f"got {bounds}")
+        share = bounds[self.rank + 1] - bounds[self.rank]
+        if out.size != share:
+            raise ValueError(f"rank {self.rank}'s share is {share} elements (bounds {bounds}), out holds {out.size}")
+        enc = self._encoding(buf, codec, op, _wire_hint)
+        return self._submit(buf.reshape(-1), out, enc, key, bounds=bounds, out=out.reshape(-1))
+
+    def _submit(self, flat, caller_buf, enc: Encoding, key, **extra) -> Future:
+        with self._lock:
+            if self._failed is not None:
+                raise ClientClosed(f"{self._context()} failed earlier and cannot continue: {self._failed}")
+            if self._closing:
+                raise ClientClosed(f"{self._context()} is closed")
+            fut: Future = Future()
+            fut.set_running_or_notify_cancel()
+            if self._verdict is not None:
+                fut.set_exception(type(self._verdict)(str(self._verdict)))
+                return fut
+            req = self._request_class(next(self._rounds) & 0xFFFFFFFF, flat, caller_buf, enc, fut, key,
+                                      time.monotonic(), **extra)
+            self._submitted.append(req)
+        self._wakeup()
+        return fut
+
+    _request_class = Request
+
+    def close(self) -> None:
+        """Leave the job and stop the I/O thread (waits at most a few seconds)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._wakeup()
+        thread = getattr(self, "_thread", None)
+        if thread is not None:
+            thread.join(timeout=5.0)
+        self._disconnect(leave=True)
+        if self._embedded is not None:
+            self._embedded.stop()
+            self._embedded = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- the I/O thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._io_loop()
+        except BaseException as exc:  # the thread must never die silently
+            log.exception("aggnet I/O thread failed")
+            self._fail_all(exc if isinstance(exc, Exception) else ClientClosed(str(exc)), poison=True)
+            return
+        self._fail_all(ClientClosed(f"{self._context()} was closed with the all-reduce pending"), poison=False)
+
+    def _take_submitted(self) -> tuple[list, bool]:
+        """(new requests, whether the client is closing)."""
+        with self._lock:
+            new = list(self._submitted)
+            self._submitted.clear()
+            return new, self._closing
+
+    def _complete(self, req: Request) -> None:
+        self._active.pop(req.round, None)
+        if req.error is not None:
+            req.failed = True
+            req.future.set_exception(req.error)
+            return
+        self.stats.allreduces += 1
+        self.stats.seconds += time.monotonic() - req.submitted
+        req.future.set_result(req.caller_buf)
+
+    def _fail(self, req: Request, exc: Exception, poison: bool) -> None:
+        if req.failed:
+            return
+        req.failed = True
+        self._active.pop(req.round, None)
+        req.future.set_exception(exc)
+        if poison:
+            self._fail_all(exc, poison=True)
+
+    def _job_refused(self, exc: Exception) -> None:
+        """The aggregator says the job cannot run as its members started it
+        (another member joined with another world size): what is pending
+        fails with that, and so does every later all-reduce."""
+        with self._lock:
+            self._verdict = self._verdict or exc
+        self._fail_all(exc, poison=False)
+
+    def _fail_all(self, exc: Exception, poison: bool) -> None:
+        with self._lock:
+            if poison:
+                self._failed = self._failed or exc
+            pending = list(self._submitted)
+            self._submitted.clear()
+        reqs = list(self._active.values()) + pending
+        self._active = {}
+        for r in reqs:
+            if not r.failed:
+                r.failed = True
+                r.future.set_exception(exc)

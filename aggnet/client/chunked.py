@@ -1,0 +1,528 @@
+"""The client side of aggregator services: chunks over messages.
+
+The buffer is cut into chunks (:mod:`aggnet.client.chunking`), each owned by one
+aggregator shard; a window of chunks is kept in flight to every shard, and
+each result is written into the caller's buffer as it arrives. Over
+``shm://`` the payloads go through shared-memory rings (:mod:`aggnet.transport.shm`)
+and only headers cross the socket. The int32 codec first agrees every
+chunk's exponent with a MAX over workers (one small message per shard).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from aggnet import kernels
+from aggnet.client import chunking, session
+from aggnet.protocol import wire
+from aggnet.protocol.address import parse, reached_via
+from aggnet.client.base import STALL_FRACTION, Client, Request
+from aggnet.client.codec import Encoding
+from aggnet.errors import AggregationError, AggregationTimeout, AggregatorUnreachable, JobMismatch, NonFiniteError
+from aggnet.transport import connect
+from aggnet.protocol.wire import DType, Flag, Header, MsgType
+
+log = logging.getLogger("aggnet.client")
+
+#: how often the I/O thread looks at deadlines while idle
+_TICK = 0.05
+#: how long a closing client waits for its shards to echo its LEAVE (an
+#: aggregator that is gone costs a close this much)
+LEAVE_ACK_TIMEOUT = 1.0
+
+
+@dataclass(eq=False)
+class ChunkRequest(Request):
+    chunks: list = field(default_factory=list)
+    remaining: int = 0
+    #: per shard: this request's chunks on it, in order
+    queues: dict = field(default_factory=dict)
+    #: int32 codec: shards whose exponent agreement is still open
+    scale_pending: set = field(default_factory=set)
+    exponents: np.ndarray | None = None  # agreed per chunk (int32 codec)
+    local_nonfinite: int = 0
+    #: shards whose chunks are not sent (their exponents held NaN/Inf): every
+    #: worker sees the same agreed exponents, so all skip the same chunks
+    skip_shards: set = field(default_factory=set)
+    plan: np.ndarray | None = None  #: size, wire dtype: what the buffer-size agreement compares
+    plan_done: bool = False
+    #: a chunk given up because another worker stopped: reported once the
+    #: buffer-size agreement and the chunks in flight have answered, since
+    #: one of them may name the cause (a JobMismatch), which is the error
+    #: worth reporting; no further chunk of the round is sent meanwhile
+    held_error: Exception | None = None
+
+
+class ChunkClient(Client):
+    """Client of an aggregator service (zmq+tcp, zmq+ipc, shm, inproc)."""
+
+    _request_class = ChunkRequest
+
+    @property
+    def owner_results(self) -> bool:
+        # a rack's aggregator knows only its own members, not the job's ranks
+        return self.members == self.world_size
+
+    def _connect(self) -> None:
+        #: same-host shared-memory payloads (shm:// addresses)
+        scheme = parse(self.address).scheme
+        self._shm = scheme == "shm"
+        self.chunk_bytes = self.config.chunk_bytes_for(scheme)
+        self._segments: list = []
+        self._conn = None
+        self._transport_options = {}
+        if self.config.server_key is not None:
+            if scheme != "zmq+tcp":
+                raise ValueError(f"server_key (CURVE) protects zmq+tcp addresses, not {self.address}")
+            from aggnet.transport.zmq import Curve
+
+            self._transport_options["curve"] = Curve(self.config.server_key.encode())
+        self.shards = self._discover()
+        self._conn = connect(self.shards, **self._transport_options)
+        self._join()
+
+    def _wakeup(self) -> None:
+        if self._conn is not None:
+            self._conn.wakeup()
+
+    def _encoding(self, buf, codec, op, wire_hint) -> Encoding:
+        enc = Encoding(buf, codec, op, self.world_size, wire_hint)
+        if self.chunk_bytes % enc.wire_itemsize:
+            raise ValueError(f"chunk_bytes={self.chunk_bytes} is not a multiple of the wire element size")
+        return enc
+
+    def _disconnect(self, leave: bool) -> None:
+        self._close_transport(leave)
+        for seg in getattr(self, "_segments", ()):
+            seg.close()
+        self._segments = []
+
+    def _request_reply(self, conn, endpoints, header: Header, payload, want: MsgType, deadline: float) -> dict:
+        def unreachable(missing_endpoints: list[int]) -> AggregatorUnreachable:
+            missing = [str(conn.addresses[e]) for e in missing_endpoints]
+            return AggregatorUnreachable(
+                f"no aggregator answered at {', '.join(missing)} within {self.config.connect_timeout:g}s "
+                f"({self._context()}): {self._unreachable_hint(conn, missing)}")
+
+        def dropped() -> None:
+            self.stats.dropped_replies += 1
+
+        return session.request_reply(
+            conn, endpoints, header, payload, want, deadline, unreachable=unreachable, dropped=dropped,
+            where=lambda e: f"aggregator {conn.addresses[e]} refused {self._context()}")
+
+    def _unreachable_hint(self, conn, missing: list[str]) -> str:
+        if conn is not self._conn:
+            return (f"start one with `aggnet serve --listen {self.address}`, or leave the address unset to use an "
+                    f"embedded local aggregator")
+        # the control endpoint answered: its shards are where it said, or
+        # where this worker cannot reach them
+        said = sorted({a for a, r in zip(self._advertised, self.shards) if r in missing})
+        return (f"the service at {self.address} answered and advertised its shards as {', '.join(said)}; if this "
+                f"worker cannot reach that host, restart the service with `aggnet serve --advertise HOST` naming "
+                f"an address of it that this worker can reach (and check that a firewall lets its shard ports in)")
+
+    def _discover(self) -> list[str]:
+        deadline = time.monotonic() + self.config.connect_timeout
+        with connect([self.address], **self._transport_options) as ctl:
+            reply = self._request_reply(ctl, [0], Header(MsgType.HELLO), None, MsgType.HELLO_OK, deadline)[0]
+        shards = reply.get("shards")
+        if not shards or not isinstance(shards, list) or len(shards) > 1024 or \
+                not all(isinstance(a, str) for a in shards):
+            raise AggregationError(f"service at {self.address} answered without a shard list: {str(reply)[:200]}")
+        try:
+            reachable = [str(reached_via(a, self.address)) for a in shards]
+        except ValueError as exc:
+            raise AggregationError(f"service at {self.address} listed a bad shard address: {exc}") from None
+        self._advertised = shards
+        return reachable
+
+    def _join(self) -> None:
+        deadline = time.monotonic() + self.config.connect_timeout
+        # at its aggregator a worker is one of `members` (its rack's workers)
+        h = Header(MsgType.JOIN, job_id=self.job_id, sender=self.member_rank, world=self.members)
+        # the aggregator names silent workers before the client's own
+        # deadline runs out, so the error says who is missing
+        request = {"name": self.job, "timeout": STALL_FRACTION * self.config.timeout}
+        if self._shm:
+            request["shm"] = {"window": self.config.window, "chunk_bytes": self.chunk_bytes}
+        payload = wire.json_payload(self._signed("JOIN", h, request))
+        replies = self._request_reply(self._conn, list(range(len(self.shards))), h, payload, MsgType.JOIN_OK, deadline)
+        if self._shm:
+            from aggnet.transport.shm import Segment
+
+            for i in range(len(self.shards)):
+                info = replies[i].get("shm")
+                if info is None:
+                    raise AggregationError(f"shard {self.shards[i]} did not offer shared memory to {self._context()}")
+                self._segments.append(Segment.open(info))
+        log.info("%s joined %d shard(s) with world size %d", self._context(), len(replies), self.world_size)
+
+    def _close_transport(self, leave: bool = False) -> None:
+        conn, self._conn = getattr(self, "_conn", None), None
+        if conn is None:
+            return
+        if leave:
+            self._leave(conn)
+        conn.close()
+
+    def _leave(self, conn) -> None:
+        thread = getattr(self, "_thread", None)
+        session.leave(conn, Header(MsgType.LEAVE, job_id=self.job_id, sender=self.member_rank, world=self.members),
+                      min(LEAVE_ACK_TIMEOUT, self.config.timeout),
+                      # the I/O thread, while it runs, reads the connection
+                      echo_awaited=thread is None or not thread.is_alive())
+
+    # -- the I/O thread --------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        self._inflight = [0] * len(self.shards)
+        #: chunks sent to each shard so far: every worker sends a shard its
+        #: chunks in the same order, so this numbers them alike everywhere
+        self._seq = [0] * len(self.shards)
+        #: per shard: (request, chunk) still to send, in admission order
+        self._to_send = [collections.deque() for _ in self.shards]
+        self._staging: list[np.ndarray] = []
+        #: (round, chunk) -> staging buffer (or None) of every chunk whose
+        #: result has not come back, failed rounds included
+        self._outstanding: dict[tuple[int, int], np.ndarray | None] = {}
+        self._last_progress = time.monotonic()
+        self._rejoin_needed = False
+        while True:
+            new, closing = self._take_submitted()
+            if closing:
+                return
+            if new and self._rejoin_needed and not self._active:
+                new = self._rejoin(new)
+            for req in new:
+                self._admit(req)
+            self._send_ready()
+            msg = self._conn.recv(_TICK if self._active else 0.5)
+            while msg is not None:
+                self._on_message(msg)
+                msg = self._conn.recv(0)
+                if msg is None:
+                    self._send_ready()
+                    msg = self._conn.recv(0)
+            self._check_progress()
+
+    def _rejoin(self, new: list) -> list:
+        """Join every shard again before the next all-reduce: a shard that
+        was restarted lost the job (a shard that kept it answers the same
+        JOIN again). Returns the requests to go on with."""
+        self._rejoin_needed = False
+        try:
+            self._join()
+        except Exception as exc:
+            self._rejoin_needed = True
+            for req in new:
+                self._fail(req, exc, poison=False)
+            return []
+        log.info("%s joined its shards again", self._context())
+        self.stats.rejoins += 1
+        return new
+
+    def _admit(self, req: ChunkRequest) -> None:
+        rotation = req.round if req.key is None else req.key
+        elements = self.chunk_bytes // req.enc.wire_itemsize
+        req.chunks = (chunking.plan(req.buf.size, elements, len(self.shards), rotation) if req.bounds is None
+                      else chunking.plan_owned(req.bounds, elements, len(self.shards), rotation))
+        self._active[req.round] = req
+        # every chunk, and the agreement on the buffer's size
+        req.remaining = len(req.chunks) + 1
+        self._start_plan_agreement(req)
+        for c in req.chunks:
+            req.queues.setdefault(c.shard, []).append(c)
+            self._to_send[c.shard].append((req, c))
+        if req.enc.quantized:
+            self._start_scale_agreement(req)
+        if not self._active or len(self._active) == 1:
+            self._last_progress = time.monotonic()
+
+    def _start_plan_agreement(self, req: ChunkRequest) -> None:
+        """A MAX over workers of the buffer's size, wire dtype and op, and of
+        their negations: equal only when every worker sent the same. Without
+        it a worker whose buffer is a prefix of another's finishes, and the
+        other times out blaming a rank that did nothing wrong."""
+        size = req.buf.size
+        mine = np.array([size >> 31, size & 0x7FFFFFFF, int(req.enc.wire)], np.int32)
+        req.plan = mine
+        shard = req.round % len(self.shards)
+        h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=wire.PLAN_INDEX,
+                   sender=self.member_rank, flags=Flag.OP_MAX | Flag.LITTLE_ENDIAN, dtype=DType.INT32, count=6,
+                   world=self.members)
+        self._conn.send(shard, h.pack(), np.concatenate([mine, -mine]))
+
+    def _on_plan(self, req: ChunkRequest, h: Header, payload) -> None:
+        req.plan_done = True
+        agreed = np.frombuffer(payload, np.int32, h.count) if h.count == 6 else None
+        if agreed is not None and (agreed[:3] == req.plan).all() and (-agreed[3:] == req.plan).all():
+            if req.held_error is not None:
+                self._settle_held(req)
+                return
+            req.remaining -= 1
+            if req.remaining == 0:
+                self._complete(req)
+            return
+        if agreed is None:
+            text = f"the buffer-size agreement came back with {h.count} values, not 6"
+        else:
+            lo = (int(-agreed[3]) << 31) + int(-agreed[4])
+            hi = (int(agreed[0]) << 31) + int(agreed[1])
+            text = (f"this worker all-reduces {req.buf.size} elements, the job's workers between {lo} and {hi}"
+                    if lo != hi or hi != req.buf.size else
+                    "the workers disagree on the buffer's dtype or codec")
+        self._fail_round(req, JobMismatch(f"{self._context()}: round {req.round}: {text}; all workers must "
+                                          f"all-reduce the same buffers in the same order"))
+
+    def _fail_round(self, req: ChunkRequest, exc: Exception) -> None:
+        """Fail one all-reduce and give back its window. Over shared memory
+        the rings' numbering may now differ between workers, so the client
+        cannot go on; over sockets the next all-reduce can."""
+        for c in req.chunks:
+            if (req.round, c.index) in self._outstanding:
+                staging = self._outstanding.pop((req.round, c.index))
+                self._inflight[c.shard] -= 1
+                if staging is not None:
+                    self._staging.append(staging)
+        self.stats.errors += 1
+        self._fail(req, exc, poison=self._shm)
+
+    def _start_scale_agreement(self, req: ChunkRequest) -> None:
+        k = req.enc.k
+        exps = np.empty(len(req.chunks), np.int16)
+        for c in req.chunks:
+            bits, nonfinite = k.block_stats(req.buf[c.offset:c.offset + c.count])
+            req.local_nonfinite += nonfinite
+            exps[c.index] = kernels.exponent_of(bits, nonfinite)
+        req.exponents = exps
+        for shard, q in req.queues.items():
+            mine = np.ascontiguousarray(exps[[c.index for c in q]])
+            h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=wire.SCALE_INDEX,
+                       sender=self.member_rank, flags=Flag.OP_MAX | Flag.LITTLE_ENDIAN, dtype=DType.INT16,
+                       count=mine.size, world=self.members)
+            self._conn.send(shard, h.pack(), mine)
+            req.scale_pending.add(shard)
+
+    def _take_staging(self) -> np.ndarray:
+        # at most shards * window buffers ever exist: allocated on first use,
+        # then reused for the client's life
+        if self._staging:
+            return self._staging.pop()
+        return np.empty(self.chunk_bytes // 4, np.int32)
+
+    def _send_ready(self) -> None:
+        """Send what the windows allow, one chunk per shard in turn. Each
+        shard's chunks leave strictly in admission order: every worker then
+        numbers them alike, which the shared-memory rings rely on."""
+        window = self.config.window
+        progressed = True
+        while progressed:
+            progressed = False
+            for shard, q in enumerate(self._to_send):
+                while q and (q[0][0].failed or q[0][0].held_error is not None or shard in q[0][0].skip_shards):
+                    q.popleft()
+                if not q or self._inflight[shard] >= window or shard in q[0][0].scale_pending:
+                    continue
+                req, c = q.popleft()
+                self._send_chunk(req, c)
+                progressed = True
+
+    def _send_chunk(self, req: ChunkRequest, c: chunking.Chunk) -> None:
+        enc = req.enc
+        src = req.buf[c.offset:c.offset + c.count]
+        exponent = 0
+        shift = 0
+        if enc.quantized:
+            exponent = int(req.exponents[c.index])
+            shift = kernels.quant_shift(exponent, self.world_size)
+        staging = None
+        seq = self._seq[c.shard]
+        self._seq[c.shard] = (seq + 1) & 0xFFFFFFFF
+        flags = Flag.LITTLE_ENDIAN
+        if self._shm:
+            # the payload goes into this worker's input slot; only the header travels
+            slot = self._segments[c.shard].input_slot(self.member_rank, seq)
+            enc.encode_into(src, slot[: c.count * enc.wire_itemsize], shift)
+            payload = None
+            flags |= Flag.SHM
+        elif enc.zero_copy:
+            payload = src
+        else:
+            staging = self._take_staging()
+            payload = enc.encode(src, staging.view(enc.staging_dtype), shift)
+        self._outstanding[(req.round, c.index)] = staging
+        if c.owner is not None:
+            flags |= Flag.TO_OWNER  # the result goes to rank c.owner only (in nsum)
+        h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=c.index,
+                   sender=self.member_rank, flags=flags, dtype=enc.wire, count=c.count, exponent=exponent,
+                   world=self.members, ref=seq, offset=c.offset, nsum=c.owner or 0)
+        self._conn.send(c.shard, h.pack(), payload)
+        self._inflight[c.shard] += 1
+        self.stats.chunks_sent += 1
+        self.stats.bytes_sent += c.count * enc.wire_itemsize
+
+    def _on_message(self, msg) -> None:
+        try:
+            h = wire.unpack_header(msg.header)
+            wire.check_payload(h, len(msg.payload))
+        except wire.WireError as exc:
+            self.stats.dropped_replies += 1
+            log.debug("dropped a malformed message from %s: %s", self._conn.addresses[msg.peer], exc)
+            return
+        if h.job_id != self.job_id:
+            self.stats.dropped_replies += 1
+            return
+        if h.msg_type == MsgType.RESULT:
+            self._on_result(msg.peer, h, msg.payload)
+        elif h.msg_type == MsgType.ERROR:
+            self._on_error(msg.peer, h, *wire.parse_error(msg.payload))
+
+    def _on_result(self, shard: int, h: Header, payload) -> None:
+        if h.index not in (wire.SCALE_INDEX, wire.PLAN_INDEX):
+            key = (h.round, h.index)
+            if key not in self._outstanding:
+                return  # not ours, or a duplicate
+            staging = self._outstanding.pop(key)
+            self._inflight[shard] -= 1
+            if staging is not None:
+                self._staging.append(staging)
+        req = self._active.get(h.round)
+        if req is None:
+            return  # a late result of a failed round
+        self._last_progress = time.monotonic()
+        if h.index == wire.SCALE_INDEX:
+            self._on_scale(req, shard, h, payload)
+            return
+        if h.index == wire.PLAN_INDEX:
+            self._on_plan(req, h, payload)
+            return
+        if h.index >= len(req.chunks):
+            self.stats.dropped_replies += 1
+            return
+        c = req.chunks[h.index]
+        if req.held_error is not None:
+            self._settle_held(req)
+            return
+        if c.owner is not None and c.owner != self.rank:
+            # another rank's share: an acknowledgement, which frees the window
+            req.remaining -= 1
+            if req.remaining == 0:
+                self._complete(req)
+            return
+        if h.count != c.count or h.offset != c.offset:
+            self._fail_round(req, JobMismatch(
+                f"{self._context()}: round {req.round} chunk {c.index} came back with {h.count} elements at "
+                f"offset {h.offset}, sent {c.count} at {c.offset}; all workers must all-reduce the same sizes in the same order"
+            ))
+            return
+        shift = kernels.quant_shift(h.exponent, self.world_size) if req.enc.quantized else 0
+        if h.flags & Flag.SHM:
+            if not self._segments:
+                return
+            payload = self._segments[shard].result_slot(h.ref)[: h.payload_bytes]
+        # a reduce-scatter's share goes to its own output buffer
+        start = c.offset if req.out is None else c.offset - req.bounds[self.rank]
+        req.enc.decode(payload, (req.buf if req.out is None else req.out)[start:start + c.count], shift)
+        self.stats.results += 1
+        self.stats.bytes_received += len(payload)
+        req.remaining -= 1
+        if req.remaining == 0:
+            self._complete(req)
+
+    def _on_scale(self, req: ChunkRequest, shard: int, h: Header, payload) -> None:
+        if shard not in req.scale_pending:
+            return
+        req.scale_pending.discard(shard)
+        agreed = np.frombuffer(payload, np.int16, h.count)
+        q = req.queues.get(shard, ())
+        if agreed.size != len(q):
+            self._fail_round(req, JobMismatch(
+                f"{self._context()}: round {req.round} has {len(q)} chunks on shard {shard} here but "
+                f"{agreed.size} at the aggregator; all workers must all-reduce the same sizes in the same order"
+            ))
+            return
+        for c, e in zip(q, agreed):
+            req.exponents[c.index] = e
+        if np.any(agreed == wire.EXPONENT_NONFINITE):
+            bad = [c for c, e in zip(q, agreed) if e == wire.EXPONENT_NONFINITE]
+            where = ", ".join(f"chunk {c.index} (elements {c.offset}..{c.offset + c.count - 1})" for c in bad[:4])
+            if req.local_nonfinite:
+                text = (f"rank {self.rank} of job {self.job!r}: round {req.round} buffer holds "
+                        f"{req.local_nonfinite} NaN/Inf value(s) ({where}); the int32 codec cannot quantize them")
+            else:
+                text = (f"job {self.job!r} round {req.round}: another worker reported NaN/Inf values in {where}; "
+                        f"that worker's own error names it (rank {self.rank} saw none)")
+            # the other shards' chunks still go, exactly as on every other
+            # worker, so that no shard is left waiting and sequences agree
+            req.error = req.error or NonFiniteError(text)
+            req.skip_shards.add(shard)
+            req.remaining -= len(q)
+            if req.remaining == 0:
+                self._complete(req)
+
+    def _on_error(self, shard: int, h: Header, code: str, text: str) -> None:
+        where = f"aggregator shard {shard} at {self._conn.addresses[shard]}"
+        kind = session.error_type(code)
+        exc = kind(f"{self._context()}: {where}: {text}")
+        if code == wire.ErrorCode.JOB_MISMATCH.value and not h.round:
+            # about the job, not a round: another member disagrees with it
+            self._job_refused(exc)
+            return
+        req = self._active.get(h.round)
+        if req is None:
+            # a round that already failed (a stall of chunks it never sent),
+            # or nothing of ours: it fails nothing
+            self.stats.dropped_replies += 1
+            log.debug("%s: an ERROR for no pending all-reduce: %s", self._context(), text)
+            return
+        if code == wire.ErrorCode.NOT_JOINED.value:
+            self._rejoin_needed = True
+        if kind is AggregationTimeout:
+            # given up because another worker stopped: if it stopped over a
+            # buffer of another size or kind, the agreement or a chunk on the
+            # way says so, and that is the error worth reporting
+            if h.index == wire.PLAN_INDEX:
+                req.plan_done = True
+            elif (h.round, h.index) in self._outstanding:
+                staging = self._outstanding.pop((h.round, h.index))
+                self._inflight[shard] -= 1
+                if staging is not None:
+                    self._staging.append(staging)
+            req.held_error = req.held_error or exc
+            self._settle_held(req)
+            return
+        self._fail_round(req, exc)
+
+    def _settle_held(self, req: ChunkRequest) -> None:
+        """Fail a round with its held error once nothing more of it can
+        answer. Every chunk sent gets a reply (a result, or an ERROR when the
+        shard gives its slot up), and the progress timeout covers one lost."""
+        if not req.plan_done or any(k[0] == req.round for k in self._outstanding):
+            return
+        self._fail_round(req, req.held_error)
+
+    def _check_progress(self) -> None:
+        if not self._active:
+            return
+        idle = time.monotonic() - self._last_progress
+        if idle < self.config.timeout:
+            return
+        waiting = sorted({c_shard for r in self._active.values() for c_shard in
+                          ([s for s in range(len(self.shards)) if self._inflight[s]] + list(r.scale_pending))})
+        where = ", ".join(f"shard {s} at {self.shards[s]}" for s in waiting) or "no shard"
+        rounds = sorted(self._active)
+        exc = AggregationTimeout(
+            f"{self._context()}: no progress for {idle:.1f}s on round(s) {rounds}, waiting on {where}; "
+            f"is the aggregator running and are all {self.world_size} workers calling allreduce?")
+        for req in list(self._active.values()):
+            self._fail_round(req, exc)
+        # a shard that died and came back has forgotten the job
+        self._rejoin_needed = True
+        self._last_progress = time.monotonic()
+

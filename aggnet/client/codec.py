@@ -1,0 +1,141 @@
+"""How a caller's buffer becomes wire payloads and how results come back.
+
+A :class:`Encoding` is chosen once per all-reduce from the buffer's dtype and
+the requested codec:
+
+================  ==========  ================================================
+buffer            codec       on the wire
+================  ==========  ================================================
+float32           ``None``    float32, sent zero-copy from the buffer
+float32           ``int32``   int32 quantized with a per-chunk exponent agreed
+                              by all workers (MAX), so N * max never overflows
+float32           ``fp16``    IEEE half, summed in float32 by the aggregator
+float32           ``bf16``    bfloat16, summed in float32 by the aggregator
+int32             ``None``    int32 (sums wrap modulo 2**32)
+float16/bfloat16  ``None``    the same 16-bit format, summed in float32
+================  ==========  ================================================
+
+``avg`` divides by the world size: on decode for 32-bit payloads, before
+encoding for 16-bit ones (dividing first keeps fp16 sums from overflowing).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from aggnet import kernels
+from aggnet.protocol.wire import DType
+
+CODECS = (None, "int32", "fp16", "bf16")
+OPS = ("sum", "avg")
+
+
+def _is_bf16(dtype: np.dtype) -> bool:
+    return dtype.name == "bfloat16"
+
+
+class Encoding:
+    """Per-request encode/decode of chunks between buffer and wire."""
+
+    def __init__(self, buf: np.ndarray, codec: str | None, op: str, world: int, wire_hint: DType | None = None):
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        if codec not in CODECS:
+            raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
+        self.k = kernels.for_array(buf)
+        self.world = world
+        self.avg = op == "avg"
+        dt = buf.dtype
+        self.half_fmt: str | None = None
+        self.native_half = False
+        self.quantized = False
+        self.zero_copy = False
+        if wire_hint in (DType.BFLOAT16, DType.FLOAT16) and dt == np.uint16:
+            kind = "bf16" if wire_hint == DType.BFLOAT16 else "f16"
+            self._native_half(kind)
+        elif dt == np.float32:
+            if codec is None:
+                self.wire = DType.FLOAT32
+                self.zero_copy = True
+            elif codec == "int32":
+                self.wire = DType.INT32
+                self.quantized = True
+            else:
+                self.wire = DType.FLOAT16 if codec == "fp16" else DType.BFLOAT16
+                self.half_fmt = "f16" if codec == "fp16" else "bf16"
+        elif codec is not None:
+            raise ValueError(f"codec {codec!r} compresses float32 buffers; this buffer is {dt}")
+        elif dt == np.int32:
+            if self.avg:
+                raise ValueError("op='avg' needs a floating-point buffer; int32 buffers support op='sum'")
+            self.wire = DType.INT32
+            self.zero_copy = True
+        elif dt == np.float16:
+            self._native_half("f16")
+        elif _is_bf16(dt):
+            self._native_half("bf16")
+        else:
+            raise ValueError(
+                f"aggnet all-reduces float32, int32, float16 and bfloat16 buffers, not {dt}"
+            )
+        self.multiplier = 1.0 / world if self.avg else 1.0
+
+    def _native_half(self, fmt: str) -> None:
+        self.wire = DType.FLOAT16 if fmt == "f16" else DType.BFLOAT16
+        self.half_fmt = fmt
+        self.native_half = True
+        self.zero_copy = not self.avg
+
+    @property
+    def wire_itemsize(self) -> int:
+        return 2 if self.half_fmt else 4
+
+    @property
+    def staging_dtype(self):
+        return np.uint16 if self.half_fmt else np.int32
+
+    def encode(self, src: np.ndarray, staging: np.ndarray, shift: int = 0) -> np.ndarray:
+        """The wire payload for chunk ``src``: ``src`` itself when it can go
+        zero-copy, else written into ``staging`` (a chunk-sized buffer)."""
+        if self.zero_copy:
+            return src
+        out = staging[: src.size]
+        if self.quantized:
+            self.k.quantize(src, shift, out, False)
+        elif self.native_half:
+            # avg on a 16-bit buffer: widen, divide, narrow (divide first so
+            # that the float32 sum of fp16 values stays in fp16 range)
+            wide = np.empty(src.size, np.float32)
+            self.k.from_half(src.view(np.uint16), wide, self.half_fmt)
+            self.k.to_half(wide, out, self.half_fmt, self.multiplier)
+        else:
+            self.k.to_half(src, out, self.half_fmt, self.multiplier)
+        return out
+
+    def encode_into(self, src: np.ndarray, out: np.ndarray, shift: int = 0) -> None:
+        """Encode chunk ``src`` into ``out`` (raw bytes, e.g. a shared-memory
+        slot), copying where the wire format is the buffer's own."""
+        if self.zero_copy:
+            np.copyto(out.view(src.dtype), src)
+        else:
+            self.encode(src, out.view(self.staging_dtype), shift)
+
+    def decode(self, payload, dest: np.ndarray, shift: int = 0) -> None:
+        """Write a result payload into ``dest`` (the chunk of the caller's
+        buffer), undoing the encoding."""
+        if self.quantized:
+            q = np.frombuffer(payload, np.int32, dest.size)
+            self.k.dequantize(q, shift, dest, False, self.multiplier)
+        elif self.half_fmt:
+            h = np.frombuffer(payload, np.uint16, dest.size)
+            if dest.dtype == np.float32:
+                self.k.from_half(h, dest, self.half_fmt)
+            else:
+                # native 16-bit buffer: already divided before encoding
+                dest.view(np.uint16)[...] = h
+        else:
+            src = np.frombuffer(payload, dest.dtype, dest.size)
+            if self.avg:
+                np.multiply(src, np.float32(self.multiplier), out=dest)
+            else:
+                np.copyto(dest, src)
