@@ -22,6 +22,7 @@ import numba
 import numpy as np
 
 from aggnet.kernels.cpu import _accumulate_be_i32, _byteswap32
+from aggnet.kernels.hot import hot
 from aggnet.kernels.datagrams import (
     D_INT32, F_UPLINK, F_VERSION, O_COUNT, O_DTYPE, O_EXPONENT, O_FLAGS, O_INDEX, O_JOB, O_MAGIC, O_NEXT_EXPONENT,
     O_NSUM, O_RESERVED, O_REF, O_SENDER, O_TYPE, O_VERSION, O_WORLD, PROBE_COUNT, PROBE_SEEN, PROBE_TAG,
@@ -36,6 +37,30 @@ A_DROP, A_MULTICAST, A_UNICAST, A_UPLINK, A_CONTROL = 0, 1, 2, 3, 4
 #: a host's counters by index: drops in Drop's order, then events in Event's
 COUNTERS = tuple(drop_counter(d) for d in Drop) + tuple(event_counter(e) for e in Event)
 _FIRST_EVENT = len(Drop)
+#: the counters' indices as plain integers, for the data path's loop
+_D_DTYPE = int(Drop.DTYPE)
+_D_DUPLICATE = int(Drop.DUPLICATE)
+_D_EARLY = int(Drop.EARLY)
+_D_EXPONENT = int(Drop.EXPONENT)
+_D_FINAL = int(Drop.FINAL)
+_D_INDEX = int(Drop.INDEX)
+_D_LENGTH = int(Drop.LENGTH)
+_D_MAGIC = int(Drop.MAGIC)
+_D_NOT_ADMITTED = int(Drop.NOT_ADMITTED)
+_D_OTHER_SHARD = int(Drop.OTHER_SHARD)
+_D_RESERVED = int(Drop.RESERVED)
+_D_SHORT = int(Drop.SHORT)
+_D_STALE = int(Drop.STALE)
+_D_UNKNOWN_JOB = int(Drop.UNKNOWN_JOB)
+_D_VERSION = int(Drop.VERSION)
+_E_COMPLETED = int(Event.COMPLETED)
+_E_FINALS = int(Event.FINALS)
+_E_PROBES = int(Event.PROBES)
+_E_RECEIVED = int(Event.RECEIVED)
+_E_RESULTS_RESENT = int(Event.RESULTS_RESENT)
+_E_SUMMED = int(Event.SUMMED)
+_E_UPLINK_RESENT = int(Event.UPLINK_RESENT)
+_E_UPLINK_SENT = int(Event.UPLINK_SENT)
 
 #: each slot's registers, per version ([2, pool] arrays): the sum
 #: (``values[v, slot, :K]``), the contributions it holds, the bitmap of
@@ -59,24 +84,6 @@ SendArrays = namedtuple("SendArrays", "ent_dest ent_size ent_pkt order run_dest 
 
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
 _inline = numba.njit(cache=True, nogil=True, inline="always")
-
-
-@_inline
-def _drop(ctr, j, reason):
-    """Count a drop for ``reason`` (against job row ``j`` too, when the
-    packet named one); the drop action."""
-    ctr.drops[reason] += 1
-    if j >= 0:
-        ctr.job_drops[j, reason] += 1
-    return A_DROP
-
-
-@_inline
-def _count(ctr, j, event):
-    """Count ``event`` (against job row ``j`` too, when not -1)."""
-    ctr.events[event] += 1
-    if j >= 0:
-        ctr.job_events[j, event] += 1
 
 
 # the payload loops are the CPU backend's kernels on whole words, called on
@@ -123,183 +130,193 @@ def _as_partial(p, vals, k, maxexp, rack, world):
     _store(p, vals, k)
 
 
+@hot
 @_jit
 def process_batch(batch, slots, jobs, shard, ctr, out):
     """Apply docs/protocol.md to the batch's packets, in order: each is
     rewritten in place into what is to be sent, and ``out`` says what to
     do with it. ``shard`` is the (lo, hi) range of pool slots this process
     serves; ``slots``, ``jobs`` and ``ctr`` are its SlotTable, JobTable and
-    Counters."""
-    for i in range(batch.count):
-        o = batch.offsets[i]
-        length = batch.lengths[i]
+    Counters.
+
+    One loop over local arrays, on purpose: the same rules split into
+    helpers that take the tables as tuples ran at half the speed (each
+    helper re-extracts and reference-counts the arrays it touches), and
+    this loop is what bounds a host's packet rate at small K."""
+    arena, offsets, lengths, srcs, n = batch
+    values, count, seen, tag, expo, maxexp = slots
+    job_ids, job_used, job_base, job_slots, job_world, job_k, job_uplink, job_rack, job_parent, job_pbase, \
+        job_pshard, members, mbase, mshard = jobs
+    shard_lo, shard_hi = shard
+    drops, events, job_drops, job_events = ctr
+    for i in range(n):
+        length = lengths[i]
+        o = offsets[i]
+        p = arena[o:o + length]
+        out.action[i] = A_DROP
+        out.job[i] = -1
         out.length[i] = length
-        _count(ctr, -1, Event.RECEIVED)
-        action, j = _packet(batch.arena[o:o + length], batch.sources[i], slots, jobs, shard, ctr)
-        out.action[i] = action
+        events[_E_RECEIVED] += 1
+        if length < HEADER_SIZE:
+            drops[_D_SHORT] += 1
+            continue
+        if be16(p, O_MAGIC) != MAGIC:
+            drops[_D_MAGIC] += 1
+            continue
+        if p[O_VERSION] != VERSION:
+            drops[_D_VERSION] += 1
+            continue
+        mtype = p[O_TYPE]
+        if mtype != T_PUSH and mtype != T_RESULT and mtype != T_PROBE:
+            out.action[i] = A_CONTROL
+            continue
+        if be32(p, O_RESERVED) != 0:
+            drops[_D_RESERVED] += 1
+            continue
+        flags = p[O_FLAGS]
+        job = be32(p, O_JOB)
+        j = -1
+        for q in range(job_ids.size):
+            if job_used[q] and job_ids[q] == job:
+                j = q
+                break
+        if j < 0:
+            drops[_D_UNKNOWN_JOB] += 1
+            continue
         out.job[i] = j
+        index = be32(p, O_INDEX)
+        world = job_world[j]
+        k = job_k[j]
+        if index >= np.uint32(job_slots[j]):
+            drops[_D_INDEX] += 1
+            job_drops[j, _D_INDEX] += 1
+            continue
+        s = job_base[j] + np.int64(index)
+        if s < shard_lo or s >= shard_hi:
+            drops[_D_OTHER_SHARD] += 1
+            job_drops[j, _D_OTHER_SHARD] += 1
+            continue
+        v = np.int64(flags & F_VERSION)
+        t = be32(p, O_REF)
+        if mtype == T_PROBE:
+            if length != HEADER_SIZE:
+                drops[_D_LENGTH] += 1
+                job_drops[j, _D_LENGTH] += 1
+                continue
+            p[O_TYPE] = T_PROBE_OK
+            put_field(p, PROBE_COUNT, count[v, s])
+            put_field(p, PROBE_SEEN, seen[v, s])
+            put_field(p, PROBE_WORLD, world)
+            put_field(p, PROBE_TAG, tag[v, s])
+            out.action[i] = A_UNICAST
+            events[_E_PROBES] += 1
+            job_events[j, _E_PROBES] += 1
+            continue
+        if p[O_DTYPE] != D_INT32:
+            drops[_D_DTYPE] += 1
+            job_drops[j, _D_DTYPE] += 1
+            continue
+        if be32(p, O_COUNT) != np.uint32(k) or length != HEADER_SIZE + 4 * k:
+            drops[_D_LENGTH] += 1
+            job_drops[j, _D_LENGTH] += 1
+            continue
+        if mtype == T_RESULT:
+            # only a parent's final sum, arriving at a rack that sent its partial up
+            if (flags & F_UPLINK) == 0 or not job_uplink[j] or \
+                    srcs[i] != job_parent[j] + shard_delta(job_pbase[j], job_pshard[j], index):
+                drops[_D_NOT_ADMITTED] += 1
+                job_drops[j, _D_NOT_ADMITTED] += 1
+                continue
+            if tag[v, s] != t or count[v, s] != world:
+                drops[_D_FINAL] += 1
+                job_drops[j, _D_FINAL] += 1
+                continue
+            _load(p, values[v, s], k)
+            count[v, s] = 0
+            maxexp[v, s] = s16(be16(p, O_NEXT_EXPONENT))
+            p[O_FLAGS] = p[O_FLAGS] & F_VERSION
+            put16(p, O_SENDER, 0)
+            put16(p, O_WORLD, world)
+            out.action[i] = A_MULTICAST
+            events[_E_FINALS] += 1
+            job_events[j, _E_FINALS] += 1
+            continue
+        sender = be16(p, O_SENDER)
+        if sender >= world or members[j, sender] < 0 or \
+                members[j, sender] + shard_delta(mbase[j, sender], mshard[j, sender], index) != srcs[i]:
+            drops[_D_NOT_ADMITTED] += 1
+            job_drops[j, _D_NOT_ADMITTED] += 1
+            continue
+        bit = np.uint32(1) << np.uint32(sender)
+        stored = tag[v, s]
+        c = count[v, s]
+        d = np.uint32(t - stored)
+        if d >= np.uint32(0x80000000):
+            drops[_D_STALE] += 1
+            job_drops[j, _D_STALE] += 1
+            continue
+        if d == 0 and (seen[v, s] & bit) != 0:
+            if c == 0:
+                # complete: the sender lost the result; answer it alone
+                _as_result(p, values[v, s], k, maxexp[v, s], world, world)
+                out.action[i] = A_UNICAST
+                events[_E_RESULTS_RESENT] += 1
+                job_events[j, _E_RESULTS_RESENT] += 1
+            elif job_uplink[j] and c == world:
+                # waiting on the parent: the partial (or the final) was lost
+                _as_partial(p, values[v, s], k, maxexp[v, s], job_rack[j], world)
+                out.action[i] = A_UPLINK
+                events[_E_UPLINK_RESENT] += 1
+                job_events[j, _E_UPLINK_RESENT] += 1
+            else:
+                drops[_D_DUPLICATE] += 1
+                job_drops[j, _D_DUPLICATE] += 1
+            continue
+        nexp = s16(be16(p, O_NEXT_EXPONENT))
+        if d != 0:
+            if c != 0:
+                drops[_D_EARLY] += 1
+                job_drops[j, _D_EARLY] += 1
+                continue
+            _load(p, values[v, s], k)
+            c = 1
+            tag[v, s] = t
+            seen[v, s] = bit
+            expo[v, s] = s16(be16(p, O_EXPONENT))
+            maxexp[v, s] = nexp
+        else:
+            if c == 0:
+                drops[_D_STALE] += 1
+                job_drops[j, _D_STALE] += 1
+                continue
+            if s16(be16(p, O_EXPONENT)) != expo[v, s]:
+                drops[_D_EXPONENT] += 1
+                job_drops[j, _D_EXPONENT] += 1
+                continue
+            _add(p, values[v, s], k)
+            c += 1
+            seen[v, s] |= bit
+            if nexp > maxexp[v, s]:
+                maxexp[v, s] = nexp
+        seen[1 - v, s] &= ~bit
+        count[v, s] = c
+        events[_E_SUMMED] += 1
+        job_events[j, _E_SUMMED] += 1
+        if c == world:
+            if job_uplink[j]:
+                _as_partial(p, values[v, s], k, maxexp[v, s], job_rack[j], world)
+                out.action[i] = A_UPLINK
+                events[_E_UPLINK_SENT] += 1
+                job_events[j, _E_UPLINK_SENT] += 1
+            else:
+                count[v, s] = 0
+                _as_result(p, values[v, s], k, maxexp[v, s], world, world)
+                out.action[i] = A_MULTICAST
+                events[_E_COMPLETED] += 1
+                job_events[j, _E_COMPLETED] += 1
 
 
-@_inline
-def _job_row(jobs, job_id):
-    for q in range(jobs.ids.size):
-        if jobs.used[q] and jobs.ids[q] == job_id:
-            return q
-    return -1
-
-
-@_inline
-def _packet(p, src, slots, jobs, shard, ctr):
-    """One packet from address key ``src``: (action, job row or -1)."""
-    if p.size < HEADER_SIZE:
-        return _drop(ctr, -1, Drop.SHORT), -1
-    if be16(p, O_MAGIC) != MAGIC:
-        return _drop(ctr, -1, Drop.MAGIC), -1
-    if p[O_VERSION] != VERSION:
-        return _drop(ctr, -1, Drop.VERSION), -1
-    mtype = p[O_TYPE]
-    if mtype != T_PUSH and mtype != T_RESULT and mtype != T_PROBE:
-        return A_CONTROL, -1
-    if be32(p, O_RESERVED) != 0:
-        return _drop(ctr, -1, Drop.RESERVED), -1
-    j = _job_row(jobs, be32(p, O_JOB))
-    if j < 0:
-        return _drop(ctr, -1, Drop.UNKNOWN_JOB), -1
-    index = be32(p, O_INDEX)
-    if index >= np.uint32(jobs.slots[j]):
-        return _drop(ctr, j, Drop.INDEX), j
-    s = jobs.base[j] + np.int64(index)
-    if s < shard[0] or s >= shard[1]:
-        return _drop(ctr, j, Drop.OTHER_SHARD), j
-    if mtype == T_PROBE:
-        return _probe(p, slots, jobs, ctr, j, s), j
-    k = jobs.k[j]
-    if p[O_DTYPE] != D_INT32:
-        return _drop(ctr, j, Drop.DTYPE), j
-    if be32(p, O_COUNT) != np.uint32(k) or p.size != HEADER_SIZE + 4 * k:
-        return _drop(ctr, j, Drop.LENGTH), j
-    if mtype == T_RESULT:
-        return _final(p, src, slots, jobs, ctr, j, s), j
-    return _push(p, src, slots, jobs, ctr, j, s), j
-
-
-@_inline
-def _probe(p, slots, jobs, ctr, j, s):
-    """A PROBE of slot ``s``: answered to its sender with the state of the
-    version it names (messages.ProbeOk)."""
-    if p.size != HEADER_SIZE:
-        return _drop(ctr, j, Drop.LENGTH)
-    v = np.int64(p[O_FLAGS] & F_VERSION)
-    p[O_TYPE] = T_PROBE_OK
-    put_field(p, PROBE_COUNT, slots.count[v, s])
-    put_field(p, PROBE_SEEN, slots.seen[v, s])
-    put_field(p, PROBE_WORLD, jobs.world[j])
-    put_field(p, PROBE_TAG, slots.tag[v, s])
-    _count(ctr, j, Event.PROBES)
-    return A_UNICAST
-
-
-@_inline
-def _final(p, src, slots, jobs, ctr, j, s):
-    """A RESULT: only a parent's final sum, arriving at a rack that sent
-    its partial up, is taken; it goes to every member."""
-    world = jobs.world[j]
-    index = be32(p, O_INDEX)
-    if (p[O_FLAGS] & F_UPLINK) == 0 or not jobs.uplink[j] or \
-            src != jobs.parent[j] + shard_delta(jobs.pbase[j], jobs.pshard[j], index):
-        return _drop(ctr, j, Drop.NOT_ADMITTED)
-    v = np.int64(p[O_FLAGS] & F_VERSION)
-    if slots.tag[v, s] != be32(p, O_REF) or slots.count[v, s] != world:
-        return _drop(ctr, j, Drop.FINAL)
-    _load(p, slots.values[v, s], jobs.k[j])
-    slots.count[v, s] = 0
-    slots.maxexp[v, s] = s16(be16(p, O_NEXT_EXPONENT))
-    p[O_FLAGS] = p[O_FLAGS] & F_VERSION
-    put16(p, O_SENDER, 0)
-    put16(p, O_WORLD, world)
-    _count(ctr, j, Event.FINALS)
-    return A_MULTICAST
-
-
-@_inline
-def _push(p, src, slots, jobs, ctr, j, s):
-    """A member's contribution to slot ``s``: summed (and answered when it
-    completes the slot), or dropped for a reason."""
-    index = be32(p, O_INDEX)
-    sender = be16(p, O_SENDER)
-    if sender >= jobs.world[j] or jobs.members[j, sender] < 0 or \
-            jobs.members[j, sender] + shard_delta(jobs.mbase[j, sender], jobs.mshard[j, sender], index) != src:
-        return _drop(ctr, j, Drop.NOT_ADMITTED)
-    v = np.int64(p[O_FLAGS] & F_VERSION)
-    t = be32(p, O_REF)
-    bit = np.uint32(1) << np.uint32(sender)
-    d = np.uint32(t - slots.tag[v, s])
-    if d >= np.uint32(0x80000000):
-        return _drop(ctr, j, Drop.STALE)
-    if d == 0 and (slots.seen[v, s] & bit) != 0:
-        return _repeat(p, slots, jobs, ctr, j, v, s)
-    c = slots.count[v, s]
-    nexp = s16(be16(p, O_NEXT_EXPONENT))
-    if d != 0:
-        if c != 0:
-            return _drop(ctr, j, Drop.EARLY)
-        _load(p, slots.values[v, s], jobs.k[j])  # the first contribution: overwrite
-        slots.tag[v, s] = t
-        slots.seen[v, s] = bit
-        slots.expo[v, s] = s16(be16(p, O_EXPONENT))
-        slots.maxexp[v, s] = nexp
-    else:
-        if c == 0:
-            return _drop(ctr, j, Drop.STALE)
-        if s16(be16(p, O_EXPONENT)) != slots.expo[v, s]:
-            return _drop(ctr, j, Drop.EXPONENT)
-        _add(p, slots.values[v, s], jobs.k[j])
-        slots.seen[v, s] |= bit
-        if nexp > slots.maxexp[v, s]:
-            slots.maxexp[v, s] = nexp
-    c += 1
-    slots.seen[1 - v, s] &= ~bit  # the sender moved on from the other version
-    slots.count[v, s] = c
-    _count(ctr, j, Event.SUMMED)
-    if c != jobs.world[j]:
-        return A_DROP  # summed; the result comes with the last contribution
-    return _complete(p, slots, jobs, ctr, j, v, s)
-
-
-@_inline
-def _repeat(p, slots, jobs, ctr, j, v, s):
-    """A contribution the slot holds already: its sender lost what came
-    of it, or sent it twice."""
-    c = slots.count[v, s]
-    world = jobs.world[j]
-    if c == 0:
-        # complete: the sender lost the result; answer it alone
-        _as_result(p, slots.values[v, s], jobs.k[j], slots.maxexp[v, s], world, world)
-        _count(ctr, j, Event.RESULTS_RESENT)
-        return A_UNICAST
-    if jobs.uplink[j] and c == world:
-        # waiting on the parent: the partial (or the final) was lost
-        _as_partial(p, slots.values[v, s], jobs.k[j], slots.maxexp[v, s], jobs.rack[j], world)
-        _count(ctr, j, Event.UPLINK_RESENT)
-        return A_UPLINK
-    return _drop(ctr, j, Drop.DUPLICATE)
-
-
-@_inline
-def _complete(p, slots, jobs, ctr, j, v, s):
-    """Every member's contribution is in: the result goes to them all, or
-    this rack's partial sum to its parent."""
-    world = jobs.world[j]
-    if jobs.uplink[j]:
-        _as_partial(p, slots.values[v, s], jobs.k[j], slots.maxexp[v, s], jobs.rack[j], world)
-        _count(ctr, j, Event.UPLINK_SENT)
-        return A_UPLINK
-    slots.count[v, s] = 0
-    _as_result(p, slots.values[v, s], jobs.k[j], slots.maxexp[v, s], world, world)
-    _count(ctr, j, Event.COMPLETED)
-    return A_MULTICAST
-
-
+@hot
 @_jit
 def plan_sends(batch, verdicts, jobs, arr):
     """Group the packets to send into runs (destination, segment size,
@@ -320,7 +337,7 @@ def _entry(arr, e, dest, size, pkt):
     return e + 1
 
 
-@_jit
+@_inline
 def _copies(batch, verdicts, jobs, arr):
     """An entry per copy of a packet to send; returns how many."""
     e = 0
@@ -344,7 +361,7 @@ def _copies(batch, verdicts, jobs, arr):
     return e
 
 
-@_jit
+@_inline
 def _by_destination(arr, e):
     """Order the ``e`` entries by destination with a counting sort (a
     handful of destinations, thousands of packets), keeping arena order
@@ -378,7 +395,7 @@ def _by_destination(arr, e):
     return ndest
 
 
-@_jit
+@_inline
 def _runs(batch, arr, e, ndest):
     """Merge the ordered entries into runs; returns how many."""
     dests = arr.run_dest[:ndest].copy()

@@ -24,6 +24,8 @@ from collections import namedtuple
 import numba
 import numpy as np
 
+from aggnet.kernels.hot import hot
+
 from aggnet.protocol import messages, wire
 from aggnet.kernels import QUANT_BITS as _QUANT_BITS
 from aggnet.kernels.cpu import _byteswap32, _dequantize, _quantize
@@ -190,6 +192,7 @@ def _next_tag(tags, s):
 # -- the worker's side -------------------------------------------------------------------
 
 
+@hot
 @_jit
 def classify_results(batch, accept, window, taken):
     """Pick the results that answer an outstanding use (right source,
@@ -271,6 +274,7 @@ def _build_use(window, task, s, kind, block, exponent, next_exponent, tag):
         payload[e] = 0
 
 
+@hot
 @_jit
 def start_uses(window, task, slots_in, count):
     """The first use of each slot in ``slots_in[:count]`` for a task: a
@@ -344,6 +348,7 @@ def _use_next(window, task, s, nb, agreed):
     _build_use(window, task, s, KIND_DATA, nb, agreed, nxt, t)
 
 
+@hot
 @_jit
 def advance(arena, res_slot, res_off, m, window, task, next_slots, finished):
     """Take ``m`` results of one task: decode data results into the
@@ -387,6 +392,7 @@ def advance(arena, res_slot, res_off, m, window, task, next_slots, finished):
     return nn, nf, nonfinite, differ
 
 
+@hot
 @_jit
 def stage(packets, slots_in, count, staging, packet_bytes, retransmit):
     """Copy the packets of ``slots_in[:count]`` one after another into
