@@ -41,6 +41,8 @@ from aggnet.protocol.pool import Placement, SlotPool
 from aggnet.transport.udp import BATCH_BYTES, DatagramSocket, addr_key, key_addr
 from aggnet.protocol.wire import HEADER_SIZE, ErrorCode, Header, MsgType
 
+from aggnet.hosts.admission import PendingJoin, admit
+from aggnet.hosts.parent import Joins, Standing, refusal
 from aggnet.hosts.switch_datapath import A_CONTROL, COUNTERS, SendPlan, SwitchRegisters, verdicts_for
 from aggnet.hosts.aggregator import Aggregator
 from aggnet.hosts.supervisor import ShardSupervisor
@@ -71,8 +73,9 @@ class SwitchJob:
     elements: int
     members: dict = field(default_factory=dict)  #: rank -> (ip, port)
     #: uplink: the parent accepted this rack (JOIN_OK) or is still asked
-    uplink_ready: bool = True
-    pending_joins: list = field(default_factory=list)
+    #: under a parent: whether it took the job, and the members' JOIN_OKs
+    #: held until it does
+    parent: Standing = field(default_factory=Standing)
     #: the job's packet counters' sum when last looked at, and when it last changed
     activity: int = 0
     last_active: float = field(default_factory=time.monotonic)
@@ -153,6 +156,7 @@ class SwitchService(Aggregator):
             if p.scheme != "udp":
                 raise ValueError(f"the parent of a switch-mode aggregator is udp://host:port, not {parent}")
             self.parent = (socket.gethostbyname(p.host), p.port)
+        self._parent_joins = Joins(self._ask_parent)
         self.rack_id = rack_id
         self.racks = racks
         self.control_counters: collections.Counter = collections.Counter()
@@ -302,12 +306,10 @@ class SwitchService(Aggregator):
         info = control.parse(control.JOIN, payload, "JOIN")
         name = info.get("name", str(h.job_id))
         world = h.world
-        if not 1 <= world <= MAX_WORKERS or h.sender >= world:
-            raise ControlError(ErrorCode.REFUSED, f"rank {h.sender} and world size {world}: an aggregator takes "
-                                                  f"1..{MAX_WORKERS} workers per job", "bad_join")
+        job = self.jobs.get(h.job_id)
         # a rack joining its parent is not a worker: it holds no job key,
         # and the parent is configured with the racks' addresses instead
-        self.keyring.verify("JOIN", h.job_id, h.sender, h.world, name, info, src)
+        admit(self.keyring, h, name, info, src, job, max_world=MAX_WORKERS)
         kmax = self.regs.max_elements
         asked = info["elements"]
         fits = info.get("max_elements", kmax)
@@ -317,7 +319,6 @@ class SwitchService(Aggregator):
         layout = JoinShards.from_header(h)
         if not layout.shard_slots:
             layout = JoinShards(0, 0)
-        job = self.jobs.get(h.job_id)
         created = job is None
         if job is None:
             k = asked or min(self.default_elements, fits)
@@ -332,13 +333,6 @@ class SwitchService(Aggregator):
             job = self._install(h.job_id, name, world, slots or self._auto_slots(k), k)
             if job is None:
                 return
-        elif job.name != name:
-            raise ControlError(ErrorCode.JOB_MISMATCH, f"job id {h.job_id:08x} belongs to job {job.name!r}, not "
-                                                       f"{name!r}; choose another job name")
-        elif job.world != world:
-            raise ControlError(ErrorCode.JOB_MISMATCH,
-                               f"job {name!r} is registered with world size {job.world} but rank {h.sender} "
-                               f"joined with world size {world}; all workers must agree")
         elif asked and asked != job.elements:
             raise ControlError(ErrorCode.JOB_MISMATCH,
                                f"job {name!r} sums {job.elements} elements per packet, rank {h.sender} asked for "
@@ -365,13 +359,13 @@ class SwitchService(Aggregator):
         # the reply is the JOIN itself, answered in its header as the P4
         # program does; a sharded host adds its pool slots per shard
         JoinOk(job.slots, job.elements, job.base, world, self.shard_slots_advertised).to_header(h)
-        reply = bytearray(raw)
-        wire.pack_into(reply, h)
-        if job.uplink_ready:
+        if job.parent.ready:
+            reply = bytearray(raw)
+            wire.pack_into(reply, h)
             self._send(reply, src)
         else:
-            job.pending_joins.append((src, bytes(reply), h))
-            self._ask_parent(job)
+            job.parent.hold(PendingJoin(src, h, bytes(payload)))
+            self._parent_joins.want(job.job_id, time.monotonic())
 
     def _install(self, job_id: int, name: str, world: int, slots: int, k: int) -> SwitchJob:
         if not 1 <= slots <= min(MAX_JOB_SLOTS, self.regs.pool):
@@ -387,7 +381,7 @@ class SwitchService(Aggregator):
         row, base = place
         self.regs.install(row, job_id, base, slots, world, k, rack=self.rack_id,
                           parent=addr_key(self.parent) if self.parent is not None else -1)
-        job = SwitchJob(row, job_id, name, world, base, slots, k, uplink_ready=self.parent is None)
+        job = SwitchJob(row, job_id, name, world, base, slots, k, parent=Standing(ready=self.parent is None))
         self.jobs[job_id] = job
         log.info("switch: job %r (id %08x) installed: world %d, slots %d..%d, %d elements per packet%s", name,
                  job_id, world, base, base + slots - 1, k,
@@ -402,7 +396,13 @@ class SwitchService(Aggregator):
         want = max(1, min(auto_slots(k), self.regs.pool // 4))
         return max(1, min(want, largest)) if largest else want
 
-    def _ask_parent(self, job: SwitchJob) -> None:
+    def _ask_parent(self, job_id: int) -> None:
+        """Ask the parent to take the job (members resend their JOINs until
+        answered, and each asks again, at most every RETRY_INTERVAL)."""
+        job = self.jobs.get(job_id)
+        if job is None or job.parent.ready:
+            self._parent_joins.answered(job_id)
+            return
         # this rack's shard layout rides along, as a worker's never does
         h = JoinShards(job.base if self.shards > 1 else 0, self.shard_slots_advertised).to_header(
             Header(MsgType.JOIN, job_id=job.job_id, sender=self.rack_id, world=self.racks))
@@ -411,33 +411,32 @@ class SwitchService(Aggregator):
 
     def _parent_joined(self, h: Header) -> None:
         job = self.jobs.get(h.job_id)
-        if job is None or job.uplink_ready:
+        if job is None or job.parent.ready:
             return
+        self._parent_joins.answered(job.job_id)
         ok = JoinOk.from_header(h)
         if ok.elements != job.elements or ok.slots != job.slots:
-            for src, _, reply in job.pending_joins:
-                self._error(src, reply, ErrorCode.JOB_MISMATCH,
+            for p in job.parent.refused():
+                self._error(p.member, p.header, ErrorCode.JOB_MISMATCH,
                             f"the parent aggregator {self.parent} gave job {job.name!r} {ok.slots} slots of "
                             f"{ok.elements} elements, this rack uses {job.slots} of {job.elements}; configure both "
                             f"alike")
-            job.pending_joins.clear()
             return
-        job.uplink_ready = True
         self.regs.set_parent_shards(job.index, ok.base, ok.shard_slots)
         log.info("switch: parent %s accepted job %r from rack %d", self.parent, job.name, self.rack_id)
-        for src, reply, _ in job.pending_joins:
-            self._send(reply, src)
-        job.pending_joins.clear()
+        for p in job.parent.accepted():
+            self._send(p.header.pack_for(p.payload) + p.payload, p.member)
 
     def _parent_refused(self, h: Header, payload) -> None:
         job = self.jobs.get(h.job_id)
         if job is None:
             return
+        self._parent_joins.answered(job.job_id)
         code, text = wire.parse_error(payload)
-        for src, _, reply in job.pending_joins:
-            self._error(src, reply, ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.REFUSED,
-                        f"the parent aggregator {self.parent} refused job {job.name!r}: {text}")
-        job.pending_joins.clear()
+        told = refusal(f"udp://{self.parent[0]}:{self.parent[1]}", job.name, self.rack_id, text)
+        for p in job.parent.refused():
+            self._error(p.member, p.header, ErrorCode(code) if code in ErrorCode._value2member_map_ else
+                        ErrorCode.REFUSED, told)
 
     def _leave(self, h: Header, src) -> None:
         job = self.jobs.get(h.job_id)
