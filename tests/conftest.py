@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from helpers import RunningService
+from harness.helpers import RunningService
 
 def _ucxx_available() -> bool:
     try:

@@ -14,7 +14,7 @@ from aggnet.errors import AggregationError, AggregationTimeout
 from aggnet.processes import ServiceProcess
 from aggnet.client.sparse import SparseClient
 from aggnet.protocol.wire import MsgType
-from helpers import RunningService, free_port, run_workers
+from harness.helpers import RunningService, free_port, run_workers
 
 STEPS = 20
 
@@ -248,7 +248,7 @@ def test_ddp_sparse_buckets_through_tables_match_torch_and_single_process(servic
     """``hosts``: 2 x 2 workers that torchrun's variables place on two
     hosts, so each host's rows are combined before they are pushed."""
     pytest.importorskip("torch")
-    import sparse_workers as W
+    from harness import sparse_workers as W
 
     res = run_workers("spawn://", world, W.hook_run, world, free_port(), service.address, opt, STEPS, hosts,
                       timeout=180, start_method="spawn")
@@ -269,7 +269,7 @@ def test_ddp_sparse_buckets_through_tables_match_torch_and_single_process(servic
 
 def test_sharded_embedding_matches_single_process_for_each_server_optimizer(service):
     pytest.importorskip("torch")
-    import sparse_workers as W
+    from harness import sparse_workers as W
 
     opts = ["sgd", "momentum", "adagrad", "adam"]
     res = run_workers("spawn://", 2, W.ps_run, 2, free_port(), service.address, opts, STEPS, timeout=120,
@@ -290,7 +290,7 @@ def test_auto_partitions_agree_on_every_rank_and_train_the_same(service):
     every rank must reach the same samples (the slowest rank's times) and
     the same P, and training is then what it is at any P."""
     pytest.importorskip("torch")
-    import sparse_workers as W
+    from harness import sparse_workers as W
 
     res = run_workers("spawn://", 2, W.ps_run, 2, free_port(), service.address, ["adagrad"], 6, "auto",
                       timeout=180, start_method="spawn")
@@ -309,7 +309,7 @@ def test_auto_partitions_agree_on_every_rank_and_train_the_same(service):
 
 def test_checkpoint_restart_restore_continues_identically(tmp_path):
     pytest.importorskip("torch")
-    import sparse_workers as W
+    from harness import sparse_workers as W
 
     steps = 6
     first = RunningService("zmq+ipc", shards=2)

@@ -14,7 +14,7 @@ from aggnet.protocol.wire import job_id_of
 from aggnet.emulation.bmv2 import can_run_bmv2
 from aggnet.emulation.netns import can_emulate
 from aggnet.protocol.wire import HEADER_SIZE, DType, Flag, Header, MsgType, unpack_header
-from switch_harness import FOREIGN, K, PARENT, Bmv2Aggregator, HostAggregator, job_name
+from harness.switch import FOREIGN, K, PARENT, Bmv2Aggregator, HostAggregator, job_name
 
 BMV2_OK, BMV2_WHY = can_run_bmv2()
 if BMV2_OK:

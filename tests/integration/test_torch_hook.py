@@ -10,9 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the DDP hook needs PyTorch (pip install aggnet[torch])")
 
-import ddp_workers as W  # noqa: E402
+from harness import ddp_workers as W  # noqa: E402
 from aggnet import Client  # noqa: E402
-from helpers import RunningService, free_port, run_workers  # noqa: E402
+from harness.helpers import RunningService, free_port, run_workers  # noqa: E402
 
 STEPS = 20
 

@@ -16,7 +16,7 @@ from aggnet.client.switch import query_stats
 from aggnet.transport import mmsg
 from aggnet.transport.udp import DatagramSocket
 
-from helpers import run_workers
+from harness.helpers import run_workers
 from test_switch_protocol import check_exact, data
 
 

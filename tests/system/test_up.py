@@ -22,9 +22,9 @@ import pytest
 from aggnet import Client
 from aggnet.deploy import state as up_state
 from aggnet.client.stats import query
-from helpers import free_ports
+from harness.helpers import free_ports
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ONE_MACHINE = ROOT / "examples" / "topologies" / "one-machine.toml"
 CLI_TIMEOUT = 120
 

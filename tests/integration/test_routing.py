@@ -11,8 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the DDP hook needs PyTorch (pip install aggnet[torch])")
 
-import routing_workers as W  # noqa: E402
-from helpers import RunningService, free_port, run_workers  # noqa: E402
+from harness import routing_workers as W  # noqa: E402
+from harness.helpers import RunningService, free_port, run_workers  # noqa: E402
 
 STEPS = 20
 SMALL_ALPHA, LARGE_ALPHA = 400, 12  # vocabularies: α ≤ 24/400 per rank, and α near 1

@@ -24,7 +24,7 @@ from aggnet.emulation.netns import can_emulate
 OK, WHY = can_emulate()
 pytestmark = [pytest.mark.requires_netns, pytest.mark.skipif(not OK, reason=f"no network namespaces here: {WHY}")]
 MiB = 1 << 20
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TWO_RACKS = str(REPO / "examples" / "topologies" / "two-racks.toml")
 
 

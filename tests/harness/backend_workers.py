@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import ddp_workers as W
+from harness import ddp_workers as W
 
 STEPS = 20
 

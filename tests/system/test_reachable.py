@@ -24,7 +24,7 @@ from aggnet.emulation.netns import Rack, can_emulate
 OK, WHY = can_emulate()
 pytestmark = [pytest.mark.requires_netns, pytest.mark.skipif(not OK, reason=f"no network namespaces here: {WHY}")]
 
-WORKER = str(Path(__file__).with_name("remote_worker.py"))
+WORKER = str(Path(__file__).resolve().parents[1] / "harness" / "remote_worker.py")
 SIZE = 300_000  # more than one chunk on every shard
 V6_PREFIX = "fd00:77::"
 

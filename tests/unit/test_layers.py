@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: where each installed package's sources live in the repository
 SOURCES = {"aggnet": "aggnet", "aggnet.transport": "transport", "aggnet.hosts": "hosts",
            "aggnet.emulation": "emulation", "aggnet.p4": "p4"}

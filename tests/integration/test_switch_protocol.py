@@ -22,7 +22,7 @@ from aggnet.kernels import quant_shift
 from aggnet.protocol.limits import MAX_WORKERS
 from aggnet.client.switch import query_stats
 from aggnet.protocol.wire import DType, Flag, Header, MsgType
-from helpers import run_workers, silent_rank_run
+from harness.helpers import run_workers, silent_rank_run
 
 K = 64
 

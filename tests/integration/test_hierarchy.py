@@ -26,7 +26,7 @@ from aggnet.errors import AggregationError
 from aggnet.processes import ServiceProcess
 from aggnet.protocol.address import parse
 from aggnet.protocol.limits import SWITCH_PORT
-from helpers import free_port, run_workers
+from harness.helpers import free_port, run_workers
 
 N = 300_003  # not a multiple of any chunk or packet size
 
@@ -326,7 +326,7 @@ def test_ddp_through_two_racks_trains_like_one_process():
     """DDP with the aggnet hook placed by a topology (service racks under
     a service root) computes what one process computes on the global batch."""
     pytest.importorskip("torch", reason="DDP needs PyTorch (pip install aggnet[torch])")
-    import ddp_workers as W
+    from harness import ddp_workers as W
     from test_torch_hook import STEPS, rel_diff
 
     r = Racks("service", per_rack=2)
@@ -403,7 +403,7 @@ def test_sparse_buckets_through_racks_keep_torch_distributed_and_train_like_one_
     the hook's sparse buckets take torch.distributed's path instead of
     failing, and the dense ones still go through the racks."""
     pytest.importorskip("torch", reason="DDP needs PyTorch (pip install aggnet[torch])")
-    import ddp_workers as W
+    from harness import ddp_workers as W
     from test_torch_hook import STEPS, rel_diff
 
     r = Racks("service", per_rack=1)

@@ -16,7 +16,7 @@ from aggnet.protocol.wire import job_id_of
 from aggnet.processes import ServiceProcess
 from aggnet.protocol.limits import SWITCH_PORT
 from aggnet.protocol.wire import HEADER_SIZE, Header, MsgType
-from helpers import free_ports
+from harness.helpers import free_ports
 
 K = 64
 WORKERS = 4

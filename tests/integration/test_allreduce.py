@@ -23,7 +23,7 @@ from aggnet.errors import (
 )
 from aggnet.kernels import quant_shift
 from aggnet.transport import connect, listen
-from helpers import free_port, run_workers, silent_rank_run
+from harness.helpers import free_port, run_workers, silent_rank_run
 
 SIZES = [0, 1, 7, 1000, 4096, 70001]
 

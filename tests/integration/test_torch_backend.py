@@ -16,10 +16,10 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the backend needs PyTorch (pip install aggnet[torch])")
 
-import backend_workers as B  # noqa: E402
+from harness import backend_workers as B  # noqa: E402
 from aggnet import Client  # noqa: E402
 from aggnet.errors import JobMismatch  # noqa: E402
-from helpers import RunningService, run_workers  # noqa: E402
+from harness.helpers import RunningService, run_workers  # noqa: E402
 
 
 @pytest.fixture(scope="module")

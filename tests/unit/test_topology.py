@@ -11,7 +11,7 @@ import pytest
 from aggnet.protocol import topology
 from aggnet.protocol.topology import TopologyError
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples" / "topologies"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "topologies"
 
 
 def _file(tmp_path, text: str) -> pathlib.Path:
