@@ -34,6 +34,7 @@ import numpy as np
 
 from aggnet.protocol import wire
 from aggnet.protocol.address import parse
+from aggnet.client import session
 from aggnet.client.base import Client, Request
 from aggnet.client.codec import Encoding
 from aggnet.errors import AggregationError, AggregationTimeout, AggregatorUnreachable, JobMismatch, NonFiniteError
@@ -235,9 +236,8 @@ class SwitchClient(Client):
             if reply.job_id != self.job_id:
                 continue
             if reply.msg_type == MsgType.ERROR:
-                code, text = wire.parse_error(memoryview(data)[HEADER_SIZE:])
-                kind = JobMismatch if code == wire.ErrorCode.JOB_MISMATCH.value else AggregationError
-                raise kind(f"aggregator {self.address} refused {self._context()}: {text}")
+                raise session.wire_error(memoryview(data)[HEADER_SIZE:],
+                                         f"aggregator {self.address} refused {self._context()}")
             if reply.msg_type == MsgType.JOIN_OK:
                 ok = JoinOk.from_header(reply)
                 self.slots, self.elements, self.base, self.shard_slots = ok.slots, ok.elements, ok.base, ok.shard_slots
@@ -662,7 +662,7 @@ def query_stats(address: str, timeout: float = 5.0, payload: bytes = b"") -> dic
                 if h.msg_type == MsgType.STATS_OK:
                     return wire.parse_json(memoryview(data)[HEADER_SIZE:])
                 if h.msg_type == MsgType.ERROR:
-                    raise AggregationError(f"{address} refused STATS: {wire.parse_error(memoryview(data)[HEADER_SIZE:])[1]}")
+                    raise session.wire_error(memoryview(data)[HEADER_SIZE:], f"{address} refused STATS")
             except wire.WireError:
                 continue
     raise AggregatorUnreachable(f"no STATS answer from {address} within {timeout:g}s: is "
