@@ -40,6 +40,27 @@ def free_ports(n: int, kind=socket.SOCK_STREAM) -> list[int]:
             s.close()
 
 
+def process_gone(pid: int) -> bool:
+    """No such process, or a zombie nobody reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def child_pids(pid: int) -> list[int]:
+    """Child processes of ``pid``, made by any of its threads."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(p) for p in f.read().split()]
+        except FileNotFoundError:
+            pass  # a thread that ended meanwhile
+    return out
+
+
 class WorkerFailed(AssertionError):
     pass
 

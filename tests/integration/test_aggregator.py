@@ -18,6 +18,7 @@ import pytest
 from aggnet import Client
 from aggnet import metrics
 from aggnet.hosts.aggregator import Aggregator
+from harness.helpers import child_pids as _children, process_gone as _gone
 
 K = 64
 
@@ -34,24 +35,6 @@ def _switch():
     return SwitchService("udp://127.0.0.1:0", pool=64, elements=K, shards=2)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
-def _children(pid: int) -> list[int]:
-    """Child processes of ``pid``, made by any of its threads."""
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(p) for p in f.read().split()]
-        except FileNotFoundError:
-            pass  # a thread that ended meanwhile
-    return out
 
 
 @pytest.mark.parametrize("make", [_service, _switch], ids=["service", "switch"])

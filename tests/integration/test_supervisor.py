@@ -15,6 +15,7 @@ import time
 import pytest
 
 from aggnet.hosts.supervisor import RestartLimit, ShardStartError, ShardSupervisor
+from harness.helpers import process_gone as _gone
 
 
 def _serving(index, report, should_stop, detail=""):
@@ -47,14 +48,6 @@ def _deaf(index, report, should_stop):
     while True:  # never looks at should_stop
         time.sleep(0.01)
 
-
-def _gone(pid: int) -> bool:
-    """No such process, or a zombie nobody reaped yet."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
 
 
 def _await(condition, timeout: float = 10.0, what: str = "condition"):
@@ -177,8 +170,8 @@ def test_a_shard_that_ignores_sigterm_is_killed_at_the_deadline(supervisors):
 
 def test_shards_die_with_their_parent():
     code = textwrap.dedent("""
-        import sys, time
-        sys.path.insert(0, sys.argv[1])
+        import os, sys, time
+        sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]  # this test's folder, and tests/ for harness
         from test_supervisor import _serving
         from aggnet.hosts.supervisor import ShardSupervisor
         sup = ShardSupervisor(_serving, 2)
