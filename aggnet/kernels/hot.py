@@ -28,7 +28,6 @@ class HotKernel:
         self.__doc__ = dispatcher.__doc__
         self.__name__ = getattr(dispatcher, "__name__", "kernel")
         self._entry = None
-        self._signature = None
 
     def __call__(self, *args):
         if self._entry is not None:
@@ -37,7 +36,7 @@ class HotKernel:
         signature = tuple(numba.typeof(a) for a in args)
         compiled = self.dispatcher.overloads.get(signature)
         if compiled is not None:
-            self._entry, self._signature = compiled.entry_point, signature
+            self._entry = compiled.entry_point
         return result
 
     def __getattr__(self, name):
