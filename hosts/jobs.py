@@ -76,6 +76,9 @@ class Job:
     #: a rack under a root: whether the root took the job, and the
     #: members' JOIN_OKs held until it does
     parent: Standing = field(default_factory=Standing)
+    #: every member of the job joins here (hosts.parent.whole_here): it
+    #: completes at this aggregator even under a root
+    whole: bool = False
 
     def remember_done(self, key) -> None:
         self.done[key] = None

@@ -57,6 +57,15 @@ class Standing:
         return held
 
 
+def whole_here(h, info: dict) -> bool:
+    """Whether a JOIN's job is whole at this aggregator: its payload names
+    the job's world and that is the members joining here. Such a job (a
+    model-parallel stage's data-parallel group inside one rack) completes
+    at the rack and never goes to the parent, which would wait for racks
+    that are not in it."""
+    return info.get("world") == h.world
+
+
 def refusal(parent: str, job: str, rack_id: int, text: str) -> str:
     """What a member hears when the parent refused its rack's job."""
     return f"the parent aggregator {parent} refused job {job!r} from rack {rack_id}: {text}"

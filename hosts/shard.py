@@ -28,7 +28,7 @@ from aggnet.protocol.wire import DType, ErrorCode, Flag, Header, MsgType
 from aggnet.buffers import BufferPool
 
 from aggnet.hosts.admission import Disagreement, PendingJoin, admit
-from aggnet.hosts.parent import refusal
+from aggnet.hosts.parent import refusal, whole_here
 from aggnet.hosts.jobs import ACC_DTYPE, Job, Segment, Slot
 from aggnet.hosts.sparse import MESSAGES as SPARSE_MESSAGES, SparseTables
 from aggnet.hosts.uplink import Uplink
@@ -180,15 +180,20 @@ class Shard:
                                                       f"host only (shm:// addresses), not over "
                                                       f"{self.listener.address.scheme}", "field_shm")
             control.check_shm(h.world, shm)
-        if self.uplink is not None and self.uplink.error is not None:
+        whole = self.uplink is not None and whole_here(h, info)
+        if self.uplink is not None and self.uplink.error is not None and not whole:
             # workers resend their JOIN until answered: the next one hears it
             if job is not None and not job.parent.ready:
                 self._drop_job(job)
             raise ControlError(ErrorCode.REFUSED, f"this rack cannot reach its root: {self.uplink.error}",
                                "uplink_failed")
         created = job is None
+        if not created and job.whole != whole:
+            raise Disagreement(f"job {name!r} completes {'here' if job.whole else 'at the root'}, but rank "
+                               f"{h.sender} joined it as {'all' if whole else 'part'} of the job's workers; "
+                               f"give every worker the same world size", "world_mismatch")
         if created:
-            job = Job(h.job_id, name, h.world, timeout)
+            job = Job(h.job_id, name, h.world, timeout, whole=whole)
             self.jobs[h.job_id] = job
         try:
             if shm is not None:
@@ -213,7 +218,7 @@ class Shard:
         if shm is not None:
             details["shm"] = job.segment.describe()
         ok = Header(MsgType.JOIN_OK, job_id=h.job_id, sender=h.sender, world=job.world)
-        if created and self.uplink is not None:
+        if created and self.uplink is not None and not job.whole:
             job.parent.lost()
         if job.parent.ready:
             self._reply(peer, ok, wire.json_payload(details))
@@ -267,7 +272,7 @@ class Shard:
             "buffer-size agreement" if slot.key[1] == wire.PLAN_INDEX else f"chunk {slot.key[1]}")
 
     def _drop_job(self, job: Job) -> None:
-        if self.uplink is not None:
+        if self.uplink is not None and not job.whole:
             self.uplink.leave(job.job_id)
         job.slots.clear()
         if job.segment is not None:
@@ -368,7 +373,7 @@ class Shard:
         job.counters["pushes"] += 1
         job.counters["bytes_in"] += len(payload)
         if slot.nsum == job.world:
-            if self.uplink is not None:
+            if self.uplink is not None and not job.whole:
                 self._send_up(job, slot)
             else:
                 self._complete(job, slot)

@@ -41,8 +41,8 @@ from aggnet.protocol.pool import Placement, SlotPool
 from aggnet.transport.udp import BATCH_BYTES, DatagramSocket, addr_key, key_addr
 from aggnet.protocol.wire import HEADER_SIZE, ErrorCode, Header, MsgType
 
-from aggnet.hosts.admission import PendingJoin, admit
-from aggnet.hosts.parent import Joins, Standing, refusal
+from aggnet.hosts.admission import Disagreement, PendingJoin, admit
+from aggnet.hosts.parent import Joins, Standing, refusal, whole_here
 from aggnet.hosts.switch_datapath import A_CONTROL, COUNTERS, SendPlan, SwitchRegisters, verdicts_for
 from aggnet.hosts.aggregator import Aggregator
 from aggnet.hosts.supervisor import ShardSupervisor
@@ -76,6 +76,8 @@ class SwitchJob:
     #: under a parent: whether it took the job, and the members' JOIN_OKs
     #: held until it does
     parent: Standing = field(default_factory=Standing)
+    #: every member joins here (hosts.parent.whole_here): completes here under a parent too
+    whole: bool = False
     #: the job's packet counters' sum when last looked at, and when it last changed
     activity: int = 0
     last_active: float = field(default_factory=time.monotonic)
@@ -330,7 +332,7 @@ class SwitchService(Aggregator):
                 raise ControlError(ErrorCode.JOB_MISMATCH,
                                    f"job {name!r} asked for {k} elements per packet, but this worker's path MTU "
                                    f"fits {fits}; ask for fewer elements or raise the MTU (jumbo frames)")
-            job = self._install(h.job_id, name, world, slots or self._auto_slots(k), k)
+            job = self._install(h.job_id, name, world, slots or self._auto_slots(k), k, whole_here(h, info))
             if job is None:
                 return
         elif asked and asked != job.elements:
@@ -342,6 +344,10 @@ class SwitchService(Aggregator):
                                f"job {name!r} sums {job.elements} elements per packet ({HEADER_SIZE + 4 * job.elements}"
                                f"-byte datagrams), more than rank {h.sender}'s path MTU fits ({fits} elements); "
                                f"raise that worker's MTU or start the job with fewer elements")
+        if not created and self.parent is not None and job.whole != whole_here(h, info):
+            raise Disagreement(f"job {name!r} completes {'here' if job.whole else 'at the parent'}, but rank "
+                               f"{h.sender} joined it as {'all' if whole_here(h, info) else 'part'} of the job's "
+                               f"workers; give every worker the same world size", "world_mismatch")
         if layout.shard_slots:
             try:
                 check_shard_layout(layout.base, job.slots, layout.shard_slots, src[1])
@@ -367,7 +373,7 @@ class SwitchService(Aggregator):
             job.parent.hold(PendingJoin(src, h, bytes(payload)))
             self._parent_joins.want(job.job_id, time.monotonic())
 
-    def _install(self, job_id: int, name: str, world: int, slots: int, k: int) -> SwitchJob:
+    def _install(self, job_id: int, name: str, world: int, slots: int, k: int, whole: bool = False) -> SwitchJob:
         if not 1 <= slots <= min(MAX_JOB_SLOTS, self.regs.pool):
             raise ControlError(ErrorCode.REFUSED, f"job {name!r} asked for {slots} slots; this aggregator gives a "
                                                   f"job 1..{min(MAX_JOB_SLOTS, self.regs.pool)}")
@@ -379,9 +385,11 @@ class SwitchService(Aggregator):
                                f"no room for job {name!r}: {len(self.jobs)} jobs, largest free run of the pool "
                                f"{self.pool.largest_free} slots, asked for {slots}")
         row, base = place
+        # a job whole at this rack (hosts.parent.whole_here) completes here
+        up = self.parent if not whole else None
         self.regs.install(row, job_id, base, slots, world, k, rack=self.rack_id,
-                          parent=addr_key(self.parent) if self.parent is not None else -1)
-        job = SwitchJob(row, job_id, name, world, base, slots, k, parent=Standing(ready=self.parent is None))
+                          parent=addr_key(up) if up is not None else -1)
+        job = SwitchJob(row, job_id, name, world, base, slots, k, parent=Standing(ready=up is None), whole=whole)
         self.jobs[job_id] = job
         log.info("switch: job %r (id %08x) installed: world %d, slots %d..%d, %d elements per packet%s", name,
                  job_id, world, base, base + slots - 1, k,

@@ -148,7 +148,9 @@ class ChunkClient(Client):
         h = Header(MsgType.JOIN, job_id=self.job_id, sender=self.member_rank, world=self.members)
         # the aggregator names silent workers before the client's own
         # deadline runs out, so the error says who is missing
-        request = {"name": self.job, "timeout": STALL_FRACTION * self.config.timeout}
+        # the job's world beside the members here: an aggregator under a
+        # root completes a job whose every worker joins it (hosts.parent)
+        request = {"name": self.job, "world": self.world_size, "timeout": STALL_FRACTION * self.config.timeout}
         if self._shm:
             request["shm"] = {"window": self.config.window, "chunk_bytes": self.chunk_bytes}
         payload = wire.json_payload(self._signed("JOIN", h, request))

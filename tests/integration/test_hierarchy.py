@@ -24,9 +24,9 @@ from aggnet import Client
 from aggnet.client import stats as stats_cli
 from aggnet.errors import AggregationError
 from aggnet.processes import ServiceProcess
-from aggnet.protocol.address import parse
 from aggnet.protocol.limits import SWITCH_PORT
 from harness.helpers import free_port, run_workers
+from harness.racks import Racks, topology_text
 
 N = 300_003  # not a multiple of any chunk or packet size
 
@@ -44,25 +44,6 @@ def data(rank: int, n: int = N):
 def expected(world: int, n: int = N):
     xs, ys = zip(*(data(r, n) for r in range(world)))
     return np.sum(xs, axis=0, dtype=np.float64).astype(np.float32), np.sum(ys, axis=0, dtype=np.int64).astype(np.int32)
-
-
-def topology_text(kind: str, root: str | None, racks: list[str], per_rack: int, shards: int | None = None,
-                  fallbacks: list[str] | None = None, job: str = "hier") -> str:
-    extra = f", shards = {shards}" if shards else ""
-    lines = [f'job = "{job}"']
-    if root is not None:
-        lines += ["[root]", f'kind = "{"service" if kind == "service" else "host-switch"}"', f'address = "{root}"']
-        if shards:
-            lines.append(f"shards = {shards}")
-    for i, address in enumerate(racks):
-        lines += ["[[racks]]", f'name = "rack{i}"', f'ranks = "{i * per_rack}-{(i + 1) * per_rack - 1}"']
-        if kind == "p4":
-            lines.append(f'aggregator = {{ kind = "p4", address = "{address}", p4runtime = "127.0.0.1:1" }}')
-        else:
-            lines.append(f'aggregator = {{ kind = "{kind}", address = "{address}"{extra} }}')
-        if fallbacks:
-            lines.append(f'fallback = {{ kind = "host-switch", address = "{fallbacks[i]}" }}')
-    return "\n".join(lines) + "\n"
 
 
 def _worker(rank: int, topology: str, job: str, codecs, n: int = N, reps: int = 1):
@@ -97,50 +78,6 @@ def check(results, world: int, codecs=(None,), n: int = N):
         for codec in codecs:
             np.testing.assert_array_equal(r[codec], fx)
         np.testing.assert_array_equal(r["i32"], fy)
-
-
-class Racks:
-    """A root and two racks of one kind, as ``aggnet serve`` processes."""
-
-    def __init__(self, kind: str, shards: int = 2, per_rack: int = 2, root_args=(), rack_args=()):
-        self.kind = kind
-        mode = [] if kind == "service" else ["--mode", "switch"]
-        listen = "zmq+tcp://127.0.0.1:0" if kind == "service" else "udp://127.0.0.1:0"
-        self.procs = []
-        try:
-            self.root = self._start(listen, shards, [*mode, *root_args])
-            self.racks = [self._start(listen, shards, [*mode, "--parent", self.root.address, "--rack-id", str(i),
-                                                       "--racks", "2", *rack_args]) for i in range(2)]
-        except BaseException:
-            self.stop()
-            raise
-        self.topology = topology_text(kind, self.root.address, [r.address for r in self.racks], per_rack,
-                                      shards if kind == "service" else None)
-        self.world = 2 * per_rack
-
-    def _start(self, listen, shards, args):
-        p = ServiceProcess(listen, shards=shards, args=list(args))
-        self.procs.append(p)
-        return p
-
-    def ports(self, which: list) -> list[int]:
-        """Every port the given aggregators listen on (control and shards)."""
-        ports = []
-        for p in which:
-            a = parse(p.address)
-            if self.kind == "service":
-                # a service on port 0 puts its shards on any free ports
-                ports += [a.port] + [parse(s).port for s in self.stats(p)["service"]["shards"]]
-            else:
-                ports += [a.port + i for i in range(p.shards)]  # switch mode: consecutive ports
-        return ports
-
-    def stats(self, p) -> dict:
-        return stats_cli.query(p.address)
-
-    def stop(self):
-        for p in self.procs:
-            p.stop()
 
 
 @pytest.fixture(scope="module", params=["service", "host-switch"])
@@ -416,3 +353,30 @@ def test_sparse_buckets_through_racks_keep_torch_distributed_and_train_like_one_
             assert rel_diff(res["params"][0], reference) <= 1e-6
     finally:
         r.stop()
+
+
+def _whole_job_worker(rank: int, address: str, job: str, root: str):
+    x, _ = data(rank)
+    with Client(address, job=job, rank=rank, world_size=2, timeout=30, connect_timeout=30) as c:
+        c.allreduce(x).result(60)
+        at_root = stats_cli.query(root)
+    return x, at_root
+
+
+def _job_names(stats: dict) -> set:
+    """Job names in a STATS answer of either kind."""
+    if stats.get("mode") == "switch":
+        return set(stats["jobs"])
+    return {name for shard in stats["shards"] for name in shard["jobs"]}
+
+
+def test_a_job_whose_workers_are_all_in_one_rack_completes_there(racks):
+    # a model-parallel stage's data-parallel group inside one rack: the
+    # rack's aggregator has a root, but the job is whole in the rack
+    job = _job()
+    results = run_workers("inproc://threads", 2, _whole_job_worker, racks.racks[1].address, job,
+                          racks.root.address, timeout=120)
+    want = np.sum([data(r)[0] for r in range(2)], axis=0, dtype=np.float64).astype(np.float32)
+    for x, at_root in results:
+        np.testing.assert_array_equal(x, want)
+        assert job not in _job_names(at_root)
