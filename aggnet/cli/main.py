@@ -24,6 +24,8 @@ MODULE_COMMANDS = (
     ("switch", "aggnet.p4.cli", "the P4 switch's control plane (P4Runtime; needs aggnet[p4])"),
     ("emulate", "aggnet.emulation.cli", "run inside an emulated rack (network namespaces; needs root)"),
     ("demo", "aggnet.demo", "train a small model with DDP through aggnet"),
+    ("plan", "aggnet.cli.plan",
+     "place a model on a topology: hybrid pipeline stages or data parallelism, by bytes and predicted step time"),
     ("tune", "aggnet.cli.tune", "pick a sparse table's partition count: Parallax's cost model over measured steps"),
     ("pcap", "aggnet.cli.pcap", "decode the aggnet messages of a packet capture (needs aggnet[pcap])"),
     ("fuzz", "aggnet.cli.fuzz", "send hostile datagrams or messages at an aggregator, then show its drop counters"),

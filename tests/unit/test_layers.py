@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, ...] | set[str]] = [
     ("aggnet.client", "aggnet.hosts", "aggnet.p4"),
     ("aggnet",),  # the public API (aggnet/__init__.py) only: it re-exports the clients
     ("aggnet.torch", "aggnet.deploy"),
+    ("aggnet.parallel",),  # model-parallel stages on the torch pieces
     {"aggnet.bench", "aggnet.emulation"},
     {"aggnet.cli", "aggnet.demo", "aggnet.__main__"},
 ]
