@@ -81,6 +81,11 @@ class AggnetState:
       through a sparse table (an ``nn.Embedding`` without ``sparse=True``);
       None: every dense bucket all-reduced whole. ``stats()["routes"]``
       says what each bucket does.
+    * ``member``: (this rank's place among the job's workers at its
+      aggregator, how many join there) for a process group spread over
+      racks that each join their own rack's ``address`` (a pipeline
+      stage's data-parallel group, :mod:`aggnet.parallel`); None: every
+      rank of the group joins the one aggregator.
     """
 
     def __init__(
@@ -99,6 +104,7 @@ class AggnetState:
         topology=None,
         alpha_threshold: float | None = 0.1,
         alpha_steps: int = 3,
+        member: tuple[int, int] | None = None,
     ):
         if codec not in _CODECS:
             raise ValueError(f"codec must be one of {list(_CODECS)}, got {codec!r}")
@@ -141,6 +147,14 @@ class AggnetState:
             raise ValueError("give address or topology, not both: the topology names each rack's aggregator")
         self.topology = topology if topology is not None else (
             self.config.topology if self.address is None else None)
+        if member is not None:
+            if address is None:
+                raise ValueError("member goes with an address: the aggregator this rank's part of the group joins")
+            if (len(member) != 2 or not all(isinstance(v, int) for v in member)
+                    or not 0 <= member[0] < member[1] <= self.world_size):
+                raise ValueError(f"member must be (member_rank, members) with 0 <= member_rank < members <= "
+                                 f"{self.world_size}, got {member!r}")
+        self.member = member
         self.job = job or self._agree_job_name()
         self.buckets: dict[int, BucketStats] = {}
         self._client: Client | None = None
@@ -166,8 +180,10 @@ class AggnetState:
                         self._client = Client(topology=self.topology, job=self.job, rank=self.rank,
                                               world_size=self.world_size, config=self.config)
                     else:
+                        placed = ({} if self.member is None else
+                                  {"member_rank": self.member[0], "members": self.member[1]})
                         self._client = Client(self.address, job=self.job, rank=self.rank,
-                                              world_size=self.world_size, config=self.config)
+                                              world_size=self.world_size, config=self.config, **placed)
                 except AggregatorUnreachable as exc:
                     hint = ("" if self.address or self.topology is not None else
                             " (no AGGNET_ADDRESS is set: the embedded aggregator serves only the workers on "
