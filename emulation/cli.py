@@ -17,7 +17,7 @@ from aggnet.emulation.netns import EmulationError, Rack
 
 
 def add_arguments(p) -> None:
-    p.add_argument("what", choices=["allreduce", "bench", "bench-ddp", "demo"],
+    p.add_argument("what", choices=["allreduce", "bench", "bench-ddp", "bench-hybrid", "demo"],
                    help="allreduce: one all-reduce, checked; bench: aggnet beside gloo, bytes and times; "
                         "bench-ddp: DDP step time with the aggnet hook beside gloo; "
                         "demo: DDP training, one worker per namespace")
@@ -50,6 +50,10 @@ def add_arguments(p) -> None:
     p.add_argument("--elements", type=int, default=None,
                    help="int32 values per packet (default: the host's 2048, or what the MTU fits; BMv2: 64)")
     p.add_argument("--steps", type=int, default=10, help="bench-ddp: timed steps per system")
+    p.add_argument("--model", default="both", choices=["narrow-cut", "wide-activation", "both"],
+                   help="bench-hybrid: the model (aggnet.parallel.models)")
+    p.add_argument("--batch", type=int, default=64, help="bench-hybrid: global batch")
+    p.add_argument("--micro-batches", type=int, default=1, help="bench-hybrid: micro-batches per replica and step")
     p.add_argument("--width", type=int, default=4096, help="bench-ddp: hidden width of the MLP (4096: 25M parameters)")
 
 

@@ -19,7 +19,7 @@ from aggnet.emulation.netns import EmulationError
 
 DEFAULT_SIZE = "32MiB"
 #: what ``aggnet emulate`` can do across racks (bench-ddp and BMv2 are one-rack runs)
-WHATS = ("allreduce", "bench", "demo")
+WHATS = ("allreduce", "bench", "bench-hybrid", "demo")
 
 
 def main(args) -> int:
@@ -40,6 +40,8 @@ def main(args) -> int:
             fabric.start_aggregators()
             fabric.wait_reachable()
             fabric.impair(args.drop)
+            if args.what == "bench-hybrid":
+                return _bench_hybrid(args, pl, fabric)
             if args.what == "demo":
                 more = ["--hidden", str(args.hidden)] if args.hidden else []
                 for line in fabric_runs.run_demo(fabric, args.epochs, args.codec, extra=more):
@@ -119,3 +121,55 @@ def _report_bench(args, pl: Plan, nbytes: int, results: list[dict], drops: dict 
                        "topology": pl.source, "time": time.strftime("%FT%T"), "drops": drops,
                        "records": [{k: v for k, v in r.items() if k not in ("client_stats", "exact")}
                                    for r in results]}, f, indent=1)
+
+
+def _bench_hybrid(args, pl: Plan, fabric: Fabric) -> int:
+    """Each model: the hybrid placement beside data parallelism through
+    aggnet's racks and through gloo's ring, measured and predicted."""
+    from aggnet.emulation import hybrid_runs
+
+    if len(pl.racks) < 2:
+        print("aggnet emulate bench-hybrid: a stage per rack needs two racks or more (--racks)", file=sys.stderr)
+        return 2
+    models = ["narrow-cut", "wide-activation"] if args.model == "both" else [args.model]
+    print(f"fabric: {pl.shape}, {_links(pl)}; global batch {args.batch}, {args.steps} timed steps after 2 warm-up, "
+          f"{args.micro_batches} micro-batch(es)")
+    records = []
+    for model in models:
+        prof, predicted = hybrid_runs.predict(model, fabric, args.batch, args.micro_batches)
+        by_name = {a.name: a for a in predicted.alternatives}
+        rows = []
+        for i, system in enumerate(hybrid_runs.SYSTEMS):
+            print(f"{model}: {system} ...", file=sys.stderr, flush=True)
+            r = hybrid_runs.run(fabric, system, model, args.batch, args.steps, micro_batches=args.micro_batches,
+                                port=hybrid_runs.BASE_PORT + len(records) + i)
+            alt = by_name[hybrid_runs.SYSTEMS[system]]
+            r["predicted_step_s"] = alt.step_seconds
+            r["predicted_cross_rack_bytes"] = alt.cross_rack_bytes
+            rows.append(r)
+        gloo = next(r for r in rows if r["system"] == "gloo")
+        fastest = min(rows, key=lambda r: r["step_s"])
+        pick = next(s for s, name in hybrid_runs.SYSTEMS.items() if name == predicted.pick.name) \
+            if predicted.pick.name in hybrid_runs.SYSTEMS.values() else predicted.pick.name
+        print(f"\n{model}: {len(prof.layers)} layers, {prof.param_bytes / 1e6:.2f} MB of parameters")
+        print(f"{'system':>7} {'step s':>8} {'/gloo':>6} {'uplink bytes/step':>18} {'predicted':>12} "
+              f"{'measured/pred.':>14} {'pred. step s':>12}")
+        for r in rows:
+            ratio = r["cross_rack_bytes"] / r["predicted_cross_rack_bytes"] if r["predicted_cross_rack_bytes"] else 0
+            print(f"{r['system']:>7} {r['step_s']:8.3f} {r['step_s'] / gloo['step_s']:6.3f} "
+                  f"{r['cross_rack_bytes'] / 1e6:15.3f} MB {r['predicted_cross_rack_bytes'] / 1e6:9.3f} MB "
+                  f"{ratio:14.3f} {r['predicted_step_s']:12.3f}")
+        placement = {"hybrid": "a stage per rack", "aggnet": "data parallelism", "gloo": "data parallelism"}
+        same = placement.get(pick) == placement[fastest["system"]]
+        print(f"aggnet plan picks {pick} ({placement.get(pick, pick)}); fastest measured: {fastest['system']} "
+              f"({placement[fastest['system']]}){'' if fastest['system'] == pick else '  (the plan missed)' if not same else '  (the same placement)'}")
+        print(f"the plan: {predicted.reason}")
+        records.append({"model": model, "pick": pick, "fastest": fastest["system"], "reason": predicted.reason,
+                        "rows": rows})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"racks": len(pl.racks), "world": pl.world, "host_mbit": pl.host_mbit,
+                       "uplink_mbit": pl.uplink_mbit, "mtu": pl.mtu, "batch": args.batch, "steps": args.steps,
+                       "micro_batches": args.micro_batches, "time": time.strftime("%FT%T"), "models": records},
+                      f, indent=1)
+    return 0

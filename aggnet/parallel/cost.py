@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from aggnet.protocol import topology as topo
-from aggnet.protocol.limits import IP_UDP_OVERHEAD, elements_for_mtu
+from aggnet.protocol.limits import DEFAULT_HOST_ELEMENTS, IP_UDP_OVERHEAD, auto_slots, elements_for_mtu
 from aggnet.protocol.wire import HEADER_SIZE
 
 from aggnet.parallel import layout as lay
@@ -41,6 +41,12 @@ from aggnet.parallel.profile import Profile
 ETHERNET = 14  #: bytes of an Ethernet header (what a link counter adds to each frame)
 TCP_IP = 52  #: IPv4 + TCP with timestamps
 DEFAULT_MTU = 9000
+
+#: bytes a gloo message adds on an uplink beyond its payload's framing:
+#: its send/receive handshake and acknowledgements (measured in the
+#: emulated fabric: about 700-800 bytes a message, the ring's and the
+#: pipeline's alike; it decides the bytes of small transfers only)
+GLOO_MESSAGE_BYTES = 750
 
 ALTERNATIVES = ("gloo ring", "aggnet racks", "hybrid stage-per-rack", "hybrid pipeline-in-rack")
 
@@ -53,10 +59,50 @@ def framing(system: str, mtu: int) -> float:
     second segment (66 bytes). The switch protocol: a packet of K int32
     values (K from the MTU) carries its header and UDP/IP/Ethernet."""
     if system == "udp":
-        k = elements_for_mtu(mtu)
+        k = _elements(mtu)
         return (4 * k + HEADER_SIZE + IP_UDP_OVERHEAD + ETHERNET) / (4 * k)
     mss = mtu - TCP_IP
     return (mss + TCP_IP + ETHERNET) / mss + (TCP_IP + ETHERNET) / (2 * mss)
+
+
+def _elements(mtu: int) -> int:
+    """Values per packet a host aggregator agrees on at this MTU."""
+    return min(DEFAULT_HOST_ELEMENTS, elements_for_mtu(mtu))
+
+
+def switch_allreduce_extra(nbytes: float, mtu: int) -> float:
+    """Wire bytes an all-reduce of ``nbytes`` puts on an uplink beyond its
+    packets, on the switch protocol: about one more packet per slot the
+    all-reduce uses, and one (measured in the emulated fabric: priming
+    each slot of the job's window and agreeing the exponent)."""
+    k = _elements(mtu)
+    packets = -(-int(nbytes) // (4 * k))
+    return (min(auto_slots(k), packets) + 1) * (4 * k + HEADER_SIZE + IP_UDP_OVERHEAD + ETHERNET)
+
+
+def ddp_buckets(param_bytes) -> list[float]:
+    """The bucket sizes DDP all-reduces (parameters in reverse order, the
+    first bucket closed at 1 MiB, the others at 25 MiB)."""
+    buckets, size, cap = [], 0.0, 1 << 20
+    for b in reversed(list(param_bytes)):
+        if not b:
+            continue
+        size += b
+        if size >= cap:
+            buckets.append(size)
+            size, cap = 0.0, 25 << 20
+    if size:
+        buckets.append(size)
+    return buckets
+
+
+def _gradient_wire(t: topo.Topology, param_bytes, mtu: int) -> float:
+    """Wire bytes per uplink, each way, of one step's gradients through
+    the racks' aggregators and the root."""
+    total = float(sum(param_bytes))
+    if _wire(t) == "tcp":
+        return total * framing("tcp", mtu)
+    return total * framing("udp", mtu) + sum(switch_allreduce_extra(b, mtu) for b in ddp_buckets(param_bytes))
 
 
 @dataclass(frozen=True)
@@ -136,6 +182,13 @@ def plan(profile: Profile, topology, *, batch: int, stages: int | None = None, m
     reason = (f"fastest predicted step: {pick.step_seconds * 1e3:.1f} ms, {pick.step_seconds / ring.step_seconds:.2f} "
               f"of gloo's ring; {pick.cross_rack_bytes / 1e6:.2f} MB up the uplinks per step against "
               f"{ring.cross_rack_bytes / 1e6:.2f} MB")
+    runner_up = min((a for a in feasible if a is not pick), key=lambda a: a.step_seconds, default=None)
+    if runner_up is not None and runner_up.step_seconds < 1.2 * pick.step_seconds:
+        # the model leaves out per-all-reduce latency and compute sharing
+        # a host's cores: a close call is the emulation's to decide
+        reason += (f"; {runner_up.name} is predicted within "
+                   f"{(runner_up.step_seconds / pick.step_seconds - 1) * 100:.0f}%: a close call, measure both "
+                   f"(aggnet emulate --topology FILE bench-hybrid)")
     return PlanResult(alts, pick, reason, k, batch, micro_batches, links)
 
 
@@ -145,14 +198,21 @@ def _ring(profile: Profile, t: topo.Topology, batch: int, links: Links) -> Alter
     moved = 2 * (n - 1) / n * p
     slowest = min(links.host, links.uplink) if racks > 1 else links.host
     comm = moved * framing("tcp", links.mtu) / slowest
-    per = moved * framing("tcp", links.mtu) if racks > 1 else 0.0
+    # the ring's 2(N-1) steps each send one message over every boundary
+    per = moved * framing("tcp", links.mtu) + 2 * (n - 1) * GLOO_MESSAGE_BYTES if racks > 1 else 0.0
     return Alternative("gloo ring", True, compute + comm, compute, comm, [(per, per)] * racks)
 
 
+def _wire(t: topo.Topology) -> str:
+    """How the racks' aggregators carry gradients: the switch protocol's
+    datagrams, or the service's chunks over TCP."""
+    return "udp" if all(r.aggregator.family == "switch" for r in t.racks) else "tcp"
+
+
 def _aggnet(profile: Profile, t: topo.Topology, batch: int, links: Links) -> Alternative:
-    n, racks, p = t.world, len(t.racks), profile.param_bytes
+    n, racks = t.world, len(t.racks)
     compute = float(profile.compute(batch / n).sum())
-    wire = p * framing("udp", links.mtu)
+    wire = _gradient_wire(t, profile.params(), links.mtu)
     slowest = min(links.host, links.uplink) if racks > 1 else links.host
     comm = wire / slowest
     per = wire if racks > 1 else 0.0
@@ -189,21 +249,25 @@ def _hybrid(profile: Profile, t: topo.Topology, placement: str, k: int, batch: i
     slowest_stage = max(part.stage_costs) if m > 1 else 0.0
     pipeline = sum(compute_each) + sum(cuts) + (m - 1) * slowest_stage
     stage_params = profile.stage_params(part.stages)
-    udp = framing("udp", links.mtu)
+    grad_framing = framing(_wire(t), links.mtu)
     if across:
         # each stage's gradients all-reduced in its own rack, all at once
-        grads = max(stage_params) * udp / links.host
+        grads = max(stage_params) * grad_framing / links.host
         up = []
         for s in range(k):
             out_act = batch * profile.layers[part.stages[s][1] - 1].out_bytes_per_sample if s < k - 1 else 0
             back_grad = batch * profile.layers[part.stages[s][0] - 1].out_bytes_per_sample if s > 0 else 0
-            up.append((out_act + back_grad) * tcp)
+            # one message a micro-batch and replica each way it crosses
+            messages = d * m * ((s < k - 1) + (s > 0))
+            up.append((out_act + back_grad) * tcp + messages * GLOO_MESSAGE_BYTES)
         uplinks = [(u, u) for u in up]
     else:
         racks = len(t.racks)
         slowest = min(links.host, links.uplink) if racks > 1 else links.host
-        grads = profile.param_bytes * udp / slowest
-        per = profile.param_bytes * udp if racks > 1 else 0.0
+        # every stage's gradients, each its own job and DDP's buckets
+        wire = sum(_gradient_wire(t, profile.params()[a:e], links.mtu) for a, e in part.stages)
+        grads = wire / slowest
+        per = wire if racks > 1 else 0.0
         uplinks = [(per, per)] * racks
     compute = sum(compute_each) * m
     step = pipeline + grads

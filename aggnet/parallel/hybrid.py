@@ -60,6 +60,7 @@ class HybridParallel:
         self.rank = dist.get_rank()
         self.stage, self.replica = layout.position(self.rank)
         self.micro_batches = micro_batches
+        self.micro_batch = int(sample.shape[0])
         # rows are stages (a "dp" group each), columns replicas (a "pp"
         # group each): the groups torch's device mesh gives for this mesh
         self.mesh = DeviceMesh("cpu", torch.tensor(layout.mesh), mesh_dim_names=("pp", "dp"))
@@ -126,6 +127,9 @@ class HybridParallel:
             raise ValueError(f"rank {self.rank} runs the first stage: give step() this replica's inputs")
         if self.is_last and target is None:
             raise ValueError(f"rank {self.rank} runs the last stage: give step() this replica's targets")
+        if self.is_first and inputs.shape[0] != self.micro_batch * self.micro_batches:
+            raise ValueError(f"rank {self.rank}: step() got {inputs.shape[0]} samples; the pipeline was built for "
+                             f"{self.micro_batches} micro-batch(es) of {self.micro_batch} (the sample's batch)")
         args = (inputs,) if self.is_first else ()
         kwargs = {"target": target, "losses": losses} if self.is_last else {}
         self.schedule.step(*args, **kwargs)

@@ -82,8 +82,19 @@ def test_uplink_bytes_follow_each_system_s_traffic():
     alts = {a.name: a for a in result.alternatives}
     tcp, udp = cost.framing("tcp", 9000), cost.framing("udp", 9000)
     n = 8
-    assert alts["gloo ring"].uplinks == [(2 * (n - 1) / n * 1000 * tcp,) * 2] * 2
-    assert alts["aggnet racks"].uplinks == [(1000 * udp,) * 2] * 2
+    msg = cost.GLOO_MESSAGE_BYTES
+    assert alts["gloo ring"].uplinks == [(2 * (n - 1) / n * 1000 * tcp + 2 * (n - 1) * msg,) * 2] * 2
+    # one packet of 2048 values (8282 bytes on the wire) primes its slot
+    # and one agrees the exponent, beside the gradient's own packets
+    assert alts["aggnet racks"].uplinks == [(1000 * udp + 2 * 8282,) * 2] * 2
     # the activations of the whole batch forward, their gradients back
-    assert alts["hybrid stage-per-rack"].uplinks == [(64 * 100 * tcp,) * 2] * 2
-    assert alts["hybrid pipeline-in-rack"].uplinks == [(1000 * udp,) * 2] * 2
+    # (one message per replica each way: 4 replicas of a stage per rack)
+    assert alts["hybrid stage-per-rack"].uplinks == [(64 * 100 * tcp + 4 * msg,) * 2] * 2
+    # each stage a job of its own
+    assert alts["hybrid pipeline-in-rack"].uplinks == [(1000 * udp + 4 * 8282,) * 2] * 2
+
+
+def test_ddp_buckets_close_at_one_mebibyte_then_twenty_five():
+    MiB = 1 << 20
+    assert cost.ddp_buckets([600, 400]) == [1000]
+    assert cost.ddp_buckets([2 * MiB, 30 * MiB, 1024]) == [30 * MiB + 1024, 2 * MiB]

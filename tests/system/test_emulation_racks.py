@@ -160,3 +160,26 @@ def test_the_same_topology_in_mininet_sums_exactly():
     # Mininet's switches and their ports live in this namespace: all gone
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert "mk0s" not in links and "mkspine" not in links
+
+
+def test_bench_hybrid_keeps_gradients_in_the_racks_and_moves_what_the_plan_predicts(tmp_path):
+    pytest.importorskip("torch", reason="the hybrid benchmark trains with PyTorch")
+    out = tmp_path / "hybrid.json"
+    r = subprocess.run([sys.executable, "-m", "aggnet", "emulate", "--topology",
+                        str(REPO / "examples" / "topologies" / "service-racks.toml"), "bench-hybrid", "--workers", "2",
+                        "--rate", "400", "--uplink-rate", "400", "--steps", "3", "--model", "narrow-cut",
+                        "--prefix", "agh", "--json", str(out)],
+                       capture_output=True, text=True, timeout=110)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "aggnet plan picks" in r.stdout
+    (model,) = json.loads(out.read_text())["models"]
+    rows = {x["system"]: x for x in model["rows"]}
+    assert set(rows) == {"hybrid", "aggnet", "gloo"}
+    # a stage per rack: only the 32-wide cut's activations cross, no gradient
+    assert rows["hybrid"]["cross_rack_bytes"] < 0.01 * rows["aggnet"]["cross_rack_bytes"]
+    assert rows["hybrid"]["cross_rack_bytes"] < 2 * rows["hybrid"]["predicted_cross_rack_bytes"]
+    for system in ("aggnet", "gloo"):
+        x = rows[system]
+        assert 0.95 <= x["cross_rack_bytes"] / x["predicted_cross_rack_bytes"] <= 1.05, x
+    assert model["pick"] == "hybrid"
+    assert not namespaces("agh")
