@@ -56,6 +56,10 @@ class HybridParallel:
             raise ValueError(f"gradients must be 'aggnet' or 'gloo', got {gradients!r}")
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be a whole number of 1 or more, got {micro_batches!r}")
+        if schedule == "1f1b" and micro_batches < layout.stages:
+            raise ValueError(f"schedule '1f1b' keeps every stage busy only with at least as many micro-batches as "
+                             f"stages: {micro_batches} for {layout.stages}; give micro_batches={layout.stages} or "
+                             f"more, or schedule='gpipe'")
         self.layout = layout
         self.rank = dist.get_rank()
         self.stage, self.replica = layout.position(self.rank)
