@@ -270,6 +270,13 @@ class SwitchService(Aggregator):
             except ControlError as exc:
                 self.control_counters[f"dropped_{exc.reason}"] += 1
                 self._error(src, h, exc.code, str(exc))
+                job = self.jobs.get(h.job_id)
+                if isinstance(exc, Disagreement) and job is not None:
+                    # every member hears the verdict at once, not a timeout
+                    for rank, member in job.members.items():
+                        if member != src:
+                            self._reply(member, MsgType.ERROR, wire.error_payload(exc.code, str(exc)),
+                                        Header(MsgType.ERROR, job_id=h.job_id, sender=rank))
         elif h.msg_type == MsgType.LEAVE:
             self._leave(h, src)
         elif h.msg_type == MsgType.JOIN_OK and self.parent is not None and src == self.parent:

@@ -443,6 +443,10 @@ class SwitchClient(Client):
             self.stats.dropped_replies += dropped
             for q in range(probes):
                 off = int(self.probe_off[q])
+                if dsock.arena[off + dg.O_TYPE] == MsgType.ERROR:
+                    at = np.flatnonzero(dsock.offsets[:n] == off)
+                    self._on_error(bytes(dsock.arena[off:off + int(dsock.lengths[at[0]])]) if at.size else b"")
+                    continue
                 try:
                     self._on_probe(bytes(dsock.arena[off:off + HEADER_SIZE]))
                 except Exception:  # no reply, however odd, stops this client
@@ -608,6 +612,23 @@ class SwitchClient(Client):
                    flags=Flag.VERSION if tag & 1 else 0, ref=tag, world=self.members)
         self.dsock.send(h.pack(), int(self.slot_dest[slot]))
         self._probing = now + PROBE_WAIT
+
+    def _on_error(self, data: bytes) -> None:
+        """An ERROR the aggregator sent on its own: a verdict about the job
+        (another member joined it with another world size) that fails what
+        is pending and every later all-reduce, at once."""
+        try:
+            h = wire.unpack_header(data)
+            payload = data[HEADER_SIZE:]
+            wire.check_payload(h, len(payload))
+            exc = session.wire_error(payload, self._context())
+        except (wire.WireError, ValueError):
+            self.stats.dropped_replies += 1
+            return
+        if isinstance(exc, JobMismatch):
+            self._job_refused(exc)
+        else:
+            self.stats.dropped_replies += 1
 
     def _on_probe(self, data: bytes) -> None:
         if self._probing is None or not self._reqs:

@@ -74,6 +74,7 @@ T_PUSH = int(wire.MsgType.PUSH)
 T_RESULT = int(wire.MsgType.RESULT)
 T_PROBE = int(wire.MsgType.PROBE)
 T_PROBE_OK = int(wire.MsgType.PROBE_OK)
+T_ERROR = int(wire.MsgType.ERROR)
 F_VERSION = int(wire.Flag.VERSION)
 F_RETRANSMIT = int(wire.Flag.RETRANSMIT)
 F_UPLINK = int(wire.Flag.UPLINK)
@@ -198,8 +199,9 @@ def classify_results(batch, accept, window, taken):
     """Pick the results that answer an outstanding use (right source,
     job, slot, tag and size) out of a received batch; mark their slots
     idle. Returns (results, probes, dropped): results and probe answers go
-    to ``taken``; dropped counts what came from elsewhere or is malformed
-    (not duplicates)."""
+    to ``taken``, and so do the aggregator's ERRORs about the job (a verdict
+    it tells every member: the caller reads the type); dropped counts what
+    came from elsewhere or is malformed (not duplicates)."""
     m = 0
     probes = 0
     dropped = 0
@@ -221,8 +223,8 @@ def classify_results(batch, accept, window, taken):
             dropped += 1
             continue
         t = p[O_TYPE]
-        if t == T_PROBE_OK:
-            if length == HEADER_SIZE and probes < taken.probe.size:
+        if t == T_PROBE_OK or t == T_ERROR:
+            if (length == HEADER_SIZE or t == T_ERROR) and probes < taken.probe.size:
                 taken.probe[probes] = o
                 probes += 1
             else:
