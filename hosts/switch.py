@@ -189,8 +189,7 @@ class SwitchService(Aggregator):
                 started()
             while not should_stop():
                 n = self.sock.receive(POLL_SECONDS, BATCH_BYTES)
-                if n:
-                    self._step(self.sock, 0, n)
+                self._step(self.sock, 0, n)
                 now = time.monotonic()
                 if now >= self._next_activity_check:
                     self._next_activity_check = now + ACTIVITY_CHECK_INTERVAL
@@ -221,14 +220,18 @@ class SwitchService(Aggregator):
         report.ready(str(Address("udp", *sock.address)))
         while not should_stop():
             n = sock.receive(POLL_SECONDS, BATCH_BYTES)
-            if n:
-                self._step(sock, index, n)
+            self._step(sock, index, n)
 
     def _stop_shards(self) -> None:
         if self._supervisor is not None:
             self._supervisor.stop()
 
     def _step(self, sock: DatagramSocket, shard: int, n: int) -> None:
+        for _ in range(sock.take_truncated()):
+            # larger than any packet of a job: a wrong length, on every io path
+            self.regs.count_drop(shard, Drop.LENGTH)
+        if not n:
+            return
         self.regs.run(sock, shard, self.verdicts)
         if n:
             controls = np.flatnonzero(self.verdicts.action[:n] == A_CONTROL)

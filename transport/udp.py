@@ -204,6 +204,9 @@ class DatagramSocket:
         self._gso_cmsg: dict = {}
         #: system calls and datagrams, both ways (benchmarks report them)
         self.send_calls = self.recv_calls = self.datagrams_sent = self.datagrams_received = 0
+        #: datagrams larger than any of aggnet's, dropped on receipt (a
+        #: receiver counts them among its drops: ``take_truncated``)
+        self.datagrams_truncated = 0
         self.send_errors: dict = {}
 
     @property
@@ -270,6 +273,7 @@ class DatagramSocket:
                     continue  # an ICMP error from an earlier send: not a datagram
                 raise
             if flags & socket.MSG_TRUNC:
+                self.datagrams_truncated += 1
                 continue
             seg = nbytes
             if anc:
@@ -303,6 +307,7 @@ class DatagramSocket:
             lens = self._mmsg_lengths[:got]
             keep = np.flatnonzero(lens >= 0)  # truncated ones (-1) are larger than any datagram of ours
             k = keep.size
+            self.datagrams_truncated += got - k
             offsets[n:n + k] = off + keep * slot
             lengths[n:n + k] = lens[keep]
             sources[n:n + k] = self._mmsg_sources[:got][keep]
@@ -322,7 +327,9 @@ class DatagramSocket:
         limit = self.arena.size
         while off + size <= limit and n < offsets.size and got < budget:
             try:
-                nbytes, addr = sock.recvfrom_into(view[off:off + size], size, socket.MSG_DONTWAIT)
+                # recvmsg says when a datagram did not fit: recvfrom would
+                # hand on its first bytes as a datagram of the largest size
+                nbytes, _, flags, addr = sock.recvmsg_into([view[off:off + size]], 0, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 break
             except OSError as exc:
@@ -330,12 +337,20 @@ class DatagramSocket:
                     continue
                 raise
             self.recv_calls += 1
+            if flags & socket.MSG_TRUNC or nbytes > self.max_datagram_bytes:
+                self.datagrams_truncated += 1
+                continue
             offsets[n], lengths[n], sources[n] = off, nbytes, self.key_of(addr)
             got += nbytes
             n += 1
             off += size
         self.count = n
         self.datagrams_received += n
+        return n
+
+    def take_truncated(self) -> int:
+        """Datagrams dropped as too large since the last call."""
+        n, self.datagrams_truncated = self.datagrams_truncated, 0
         return n
 
     def datagram(self, i: int) -> memoryview:

@@ -289,6 +289,38 @@ def test_bad_packets_are_dropped_and_counted(aggregator):
     check_exact(run(aggregator.address, 2, seed=5), 2, 5)
 
 
+def _await_totals(address: str, counter: str, at_least: int, timeout: float = 10.0) -> dict:
+    """The aggregator's totals once ``counter`` reaches ``at_least``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        totals = query_stats(address)["totals"]
+        if totals.get(counter, 0) >= at_least or time.monotonic() > deadline:
+            return totals
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("io", ["gso", "mmsg", "plain"])
+def test_a_datagram_larger_than_any_packet_is_dropped_and_counted_on_every_io_path(io):
+    agg = switch("--io", io)
+    try:
+        host, port = agg.address[len("udp://"):].rsplit(":", 1)
+        job = f"big-{uuid.uuid4().hex[:6]}"
+        # the largest packets there are (2048 values): a datagram cut to
+        # the receive buffer's size would pass for one of the job's
+        k = 2048
+        with Client(agg.address, job=job, rank=0, world_size=2, elements=k):
+            big = Header(MsgType.PUSH, job_id=job_id_of(job), index=0, sender=0, dtype=DType.INT32, count=k,
+                         world=2, ref=1, flags=Flag.VERSION)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.sendto(big.pack() + b"\0" * (4 * k + 800), (host, int(port)))  # more than the largest packet
+            totals = _await_totals(agg.address, "dropped_length", 1)
+        assert totals.get("dropped_length") == 1, totals
+        assert "summed" not in totals
+        assert query_stats(agg.address)["io"] == io
+    finally:
+        agg.stop()
+
+
 def _hier_run(addresses, seed, job):
     # ranks 0,1 on rack 0 and ranks 2,3 on rack 1: each is member r % 2 of 2
     return run_workers("udp://", 4, lambda r: _worker(r, addresses[r // 2], 4, job, seed, {"member": (r % 2, 2)}),
