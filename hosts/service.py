@@ -131,6 +131,12 @@ class Service(Aggregator):
     parent_pid: int | None = None
     _closed: bool = field(default=False, init=False, repr=False)
     _closing: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    #: the control endpoint's one connection to every shard, for STATS
+    #: (opened at the first; a connection per STATS left a socket in
+    #: TIME_WAIT per shard and query), and the lock its users take
+    #: (the control loop and the metrics exporter's thread)
+    _stats_conn: object = field(default=None, init=False, repr=False)
+    _stats_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     @property
     def address(self) -> str:
@@ -194,16 +200,14 @@ class Service(Aggregator):
             payload = wire.json_payload({"admin": keys.sign(self.keyring.admin, "STATS", 0, 0, 0, {})})
         else:
             payload = b""
-        client_curve = None
-        if self.curve is not None:
-            from aggnet.transport.zmq import Curve
-
-            client_curve = Curve(self.curve.public)
-        with connect([s.address for s in self.shards], **_curve_options(client_curve)) as conn:
-            for i in range(len(self.shards)):
+        with self._stats_lock:
+            conn = None if self._closed else self._stats_connection()
+            while conn is not None and conn.recv(0) is not None:
+                pass  # a late answer to an earlier STATS that gave up waiting
+            for i in range(len(self.shards) if conn is not None else 0):
                 conn.send(i, ask.pack_for(payload), payload or None)
             deadline = time.monotonic() + timeout
-            while any(s is None for s in shards) and time.monotonic() < deadline:
+            while conn is not None and any(s is None for s in shards) and time.monotonic() < deadline:
                 msg = conn.recv(deadline - time.monotonic())
                 if msg is None:
                     continue
@@ -221,6 +225,16 @@ class Service(Aggregator):
                 s["jobs"] = {name: j for name, j in s.get("jobs", {}).items() if name in jobs}
         return {"service": self.shard_map(), "totals": totals, "shards": shards,
                 "restarts": self.supervisor.restarts if self.supervisor is not None else 0}
+
+    def _stats_connection(self):
+        if self._stats_conn is None:
+            client_curve = None
+            if self.curve is not None:
+                from aggnet.transport.zmq import Curve
+
+                client_curve = Curve(self.curve.public)
+            self._stats_conn = connect([s.address for s in self.shards], **_curve_options(client_curve))
+        return self._stats_conn
 
     def stats(self) -> dict:
         return stats_view(self.collect_stats())
@@ -308,6 +322,10 @@ class Service(Aggregator):
             for s in self.shards:
                 if s.thread is not None:
                     s.thread.join(max(0.0, deadline - time.monotonic()))
+            with self._stats_lock:
+                if self._stats_conn is not None:
+                    self._stats_conn.close()
+                    self._stats_conn = None
             self.control.close()
 
     def close(self) -> None:

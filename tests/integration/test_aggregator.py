@@ -110,3 +110,30 @@ def test_serve_stops_when_a_shard_dies_and_names_it(tmp_path, mode):
     assert f"shard 1 (pid {victim}) died with status -9" in err, err
     assert "Traceback" not in err, err
     assert all(_gone(p) for p in shards)
+
+
+def test_stats_reach_the_shards_over_one_connection_each():
+    # a connection per STATS left one socket in TIME_WAIT per shard and query
+    import shutil
+
+    from aggnet.client import stats as stats_cli
+    from aggnet.processes import ServiceProcess
+    from aggnet.protocol.address import parse
+
+    if shutil.which("ss") is None:
+        pytest.skip("ss (iproute2) lists the sockets")
+    svc = ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2)
+    try:
+        shard_ports = [parse(a).port for a in stats_cli.query(svc.address)["service"]["shards"]]
+
+        def lingering() -> int:
+            out = subprocess.run(["ss", "-Htan", "state", "time-wait"], capture_output=True, text=True).stdout
+            return sum(1 for line in out.splitlines() for p in shard_ports if line.split()[-1].endswith(f":{p}"))
+
+        before = lingering()
+        for _ in range(30):
+            reply = stats_cli.query(svc.address)
+            assert all(s is not None for s in reply["shards"]), reply
+        assert lingering() - before == 0
+    finally:
+        svc.stop()
