@@ -139,6 +139,7 @@ def _spawned(rank: int, world: int, port: int, args, mode: str, report) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         train(rank, world, args, mode, report)
+        dist.barrier()  # as in _torchrun: nobody tears down while others talk
     finally:
         dist.destroy_process_group()
 
@@ -187,6 +188,9 @@ def _torchrun(args) -> int:
     dist.init_process_group("gloo")
     try:
         train(dist.get_rank(), dist.get_world_size(), args, "aggnet")
+        # rank 0 hosts the rendezvous store: no rank tears its groups down
+        # while another still talks to it (an abort at exit otherwise)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0

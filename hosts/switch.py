@@ -36,7 +36,7 @@ from aggnet.protocol.limits import (
     DEFAULT_HOST_ELEMENTS, DEFAULT_POOL, MAX_ELEMENTS, MAX_JOB_SLOTS, MAX_JOBS, MAX_SHARD_PORTS, MAX_WORKERS, Drop,
     auto_slots, check_shard_layout,
 )
-from aggnet.protocol.messages import JoinOk, JoinShards
+from aggnet.protocol.messages import JoinOk, JoinShards, ask_padding
 from aggnet.protocol.pool import Placement, SlotPool
 from aggnet.transport.udp import BATCH_BYTES, DatagramSocket, addr_key, key_addr
 from aggnet.protocol.wire import HEADER_SIZE, ErrorCode, Header, MsgType
@@ -48,6 +48,10 @@ from aggnet.hosts.aggregator import Aggregator
 from aggnet.hosts.supervisor import ShardSupervisor
 
 log = logging.getLogger("aggnet.hosts.switch")
+
+#: UDP requests whose datagram may run past their payload: padding that
+#: entitles them to a reply as large (messages.padding_asked)
+_PADDED = (MsgType.HELLO, MsgType.STATS)
 
 #: a job whose packets stopped this long ago may give its slice to a new
 #: job when the pool is full: its workers died without LEAVE (a killed
@@ -263,6 +267,8 @@ class SwitchService(Aggregator):
         try:
             h = wire.unpack_header(raw)
             payload = raw[HEADER_SIZE:]
+            if h.msg_type in _PADDED and len(payload) > h.count:
+                payload = payload[:h.count]  # the rest pads the request (messages.padding_asked)
             wire.check_payload(h, len(payload))
         except wire.WireError as exc:
             self.control_counters[f"dropped_malformed_{exc.reason}"] += 1
@@ -293,16 +299,27 @@ class SwitchService(Aggregator):
                 self.control_counters[f"dropped_{exc.reason}"] += 1
                 self._error(src, h, exc.code, str(exc))
                 return
-            self._reply(src, MsgType.STATS_OK, wire.json_payload(self.collect_stats(view)))
+            signed = self.keyring.enforced and view != set()
+            self._reply_bounded(src, MsgType.STATS_OK, wire.json_payload(self.collect_stats(view)), len(raw), signed)
         elif h.msg_type == MsgType.HELLO:
-            self._reply(src, MsgType.HELLO_OK, wire.json_payload(
+            self._reply_bounded(src, MsgType.HELLO_OK, wire.json_payload(
                 {"service": "aggnet", "mode": "switch", "version": wire.VERSION,
                  "shards": [str(advertised_as(self.address.with_port(self.address.port + i), self.advertise))
                             for i in range(self.shards)],
                  "shard_slots": self.regs.shard_slots, "elements": self.default_elements,
-                 "max_elements": self.regs.max_elements, "pool": self.regs.pool, "io": self.io}))
+                 "max_elements": self.regs.max_elements, "pool": self.regs.pool, "io": self.io}), len(raw), False)
         else:
             self.control_counters["dropped_unexpected_type"] += 1
+
+    def _reply_bounded(self, dest, msg_type: MsgType, payload: bytes, asked: int, signed: bool) -> None:
+        """A reply to a UDP request that anyone can send from a forged
+        source: unless signed with a key, no more bytes than the request
+        had; a larger one is asked for again, padded (messages.padding_asked)."""
+        if signed or HEADER_SIZE + len(payload) <= asked:
+            self._reply(dest, msg_type, payload)
+            return
+        self.control_counters["padding_asked"] += 1
+        self._send(ask_padding(msg_type, HEADER_SIZE + len(payload)).pack(), dest)
 
     def _reply(self, dest, msg_type: MsgType, payload: bytes, h: Header | None = None) -> None:
         out = Header(msg_type) if h is None else h

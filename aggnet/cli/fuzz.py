@@ -25,6 +25,7 @@ import struct
 import sys
 import time
 
+from aggnet.errors import AggnetError
 from aggnet.protocol import wire
 from aggnet.protocol.wire import HEADER_SIZE, ITEMSIZE, DType, Flag, Header, MsgType, WireError
 
@@ -499,23 +500,17 @@ def udp_campaign(address: str, fuzzer: Fuzzer, done, tally: _Tally, rate: float 
 
 def _switch_ports(sock, dest) -> list[int]:
     """The ports of a switch-mode aggregator's shards, from its HELLO_OK."""
-    sock.sendto(Header(MsgType.HELLO).pack(), dest)
-    deadline = time.monotonic() + 3.0
-    while time.monotonic() < deadline:
-        try:
-            data, src = sock.recvfrom(1 << 16)
-        except (BlockingIOError, InterruptedError):
-            time.sleep(0.01)
-            continue
-        except OSError:
-            break
-        try:
-            if src == dest and wire.unpack_header(data).msg_type == MsgType.HELLO_OK:
-                shards = wire.parse_json(memoryview(data)[HEADER_SIZE:]).get("shards", [])
-                return [int(str(a).rsplit(":", 1)[1]) for a in shards] or [dest[1]]
-        except (WireError, ValueError, IndexError):
-            pass
-    return [dest[1]]
+    from aggnet.client.switch import udp_request
+
+    blocking = sock.gettimeout()
+    try:
+        reply = udp_request(sock, dest, MsgType.HELLO, b"", MsgType.HELLO_OK, 3.0, "HELLO")
+        shards = (reply or {}).get("shards", [])
+        return [int(str(a).rsplit(":", 1)[1]) for a in shards] or [dest[1]]
+    except (AggnetError, WireError, ValueError, IndexError, OSError):
+        return [dest[1]]
+    finally:
+        sock.settimeout(blocking)
 
 
 def _hijack_join(fuzzer: Fuzzer) -> bytes:

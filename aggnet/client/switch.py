@@ -43,8 +43,8 @@ from aggnet.kernels import datagrams as dg
 from aggnet.protocol.limits import (
     IP_UDP_OVERHEAD, MAX_WORKERS, RTO_INITIAL, RTO_MAX, RTO_MIN, check_shard_layout, elements_for_mtu,
 )
-from aggnet.protocol.messages import JoinOk, ProbeOk
-from aggnet.transport.udp import BATCH_BYTES, DatagramSocket, addr_key, path_mtu
+from aggnet.protocol.messages import JoinOk, ProbeOk, padding_asked
+from aggnet.transport.udp import BATCH_BYTES, MAX_DATAGRAM, DatagramSocket, addr_key, path_mtu
 from aggnet.protocol.wire import EXPONENT_NONFINITE, HEADER_SIZE, DType, Flag, Header, MsgType
 
 log = logging.getLogger("aggnet.client")
@@ -668,23 +668,49 @@ def query_stats(address: str, timeout: float = 5.0, payload: bytes = b"") -> dic
     except OSError as exc:
         raise AggregatorUnreachable(f"cannot resolve {address}: {exc}") from None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.settimeout(timeout)
-        s.sendto(Header(MsgType.STATS).pack_for(payload) + payload, dest)
-        deadline = time.monotonic() + timeout
+        reply = udp_request(s, dest, MsgType.STATS, payload, MsgType.STATS_OK, timeout, f"{address} refused STATS")
+    if reply is None:
+        raise AggregatorUnreachable(f"no STATS answer from {address} within {timeout:g}s: is "
+                                    f"`aggnet serve --mode switch --listen {address}` running?")
+    return reply
+
+
+def udp_request(sock, dest, msg_type: MsgType, payload: bytes, want: MsgType, timeout: float,
+                refused: str) -> dict | None:
+    """A control request over UDP and its JSON answer (None: no answer in
+    time). An aggregator answers an unsigned request with no more bytes
+    than it got; when the answer is larger it asks for the request again,
+    padded (messages.padding_asked), and this sends it so."""
+    request = Header(msg_type).pack_for(payload) + payload
+    deadline = time.monotonic() + timeout
+    sock.settimeout(timeout)
+    for _ in range(3):
+        sock.sendto(request, dest)
         while time.monotonic() < deadline:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
             try:
-                data, src = s.recvfrom(1 << 20)
-            except (socket.timeout, ConnectionRefusedError):
-                break
+                data, src = sock.recvfrom(1 << 20)
+            except (socket.timeout, ConnectionRefusedError, BlockingIOError):
+                return None
             if src != dest:
                 continue
             try:
                 h = wire.unpack_header(data)
-                if h.msg_type == MsgType.STATS_OK:
-                    return wire.parse_json(memoryview(data)[HEADER_SIZE:])
-                if h.msg_type == MsgType.ERROR:
-                    raise session.wire_error(memoryview(data)[HEADER_SIZE:], f"{address} refused STATS")
             except wire.WireError:
                 continue
-    raise AggregatorUnreachable(f"no STATS answer from {address} within {timeout:g}s: is "
-                                f"`aggnet serve --mode switch --listen {address}` running?")
+            if h.msg_type == MsgType.ERROR:
+                raise session.wire_error(memoryview(data)[HEADER_SIZE:], refused)
+            if h.msg_type != want:
+                continue
+            needed = padding_asked(h)
+            if not needed:
+                return wire.parse_json(memoryview(data)[HEADER_SIZE:HEADER_SIZE + h.count])
+            if needed > MAX_DATAGRAM:
+                raise AggregationError(f"{refused}: its answer is {needed} bytes, more than an unsigned UDP request "
+                                       f"can draw ({MAX_DATAGRAM}); sign the request with the job's key (or the "
+                                       f"admin key)")
+            # room for counters that grew between the two answers
+            target = min(MAX_DATAGRAM, needed + needed // 4 + 256)
+            request = request + bytes(max(0, target - len(request)))
+            break
+    return None

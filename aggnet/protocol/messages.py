@@ -101,3 +101,18 @@ class ProbeOk(_View):
 P4_ANSWERS = (JoinOk, ProbeOk)
 
 __all__ = ["JoinOk", "JoinShards", "ProbeOk", "P4_ANSWERS"]
+
+
+
+def padding_asked(h: Header) -> int:
+    """An aggregator's answer to an unsigned UDP request (HELLO, STATS)
+    whose reply would be larger than the request: the reply's type with no
+    payload and, in ``index``, the size in bytes the request must be padded
+    to (zeros after its payload) to draw the reply. An aggregator never
+    answers a spoofed source with more bytes than it sent. 0: a reply."""
+    return h.index if h.count == 0 and h.msg_type in (MsgType.HELLO_OK, MsgType.STATS_OK) else 0
+
+
+def ask_padding(reply_type: MsgType, needed: int) -> Header:
+    """The header-only answer that says ``needed`` (see padding_asked)."""
+    return Header(reply_type, index=needed, count=0)

@@ -21,7 +21,9 @@ from aggnet.processes import ServiceProcess
 from aggnet.kernels import quant_shift
 from aggnet.protocol.limits import MAX_WORKERS
 from aggnet.client.switch import query_stats
-from aggnet.protocol.wire import DType, Flag, Header, MsgType
+from aggnet.protocol import wire
+from aggnet.protocol.messages import padding_asked
+from aggnet.protocol.wire import HEADER_SIZE, DType, Flag, Header, MsgType
 from harness.helpers import run_workers, silent_rank_run
 
 K = 64
@@ -319,6 +321,29 @@ def test_a_datagram_larger_than_any_packet_is_dropped_and_counted_on_every_io_pa
         assert query_stats(agg.address)["io"] == io
     finally:
         agg.stop()
+
+
+def test_udp_control_answers_are_never_larger_than_an_unsigned_request(aggregator):
+    # STATS and HELLO come from anyone, source address forged or not: an
+    # answer larger than the request would make the aggregator an amplifier
+    host, port = aggregator.address[len("udp://"):].rsplit(":", 1)
+    dest = (host, int(port))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(5)
+        for t, ok in ((MsgType.HELLO, MsgType.HELLO_OK), (MsgType.STATS, MsgType.STATS_OK)):
+            s.sendto(Header(t).pack(), dest)
+            data, _ = s.recvfrom(1 << 16)
+            assert len(data) <= HEADER_SIZE, (t, len(data))
+            needed = padding_asked(wire.unpack_header(data))
+            assert needed > HEADER_SIZE
+            # padded as asked, the request draws the answer, no larger than it
+            padded = Header(t).pack() + bytes(needed + 512 - HEADER_SIZE)
+            s.sendto(padded, dest)
+            data, _ = s.recvfrom(1 << 16)
+            h = wire.unpack_header(data)
+            assert h.msg_type == ok and h.count > 0 and len(data) <= len(padded)
+    # the client pads by itself
+    assert query_stats(aggregator.address)["totals"]["padding_asked"] >= 2
 
 
 def _hier_run(addresses, seed, job):
