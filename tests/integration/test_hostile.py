@@ -490,3 +490,19 @@ def test_switch_client_drops_results_from_anyone_but_the_aggregator(switch_keyed
         t.join()
         for c in clients:
             c.close()
+
+
+def test_a_signed_udp_stats_draws_the_whole_answer_unpadded(tmp_path):
+    from aggnet.client.switch import udp_request
+
+    path = str(tmp_path / "keys.json")
+    key = keys.write_job_key(path, "secure")
+    with ServiceProcess("udp://127.0.0.1:0", shards=1, args=["--mode", "switch", "--keys", path]) as svc:
+        host, port = svc.address[len("udp://"):].rsplit(":", 1)
+        with Client(svc.address, job="secure", rank=0, world_size=1, job_key=key), \
+                socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            payload = stats_request("secure", bytes.fromhex(key))
+            reply = udp_request(s, (host, int(port)), MsgType.STATS, payload, MsgType.STATS_OK, 5.0, "STATS")
+            assert "secure" in reply["jobs"]
+            assert len(wire.json_payload(reply)) > len(payload)  # larger than the request, and not padded
+            assert "padding_asked" not in reply["totals"]
