@@ -167,11 +167,14 @@ class RunningService:
             self.address = self._svc.address
         else:
             # Unix socket paths are limited to 107 bytes: keep them short
+            args = []
             if kind in ("zmq+tcp", "ucx"):
                 listen = f"{kind}://127.0.0.1:0"
+            elif kind == "udp":  # a host in switch mode
+                listen, args = "udp://127.0.0.1:0", ["--mode", "switch"]
             else:
                 listen = f"{kind}://{tempfile.mkdtemp(prefix='agg-')}/agg.sock"
-            self._svc = ServiceProcess(listen, shards)
+            self._svc = ServiceProcess(listen, shards, args=args)
             self.address = self._svc.address
 
     def stats(self) -> dict:

@@ -252,9 +252,10 @@ def test_a_silent_worker_is_named_by_the_others(service):
     assert res[2] == "idle"
 
 
-@pytest.mark.parametrize("kind", ["inproc", "zmq+tcp", "shm"])
+@pytest.mark.parametrize("kind", ["inproc", "zmq+tcp", "shm", "udp"])
 def test_a_world_size_mismatch_is_told_to_every_rank_at_once(service_factory, kind):
-    """Rank 1 joins with another world size than the job rank 0 registered:
+    """Rank 1 joins with another world size than the job rank 0 registered
+    (on the service, and on a host in switch mode over udp://):
     rank 1 is refused, and rank 0, already a member, hears the same verdict
     at once (its all-reduce fails naming both sizes, and so does the next),
     not a timeout that blames a missing rank."""
