@@ -79,6 +79,8 @@ class Job:
     #: every member of the job joins here (hosts.parent.whole_here): it
     #: completes at this aggregator even under a root
     whole: bool = False
+    #: when a member was last heard from (the shard's job lease)
+    last_heard: float = field(default_factory=time.monotonic)
 
     def remember_done(self, key) -> None:
         self.done[key] = None

@@ -34,7 +34,7 @@ from aggnet.transport import Listener, connect, listen
 from aggnet.protocol.wire import ErrorCode, Header, MsgType
 
 from aggnet.hosts.aggregator import Aggregator
-from aggnet.hosts.shard import Shard
+from aggnet.hosts.shard import JOB_LEASE, Shard
 from aggnet.hosts.supervisor import STOP_TIMEOUT, RestartLimit, ShardStartError, ShardSupervisor, alive
 from aggnet.hosts.uplink import Uplink, UplinkConfig
 
@@ -75,7 +75,8 @@ def _warm_up_kernels() -> None:
 
 
 def _shard_main(index: int, report, should_stop, address: str, log_level: int, keyring: Keyring | None = None,
-                curve=None, uplink: UplinkConfig | None = None, count: int = 1) -> None:
+                curve=None, uplink: UplinkConfig | None = None, count: int = 1,
+                job_lease: float | None = JOB_LEASE) -> None:
     """A shard process's work, run by the ShardSupervisor (picklable: a
     restarted shard is spawned)."""
     keep_large_buffers()
@@ -87,7 +88,8 @@ def _shard_main(index: int, report, should_stop, address: str, log_level: int, k
         report.failed(f"shard {index} cannot start on {address}: {exc}")
         return
     report.ready(str(listener.address))
-    shard = Shard(listener, index, keyring, Uplink(uplink, index, count) if uplink is not None else None)
+    shard = Shard(listener, index, keyring, Uplink(uplink, index, count) if uplink is not None else None,
+                  job_lease=job_lease)
     try:
         shard.serve(should_stop)
     finally:
@@ -361,13 +363,14 @@ def _curve_options(curve) -> dict:
 def start(listen_address: str, shards: int | None = None, log_level: int = logging.INFO,
           keyring: Keyring | None = None, restart: bool = False, curve=None,
           uplink: UplinkConfig | None = None, advertise: str | None = None,
-          until_idle: float | None = None, parent_pid: int | None = None) -> Service:
+          until_idle: float | None = None, parent_pid: int | None = None,
+          job_lease: float | None = JOB_LEASE) -> Service:
     """Start shards and bind the control endpoint; returns when every shard
     is ready. ``inproc://`` services run their shards as threads. With
     ``uplink`` the service is a rack under a root service (hosts/uplink.py);
     with ``advertise`` its shard map names that host (a service behind NAT,
     or one whose workers reach it by a name of its own); ``until_idle`` and
-    ``parent_pid``: see Service."""
+    ``parent_pid``: see Service; ``job_lease``: see Shard."""
     keyring = keyring or Keyring()
     if keyring.enforced and keyring.admin is None:
         # the supervisor reads every shard's full table (STATS, metrics,
@@ -382,11 +385,12 @@ def start(listen_address: str, shards: int | None = None, log_level: int = loggi
         raise ValueError(f"CURVE protects zmq+tcp services; {control_addr.scheme} addresses are protected by "
                          f"file permissions (the socket's directory)")
     if control_addr.scheme == "inproc":
-        return _start_threads(control_addr, addrs, keyring, uplink)
+        return _start_threads(control_addr, addrs, keyring, uplink, job_lease)
     handles = [_ShardHandle(str(a)) for a in addrs]
     # a restarted shard binds the address its first process reported (the
     # port a ":0" address was given), with the same settings
-    supervisor = ShardSupervisor(_shard_main, n, lambda i: (handles[i].address, log_level, keyring, curve, uplink, n))
+    supervisor = ShardSupervisor(_shard_main, n,
+                                 lambda i: (handles[i].address, log_level, keyring, curve, uplink, n, job_lease))
     # fork before any socket exists in this process: children start fast and
     # inherit nothing they should not
     for handle, address in zip(handles, supervisor.start()):
@@ -404,11 +408,12 @@ def start(listen_address: str, shards: int | None = None, log_level: int = loggi
 
 
 def _start_threads(control_addr: Address, addrs: list[Address], keyring: Keyring,
-                   uplink: UplinkConfig | None = None) -> Service:
+                   uplink: UplinkConfig | None = None, job_lease: float | None = JOB_LEASE) -> Service:
     handles = []
     svc = Service(listen(control_addr), handles, keyring=keyring, uplink=uplink)
     for i, a in enumerate(addrs):
-        shard = Shard(listen(a), i, keyring, Uplink(uplink, i, len(addrs)) if uplink is not None else None)
+        shard = Shard(listen(a), i, keyring, Uplink(uplink, i, len(addrs)) if uplink is not None else None,
+                      job_lease=job_lease)
         t = threading.Thread(target=_serve_thread, args=(shard, svc.stop_event), name=f"aggnet-shard-{i}", daemon=True)
         handles.append(_ShardHandle(str(shard.listener.address), thread=t))
         svc.in_process_shards.append(shard)

@@ -37,6 +37,13 @@ log = logging.getLogger("aggnet.hosts.shard")
 
 #: how often pending slots are checked for workers that went silent
 STALL_CHECK_INTERVAL = 0.25
+#: seconds a job lives on a shard with none of its members heard from
+#: (workers killed without LEAVE, junk JOINs from a service open to many
+#: hosts), then its memory is reclaimed; None: never (a job that pauses
+#: for an hour-long evaluation keeps its place). A member that comes back
+#: after its job was reclaimed fails that all-reduce (NOT_JOINED) and
+#: joins again on its next
+JOB_LEASE = None
 _HALF_FMT = {DType.FLOAT16: "f16", DType.BFLOAT16: "bf16"}
 
 
@@ -60,7 +67,10 @@ class Histogram:
 
 class Shard:
     def __init__(self, listener: Listener, index: int = 0, keyring: Keyring | None = None,
-                 uplink: Uplink | None = None):
+                 uplink: Uplink | None = None, job_lease: float | None = JOB_LEASE):
+        if job_lease is not None and not job_lease > 0:
+            raise ValueError(f"job_lease must be a positive number of seconds, got {job_lease!r}")
+        self.job_lease = job_lease
         self.listener = listener
         self.index = index
         self.keyring = keyring or Keyring()
@@ -121,6 +131,9 @@ class Shard:
         except wire.WireError as exc:
             self._drop(peer, f"malformed_{exc.reason}", ErrorCode.MALFORMED, str(exc), None)
             return
+        job = self.jobs.get(h.job_id)
+        if job is not None and job.members.get(h.sender) == peer:
+            job.last_heard = time.monotonic()
         t = h.msg_type
         if t == MsgType.PUSH:
             self._on_push(peer, h, payload)
@@ -573,6 +586,12 @@ class Shard:
     def check_stalls(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         for job in list(self.jobs.values()):
+            if self.job_lease is not None and now - job.last_heard > self.job_lease:
+                log.info("shard %d: job %r reclaimed: none of its members (%s) heard from for %.0fs", self.index,
+                         job.name, sorted(job.members), now - job.last_heard)
+                self.counters["jobs_reclaimed"] += 1
+                self._drop_job(job)
+                continue
             for slot in list(job.slots.values()):
                 waited = now - slot.first_seen
                 if waited < job.stall_timeout:

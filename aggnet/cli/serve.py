@@ -60,6 +60,10 @@ def add_arguments(s) -> None:
     s.add_argument("--reclaim-idle", type=float, default=300.0, metavar="SECONDS",
                    help="switch mode: when the pool is full, a new job takes the slices of jobs that sent "
                         "nothing for this long (workers killed without LEAVE); default %(default)g")
+    s.add_argument("--job-lease", type=float, default=None, metavar="SECONDS",
+                   help="service mode: reclaim a job none of whose members was heard from for this long "
+                        "(workers killed without LEAVE, junk JOINs); a member that comes back later fails one "
+                        "all-reduce and joins again on its next; default: never")
     s.add_argument("--shards", type=int, default=None, help="shard processes (default: one per core)")
     s.add_argument("--parent-pid", type=int, default=None, help="stop when this process is gone")
     s.add_argument("--until-idle", type=float, default=None, metavar="SECONDS",
@@ -153,6 +157,8 @@ def _service(args, keyring):
             curve = load_curve_secret(args.curve_secret_file)
         except ValueError as exc:
             raise _BadSetting(exc) from None
+    if args.job_lease is not None and not args.job_lease > 0:
+        raise _BadSetting(f"--job-lease must be a positive number of seconds, got {args.job_lease:g}")
     uplink = None
     if args.parent is not None:
         from aggnet.hosts.uplink import UplinkConfig
@@ -163,7 +169,8 @@ def _service(args, keyring):
             raise _BadSetting(exc) from None
     return service.start(args.listen, args.shards, getattr(logging, args.log_level), keyring=keyring,
                          restart=args.restart, curve=curve, uplink=uplink, advertise=args.advertise,
-                         until_idle=args.until_idle, parent_pid=args.parent_pid)
+                         until_idle=args.until_idle, parent_pid=args.parent_pid,
+                         **({"job_lease": args.job_lease} if args.job_lease is not None else {}))
 
 
 def _switch(args, keyring):

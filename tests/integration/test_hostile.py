@@ -506,3 +506,28 @@ def test_a_signed_udp_stats_draws_the_whole_answer_unpadded(tmp_path):
             assert "secure" in reply["jobs"]
             assert len(wire.json_payload(reply)) > len(payload)  # larger than the request, and not padded
             assert "padding_asked" not in reply["totals"]
+
+
+def test_a_job_whose_members_went_silent_is_reclaimed_and_a_returning_member_joins_again():
+    # workers killed without LEAVE (or junk JOINs) left their jobs behind
+    # for the service's lifetime; a lease now reclaims them
+    with ServiceProcess("zmq+tcp://127.0.0.1:0", shards=1, args=["--job-lease", "1"]) as svc:
+        job = f"lease-{uuid.uuid4().hex[:6]}"
+        with Client(svc.address, job=job, rank=0, world_size=1, timeout=10) as c:
+            a = np.ones(1000, np.float32)
+            c.allreduce(a).result(10)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                shard = query(svc.address)["shards"][0]
+                if shard["counters"].get("jobs_reclaimed"):
+                    break
+                time.sleep(0.1)
+            assert shard["counters"].get("jobs_reclaimed") == 1 and job not in shard["jobs"], shard
+            with pytest.raises(AggregationError, match="not registered on this aggregator"):
+                c.allreduce(np.ones(10, np.float32)).result(10)
+            b = np.full(1000, 2, np.float32)
+            c.allreduce(b).result(10)  # told NOT_JOINED, it joined again
+            assert (b == 2).all()
+    r = subprocess.run([sys.executable, "-m", "aggnet", "serve", "--listen", "zmq+tcp://127.0.0.1:0", "--job-lease",
+                        "0"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "--job-lease must be a positive" in r.stderr and "Traceback" not in r.stderr
