@@ -85,7 +85,25 @@ class HostAggregator:
             self._send_raw(rank, h.pack_for(payload) + payload)
             if uplink and rank == 0:
                 self._answer_parent_join()
+        if not uplink:
+            # every member's JOIN answered before the test's first packet (a
+            # slow first answer would otherwise land among its outputs); a
+            # rack's members hear only once the parent, played by the test
+            # with one answer, took the job: those are drained below
+            for rank in range(world):
+                self._await_join_ok(rank)
         self.collect(0.3)
+
+    def _await_join_ok(self, rank: int, timeout: float = 10.0) -> None:
+        s = self.socks[rank]
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            r, _, _ = select.select([s], [], [], max(0.0, left))
+            assert r, f"rank {rank}'s JOIN was not answered within {timeout:g}s"
+            data, _ = s.recvfrom(65536)
+            if wire.unpack_header(data).msg_type in (MsgType.JOIN_OK, MsgType.ERROR):
+                return
 
     def _answer_parent_join(self) -> None:
         s = self.socks[PARENT]
