@@ -269,6 +269,8 @@ def _hybrid(profile: Profile, t: topo.Topology, placement: str, k: int, batch: i
         grads = wire / slowest
         per = wire if racks > 1 else 0.0
         uplinks = [(per, per)] * racks
-    compute = sum(compute_each) * m
+    # compute on the critical path: fill and drain, then the slowest stage
+    # once per further micro-batch (the rest of the step is the network)
+    compute = sum(compute_each) + (m - 1) * max(compute_each)
     step = pipeline + grads
     return Alternative(name, True, step, compute, step - compute, uplinks, part.stages, layout)
