@@ -33,7 +33,10 @@ class HybridParallel:
     :func:`aggnet.parallel.partition` or :func:`aggnet.parallel.plan`;
     ``sample``: one micro-batch of inputs (its shape and dtype), for the
     pipeline's buffers; ``gradients``: ``"aggnet"`` (the hook, with
-    ``codec``) or ``"gloo"`` (DDP's own all-reduce on the group).
+    ``codec``) or ``"gloo"`` (DDP's own all-reduce on the group);
+    ``address_of``: maps a stage group's :class:`~aggnet.parallel.GroupJob`
+    to the address this rank reaches its aggregator at, where that is not
+    the topology's (a proxy, another network's name for it).
     """
 
     def __init__(self, model: nn.Sequential, layout: Layout, stages, *, loss_fn, sample: torch.Tensor,
