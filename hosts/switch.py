@@ -237,13 +237,11 @@ class SwitchService(Aggregator):
         if not n:
             return
         self.regs.run(sock, shard, self.verdicts)
-        if n:
-            controls = np.flatnonzero(self.verdicts.action[:n] == A_CONTROL)
-            for i in controls:
-                if shard == 0:
-                    self._control_guarded(int(i))
-                else:
-                    self.regs.count_drop(shard, Drop.CONTROL_AT_DATA_SHARD)
+        for i in np.flatnonzero(self.verdicts.action[:n] == A_CONTROL):
+            if shard == 0:
+                self._control_guarded(int(i))
+            else:
+                self.regs.count_drop(shard, Drop.CONTROL_AT_DATA_SHARD)
         runs = self.plan.plan(sock, self.regs, self.verdicts)
         if runs:
             self.plan.send(sock, runs)
