@@ -1,0 +1,78 @@
+"""Workers of an asynchronous pipeline run, and the one-process emulator
+run they must equal bit for bit."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from aggnet.pipeline import AggnetReducer, Stage, StageRunner, emulate
+
+LR = 0.05
+#: the model's layers held by each stage, for 2 and 4 stages
+BOUNDS = {2: ((0, 4), (4, 8)), 4: ((0, 2), (2, 4), (4, 6), (6, 8))}
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(),
+                         nn.Linear(24, 16), nn.Linear(16, 3))
+
+
+def batches(count: int, replica: int = 0, size: int = 8) -> list:
+    g = torch.Generator().manual_seed(900 + replica)
+    return [(torch.randn(size, 6, generator=g), torch.randint(0, 3, (size,), generator=g)) for _ in range(count)]
+
+
+def make_stage(k: int, stages: int, mode: str, backward: str = "recompute", optimizer: str = "sgd") -> Stage:
+    a, b = BOUNDS[stages][k]
+    module = make_model()[a:b]
+    if optimizer == "adam":
+        opt = torch.optim.Adam(module.parameters(), lr=LR / 10)
+    else:
+        opt = torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9, dampening=0.9)
+    return Stage(module, opt, index=k, stages=stages, mode=mode, loss_fn=nn.functional.cross_entropy,
+                 backward=backward)
+
+
+def params(stage: Stage) -> list:
+    return [p.detach().numpy().copy() for p in stage.params]
+
+
+def emulated(stages: int, mode: str, steps: int, replicas: int = 1, backward: str = "recompute",
+             optimizer: str = "sgd") -> list:
+    """Per stage (per replica), the weights after ``steps`` batches."""
+    grid = [[make_stage(k, stages, mode, backward, optimizer) for _ in range(replicas)] for k in range(stages)]
+    data = batches(steps) if replicas == 1 else [batches(steps, r) for r in range(replicas)]
+    losses = emulate(grid, data)
+    return [[params(s) for s in row] for row in grid], losses
+
+
+def pipeline_run(rank: int, world: int, port: int, stages: int, modes: list, steps: int, address: str | None = None,
+                 job: str = "pipe", backward: str = "recompute", optimizer: str = "sgd") -> dict:
+    """Rank ``rank`` of ``world // stages`` replicas of a ``stages``-stage
+    pipeline (a replica's stages on consecutive ranks); every mode of
+    ``modes`` in turn."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        replica, k = divmod(rank, stages)
+        replicas = world // stages
+        ranks = [replica * stages + j for j in range(stages)]
+        out = {"stage": k, "replica": replica, "params": {}, "losses": {}, "waits": {}}
+        for mode in modes:
+            stage = make_stage(k, stages, mode, backward, optimizer)
+            reducer = None
+            if replicas > 1:
+                reducer = AggnetReducer(address, job=f"{job}-{mode}-stage{k}", rank=replica, world_size=replicas)
+            runner = StageRunner(stage, ranks, reducer=reducer, timeout=60)
+            out["losses"][mode] = runner.run(batches(steps, replica))
+            out["params"][mode] = params(stage)
+            out["waits"][mode] = dict(runner.wait_seconds)
+            if reducer is not None:
+                reducer.close()
+            dist.barrier()
+        return out
+    finally:
+        dist.destroy_process_group()
