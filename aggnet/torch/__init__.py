@@ -5,6 +5,9 @@
 * :mod:`aggnet.torch.backend` -- aggnet as a ``torch.distributed`` backend
   (``dist.init_process_group("aggnet")``): DDP without a hook, FSDP2's
   reduce-scatters and ``dist.all_reduce`` go through aggnet;
+* :mod:`aggnet.torch.stale` -- stale-gradient data parallelism
+  (``AggnetState(staleness=1, predict=True)`` and :class:`StaleStep`):
+  the all-reduce hides behind the next step's compute;
 * :mod:`aggnet.torch.sparse` -- sparse parameters on the service's sparse
   tables: the hook's sparse buckets (all-reduce mode) and
   :class:`ShardedEmbedding` (the table and its optimizer on the service).
@@ -19,7 +22,8 @@ to pick when).
 from aggnet.torch import backend
 from aggnet.torch.hook import AggnetState, allreduce_hook
 from aggnet.torch.sparse import ShardedEmbedding
+from aggnet.torch.stale import StaleStep
 
 backend.register()
 
-__all__ = ["AggnetState", "allreduce_hook", "ShardedEmbedding"]
+__all__ = ["AggnetState", "allreduce_hook", "ShardedEmbedding", "StaleStep"]

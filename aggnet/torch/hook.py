@@ -86,6 +86,12 @@ class AggnetState:
       racks that each join their own rack's ``address`` (a pipeline
       stage's data-parallel group, :mod:`aggnet.parallel`); None: every
       rank of the group joins the one aggregator.
+    * ``staleness`` / ``predict``: stale-gradient data parallelism
+      (:mod:`aggnet.torch.stale`): each step's all-reduce runs during the
+      next ``staleness`` steps and is applied then, so the network hides
+      behind compute; with ``predict`` the step computes at the weights
+      predicted for when its gradient lands (drive the steps with
+      :class:`aggnet.torch.StaleStep`). 0: synchronous, DDP's own semantics.
     """
 
     def __init__(
@@ -105,6 +111,8 @@ class AggnetState:
         alpha_threshold: float | None = 0.1,
         alpha_steps: int = 3,
         member: tuple[int, int] | None = None,
+        staleness: int = 0,
+        predict: bool = False,
     ):
         if codec not in _CODECS:
             raise ValueError(f"codec must be one of {list(_CODECS)}, got {codec!r}")
@@ -155,6 +163,16 @@ class AggnetState:
                 raise ValueError(f"member must be (member_rank, members) with 0 <= member_rank < members <= "
                                  f"{self.world_size}, got {member!r}")
         self.member = member
+        if not isinstance(staleness, int) or staleness < 0:
+            raise ValueError(f"staleness must be an integer >= 0 (steps a gradient is applied late), got {staleness!r}")
+        if predict and not staleness:
+            raise ValueError("predict=True needs staleness >= 1: with no delay there is nothing to predict")
+        self.staleness, self.predict = staleness, predict
+        self.stale_queue = None
+        if staleness:
+            from aggnet.torch.stale import StaleQueue
+
+            self.stale_queue = StaleQueue(staleness)
         self.job = job or self._agree_job_name()
         self.buckets: dict[int, BucketStats] = {}
         self._client: Client | None = None
@@ -239,6 +257,10 @@ def _wire_itemsize(t: torch.Tensor, codec: str | None) -> int:
 
 def allreduce_hook(state: AggnetState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: all-reduce ``bucket`` through aggnet."""
+    if state.staleness:
+        from aggnet.torch.stale import allreduce_stale
+
+        return allreduce_stale(state, bucket)
     buf = bucket.buffer()
     if buf.is_sparse:
         return _sparse_allreduce(state, buf)
