@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...] | set[str]] = [
     ("aggnet.transport", "aggnet.kernels", "aggnet.processes"),
     ("aggnet.client", "aggnet.hosts", "aggnet.p4"),
     ("aggnet",),  # the public API (aggnet/__init__.py) only: it re-exports the clients
+    ("aggnet.pipeline",),  # pipelined stages and weight prediction (the stale-gradient hook predicts too)
     ("aggnet.torch", "aggnet.deploy"),
     ("aggnet.parallel",),  # model-parallel stages on the torch pieces
     {"aggnet.bench", "aggnet.emulation"},
