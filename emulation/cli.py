@@ -52,7 +52,11 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=10, help="bench-ddp: timed steps per system")
     p.add_argument("--model", default="both", choices=["narrow-cut", "wide-activation", "both"],
                    help="bench-hybrid: the model (aggnet.parallel.models)")
-    p.add_argument("--batch", type=int, default=64, help="bench-hybrid: global batch")
+    p.add_argument("--batch", type=int, default=None,
+                   help="bench-hybrid: global batch (default 64); bench-ddp: batch per worker (default 8)")
+    p.add_argument("--systems", default="gloo,aggnet-int32",
+                   help="bench-ddp: what to time, in one run (aggnet bench-ddp's systems: gloo, aggnet-CODEC, "
+                        "aggnet-CODEC-staleS[-predict], compute, comm-CODEC; default %(default)s)")
     p.add_argument("--micro-batches", type=int, default=1, help="bench-hybrid: micro-batches per replica and step")
     p.add_argument("--width", type=int, default=4096, help="bench-ddp: hidden width of the MLP (4096: 25M parameters)")
 
@@ -84,7 +88,8 @@ def main(args) -> int:
                 if args.drop or args.duplicate:
                     rack.impair(drop=args.drop, duplicate=args.duplicate, ports=1 if bmv2 else agg.shards)
                 if args.what == "bench-ddp":
-                    records = rack_runs.run_ddp_bench(rack, args.steps, args.width, switch=switch)
+                    records = rack_runs.run_ddp_bench(rack, args.steps, args.width, args.systems, switch=switch,
+                                                      batch=args.batch or 8)
                     _report_ddp(args, records)
                     return 0
                 if args.what == "demo":
@@ -117,15 +122,26 @@ def _report_ddp(args, records: list[dict]) -> None:
     links = f"links {args.rate:g} Mbit/s, MTU {args.mtu}" if args.rate else f"unshaped links, MTU {args.mtu}"
     print(f"rack: {n} workers, {links}; DDP step time of a {records[0]['parameters']:,}-parameter MLP "
           f"(batch {records[0]['batch']} per worker), median of {args.steps} steps")
-    gloo = next(r["median_s"] for r in records if r["system"] == "gloo")
-    print(f"{'system':>15} {'step s':>8} {'min':>7} {'max':>7} {'this/gloo':>9}")
+    gloo = next((r["median_s"] for r in records if r["system"] == "gloo"), None)
+    by = {r["system"]: r["median_s"] for r in records}
+    sync = next((t for name, t in by.items() if name.startswith("aggnet") and "stale" not in name), None)
+    halves = [by[n] for n in by if n == "compute" or n.startswith("comm-")]
+    bound = max(halves) if len(halves) == 2 else None
+    print(f"{'system':>28} {'step s':>8} {'min':>7} {'max':>7} {'this/gloo':>9} {'this/aggnet sync':>16} "
+          f"{'this/max(compute,comm)':>22}")
     for r in records:
-        print(f"{r['system']:>15} {r['median_s']:8.3f} {r['min_s']:7.3f} {r['max_s']:7.3f} "
-              f"{r['median_s'] / gloo:9.3f}")
+        t = r["median_s"]
+        cols = [f"{t / d:.3f}" if d else "" for d in (gloo, sync, bound)]
+        print(f"{r['system']:>28} {t:8.3f} {r['min_s']:7.3f} {r['max_s']:7.3f} {cols[0]:>9} {cols[1]:>16} "
+              f"{cols[2]:>22}")
+    if bound is not None:
+        comm = next(t for name, t in by.items() if name.startswith("comm-"))
+        print(f"a step's halves alone: compute {by['compute']:.3f} s, communication {comm:.3f} s "
+              f"({'communication' if comm > by['compute'] else 'compute'} the larger, by {bound / min(halves):.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workers": n, "rate_mbit": args.rate, "mtu": args.mtu, "time": time.strftime("%FT%T"),
-                       "records": records}, f, indent=1)
+                       "batch": args.batch or 8, "width": args.width, "records": records}, f, indent=1)
 
 
 def _report(args, nbytes: int, results: list[dict], impaired) -> None:

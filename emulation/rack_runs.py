@@ -100,7 +100,8 @@ def run_system(rack: Rack, system: str, nbytes: int, reps: int, address: str | N
 
 
 def run_ddp_bench(rack: Rack, steps: int, width: int, systems: str = "gloo,aggnet-int32",
-                  address: str | None = None, timeout: float = 3600, switch: "RackSwitch | None" = None) -> list[dict]:
+                  address: str | None = None, timeout: float = 3600, switch: "RackSwitch | None" = None,
+                  batch: int = 8) -> list[dict]:
     """``aggnet bench-ddp``'s workers, one per namespace: DDP step time with
     the aggnet hook beside gloo's all-reduce over the rack's links."""
     from aggnet.bench.ddp import summarize
@@ -117,11 +118,11 @@ def run_ddp_bench(rack: Rack, steps: int, width: int, systems: str = "gloo,aggne
                "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, "-m", "aggnet.bench.ddp", "--rank", str(rank), "--world", str(world),
                "--master", f"{rack.workers[0].ip}:29502", "--steps", str(steps), "--width", str(width),
-               "--systems", systems]
+               "--systems", systems, "--batch", str(batch)]
         procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     got = [(rec["rank"], rec["parameters"], rec["times"]) for rec in collect(procs, timeout, "DDP benchmark")]
     names = [s.strip() for s in systems.split(",") if s.strip()]
-    return summarize(got, names, steps, world, 8)
+    return summarize(got, names, steps, world, batch)
 
 
 def run_demo(rack: Rack, epochs: int, codec: str, address: str | None = None, timeout: float = 1800,

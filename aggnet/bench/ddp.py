@@ -6,6 +6,13 @@ The model is an MLP with tens of millions of parameters trained on small
 batches, so a step is dominated by gradient aggregation. The same worker
 processes time every system in turn on the same model and data; a step's
 time is the slowest worker's.
+
+Systems: ``gloo``; ``aggnet-CODEC`` (the hook); ``aggnet-CODEC-staleS``
+and ``aggnet-CODEC-staleS-predict`` (stale-gradient data parallelism,
+:mod:`aggnet.torch.stale`: the all-reduce hides behind the next S steps);
+and the two halves of a step alone, to weigh them against: ``compute``
+(forward, backward and update without DDP) and ``comm-CODEC`` (one aggnet
+all-reduce of the model's gradient size, nothing else).
 """
 
 from __future__ import annotations
@@ -42,7 +49,9 @@ def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from aggnet.torch import AggnetState, allreduce_hook
+    import numpy as np
+
+    from aggnet.torch import AggnetState, StaleStep, allreduce_hook
 
     torch.set_num_threads(1)
     master = port if isinstance(port, str) else f"127.0.0.1:{port}"
@@ -55,24 +64,48 @@ def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
     y = torch.randn(args.batch, 1024)
     results = {}
     for system in systems:
-        ddp = DDP(model)
-        state = None
+        parts = system.split("-")
+        state, stale, client = None, None, None
+        if system == "compute":
+            ddp = model  # the same step without DDP: no communication at all
+        elif parts[0] == "comm":
+            from aggnet.client.base import Client
+
+            client = Client(args.address, job=f"bench-comm-{parts[1]}-{port}", rank=rank, world_size=world)
+            grad = np.zeros(params, dtype=np.float32)
+            ddp = None
+        else:
+            ddp = DDP(model)
         if system.startswith("aggnet"):
-            codec = system.split("-", 1)[1]
-            state = AggnetState(args.address, codec=codec)
+            codec = parts[1]
+            staleness = int(parts[2][len("stale"):]) if len(parts) > 2 else 0
+            state = AggnetState(args.address, codec=codec, staleness=staleness, predict="predict" in parts)
             ddp.register_comm_hook(state, allreduce_hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=1e-4, momentum=0.9)
+        opt = torch.optim.SGD((ddp or model).parameters(), lr=1e-4, momentum=0.9)
+        if state is not None and state.staleness:
+            stale = StaleStep(ddp, opt, state)
         times = []
         for step in range(args.steps + 3):
             dist.barrier()
             t0 = time.perf_counter()
-            opt.zero_grad()
-            nn.functional.mse_loss(ddp(x), y).backward()
-            opt.step()
+            if client is not None:
+                grad.fill(1.0)
+                client.allreduce(grad, op="avg", codec=None if parts[1] == "float32" else parts[1]).result()
+            elif stale is not None:
+                with stale.step():
+                    nn.functional.mse_loss(ddp(x), y).backward()
+            else:
+                opt.zero_grad()
+                nn.functional.mse_loss(ddp(x), y).backward()
+                opt.step()
             if step >= 3:  # warm-up: connections, first-touch, JIT
                 times.append(time.perf_counter() - t0)
+        if stale is not None:
+            stale.finish()
         if state is not None:
             state.close()
+        if client is not None:
+            client.close()
         results[system] = times
         del ddp
     dist.destroy_process_group()

@@ -19,6 +19,8 @@ MODULE_COMMANDS = (
     ("bench-udp", "aggnet.bench.udp", "switch-protocol client datagram rate beside a raw Python UDP loop"),
     ("bench-sparse", "aggnet.bench.sparse",
      "an embedding table's step time and bytes per worker: aggnet PS and all-reduce tables beside gloo"),
+    ("bench-spectrain", "aggnet.bench.spectrain",
+     "SpecTrain in small: weight prediction error, pipeline modes, stale-gradient data parallelism"),
     ("soak", "aggnet.bench.soak", "many all-reduces at a loss rate: RSS and open fds of every process, start to end"),
     ("bench-transport", "aggnet.bench.transports", "point-to-point throughput: UCX beside ZeroMQ tcp and ipc"),
     ("switch", "aggnet.p4.cli", "the P4 switch's control plane (P4Runtime; needs aggnet[p4])"),

@@ -47,7 +47,6 @@ def ddp_run(rank: int, world: int, port: int, address: str, job: str, steps: int
         state = AggnetState(address, job=job, staleness=staleness, predict=predict)
         ddp.register_comm_hook(state, allreduce_hook)
         opt = make_optimizer(ddp)
-        calls = []
         if staleness:
             step = StaleStep(ddp, opt, state)
             for x, y in batches(rank, steps):

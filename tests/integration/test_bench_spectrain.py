@@ -1,0 +1,60 @@
+"""``aggnet bench-spectrain`` and the stale systems of ``aggnet bench-ddp``
+run tiny in real processes: each prints its table, writes its JSON and
+draws its plot, and the figures in the JSON are the ones the experiments'
+targets are read from."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+
+def _run(tmp_path, *argv, timeout=240):
+    run = subprocess.run([sys.executable, "-m", "aggnet", *argv], capture_output=True, text=True, timeout=timeout,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
+@pytest.mark.slow
+def test_prediction_check_writes_errors_per_version_difference(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = _run(tmp_path, "bench-spectrain", "prediction", "--seeds", "1", "--steps", "60", "--lrs", "0.01",
+               "--jobs", "1")
+    assert "predicted/stale" in out and "[1/1" in out  # progress as each run lands
+    doc = json.loads((tmp_path / "bench-spectrain-prediction.json").read_text())
+    rows = doc["summary"]
+    assert [r["s"] for r in rows] == [1, 2, 3]
+    # the stale weights drift further the older they are; a prediction is closer
+    assert rows[0]["stale"] < rows[1]["stale"] < rows[2]["stale"]
+    assert all(r["predicted"] < r["stale"] for r in rows)
+    assert (tmp_path / "bench-spectrain-prediction.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_pipeline_modes_table_has_every_mode_with_its_spread(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = _run(tmp_path, "bench-spectrain", "modes", "--stages", "2", "--seeds", "2", "--steps", "400",
+               "--lrs", "0.1", "--jobs", "2")
+    doc = json.loads((tmp_path / "bench-spectrain-modes.json").read_text())
+    assert {r["mode"] for r in doc["table"]} == {"sync", "vanilla", "stash", "spectrain"}
+    for r in doc["table"]:
+        assert r["seeds"] == 2 and 0.1 < r["best_valid_acc"] <= 1 and r["best_valid_acc_std"] >= 0
+    assert "valid acc %" in out
+    assert (tmp_path / "bench-spectrain-modes.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_ddp_bench_times_stale_steps_beside_their_halves(tmp_path):
+    systems = "aggnet-float32,aggnet-float32-stale1,aggnet-float32-stale1-predict,compute,comm-float32"
+    out = _run(tmp_path, "bench-ddp", "--workers", "2", "--width", "64", "--batch", "4", "--steps", "3",
+               "--systems", systems, "--json", "ddp.json")
+    records = json.loads((tmp_path / "ddp.json").read_text())
+    assert [r["system"] for r in records] == systems.split(",")
+    assert all(r["median_s"] > 0 for r in records)
+    assert "aggnet-float32-stale1-predict" in out
