@@ -94,12 +94,19 @@ class _Inbox:
                 f"pipeline: waited {timeout:g}s for the {self.what} of batch {batch} from rank {self.peer}; "
                 f"is that rank alive and running the same schedule and batches?") from None
         if got is None:
+            first = str(tensor).strip().splitlines()[0] if str(tensor).strip() else type(tensor).__name__
             raise RuntimeError(f"pipeline: receiving the {self.what} of batch {batch} from rank {self.peer} "
-                               f"failed: {tensor}") from tensor
+                               f"failed; is that rank alive? ({first})") from None
         if got != batch:
             raise RuntimeError(f"pipeline: rank {self.peer} sent the {self.what} of batch {got} where batch {batch} "
                                f"was due; every stage must run the same mode and number of batches")
         return tensor
+
+
+def _send_failed(what: str, batch: int, peer: int, exc: BaseException) -> RuntimeError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return RuntimeError(f"pipeline: sending the {what} of batch {batch} to rank {peer} failed; is that rank alive "
+                        f"and running the same schedule? ({first})")
 
 
 class StageRunner:
@@ -133,10 +140,22 @@ class StageRunner:
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[0], header[1] = batch, tensor.dim()
         header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        self._sends.append((dist.isend(header, peer, tag=tag), header))
-        self._sends.append((dist.isend(tensor, peer, tag=tag), tensor))
+        what = "activations" if tag == _ACTIVATION else "gradient"
+        for t in (header, tensor):
+            try:
+                work = dist.isend(t, peer, tag=tag)
+            except RuntimeError as exc:
+                raise _send_failed(what, batch, peer, exc) from None
+            self._sends.append((work, t, what, batch, peer))
         while len(self._sends) > _MAX_PENDING_SENDS:
-            self._sends.popleft()[0].wait()
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        work, _, what, batch, peer = self._sends.popleft()
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise _send_failed(what, batch, peer, exc) from None
 
     def run(self, batches) -> list[float]:
         """Train on ``batches`` (a sequence of (inputs, targets), the same on
@@ -172,5 +191,5 @@ class StageRunner:
                     self.wait_seconds["reduce"] += time.perf_counter() - t0
                 stage.update()
         while self._sends:
-            self._sends.popleft()[0].wait()
+            self._wait_oldest()
         return losses

@@ -76,3 +76,21 @@ def pipeline_run(rank: int, world: int, port: int, stages: int, modes: list, ste
         return out
     finally:
         dist.destroy_process_group()
+
+
+def pipeline_with_a_dead_stage(rank: int, world: int, port: int, timeout: float) -> str:
+    """Rank 1 (the last stage) leaves at once; rank 0 runs its stage and
+    returns the error it gets."""
+    import time
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if rank == 1:
+        return "gone"  # exits without destroying the group: the process ends
+    runner = StageRunner(make_stage(0, 2, "spectrain"), [0, 1], timeout=timeout)
+    t0 = time.monotonic()
+    try:
+        runner.run(batches(10))
+    except Exception as exc:  # noqa: BLE001 - the test reads what the user would see
+        return f"{type(exc).__name__}: {exc} ({time.monotonic() - t0:.1f}s)"
+    return "no error"

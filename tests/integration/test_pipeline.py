@@ -64,3 +64,11 @@ def test_a_replicated_stage_averages_its_gradients_through_aggnet():
 def test_reused_graphs_and_other_optimizers_stay_identical_to_the_emulator(backward, optimizer):
     results = _run(2, 2, ["spectrain"], backward=backward, optimizer=optimizer)
     _assert_identical(results, 2, "spectrain", backward=backward, optimizer=optimizer)
+
+
+def test_a_stage_whose_neighbour_is_gone_fails_naming_it_within_its_timeout():
+    rank0, _ = run_workers("spawn://", 2, W.pipeline_with_a_dead_stage, 2, free_port(), 5.0, timeout=120,
+                           start_method="spawn")
+    # a send that fails, or a receive that waits out its timeout: either way the peer and batch are named
+    assert "rank 1" in rank0 and "batch 0" in rank0 and "is that rank alive" in rank0, rank0
+    assert float(rank0.rsplit("(", 1)[1].rstrip("s)")) < 30
