@@ -56,7 +56,8 @@ def add_arguments(p) -> None:
                    help="bench-hybrid: global batch (default 64); bench-ddp: batch per worker (default 8)")
     p.add_argument("--systems", default="gloo,aggnet-int32",
                    help="bench-ddp: what to time, in one run (aggnet bench-ddp's systems: gloo, aggnet-CODEC, "
-                        "aggnet-CODEC-staleS[-predict], compute, comm-CODEC; default %(default)s)")
+                        "aggnet-CODEC-staleS[-predict], compute, comm-CODEC[-buckets|-pipelined]; "
+                        "default %(default)s)")
     p.add_argument("--micro-batches", type=int, default=1, help="bench-hybrid: micro-batches per replica and step")
     p.add_argument("--width", type=int, default=4096, help="bench-ddp: hidden width of the MLP (4096: 25M parameters)")
 
@@ -69,6 +70,11 @@ def main(args) -> int:
     if args.racks is not None or args.uplink_rate is not None:
         print("aggnet emulate: --racks and --uplink-rate shape the racks of a --topology FILE", file=sys.stderr)
         return 2
+    if args.what == "bench-ddp":
+        from aggnet.bench.ddp import check_system
+
+        for name in args.systems.split(","):
+            check_system(name.strip())  # before any namespace exists
     args.workers = 4 if args.workers is None else args.workers
     args.rate = 100.0 if args.rate is None else args.rate
     args.size = args.size or "16MiB"
@@ -125,8 +131,8 @@ def _report_ddp(args, records: list[dict]) -> None:
     gloo = next((r["median_s"] for r in records if r["system"] == "gloo"), None)
     by = {r["system"]: r["median_s"] for r in records}
     sync = next((t for name, t in by.items() if name.startswith("aggnet") and "stale" not in name), None)
-    halves = [by[n] for n in by if n == "compute" or n.startswith("comm-")]
-    bound = max(halves) if len(halves) == 2 else None
+    comm = next((t for name, t in by.items() if name.startswith("comm-") and name.count("-") == 1), None)
+    bound = max(by["compute"], comm) if "compute" in by and comm is not None else None
     print(f"{'system':>28} {'step s':>8} {'min':>7} {'max':>7} {'this/gloo':>9} {'this/aggnet sync':>16} "
           f"{'this/max(compute,comm)':>22}")
     for r in records:
@@ -135,9 +141,9 @@ def _report_ddp(args, records: list[dict]) -> None:
         print(f"{r['system']:>28} {t:8.3f} {r['min_s']:7.3f} {r['max_s']:7.3f} {cols[0]:>9} {cols[1]:>16} "
               f"{cols[2]:>22}")
     if bound is not None:
-        comm = next(t for name, t in by.items() if name.startswith("comm-"))
         print(f"a step's halves alone: compute {by['compute']:.3f} s, communication {comm:.3f} s "
-              f"({'communication' if comm > by['compute'] else 'compute'} the larger, by {bound / min(halves):.2f}x)")
+              f"({'communication' if comm > by['compute'] else 'compute'} the larger, by "
+              f"{bound / min(comm, by['compute']):.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workers": n, "rate_mbit": args.rate, "mtu": args.mtu, "time": time.strftime("%FT%T"),

@@ -120,9 +120,13 @@ def run_ddp_bench(rack: Rack, steps: int, width: int, systems: str = "gloo,aggne
                "--master", f"{rack.workers[0].ip}:29502", "--steps", str(steps), "--width", str(width),
                "--systems", systems, "--batch", str(batch)]
         procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    got = [(rec["rank"], rec["parameters"], rec["times"]) for rec in collect(procs, timeout, "DDP benchmark")]
+    recs = collect(procs, timeout, "DDP benchmark")
+    got = [(rec["rank"], rec["parameters"], rec["times"]) for rec in recs]
     names = [s.strip() for s in systems.split(",") if s.strip()]
-    return summarize(got, names, steps, world, batch)
+    records = summarize(got, names, steps, world, batch)
+    for r in records:  # each worker's client counters (retransmissions, packets) for that system
+        r["client_stats"] = [rec.get("client", {}).get(r["system"]) for rec in recs]
+    return records
 
 
 def run_demo(rack: Rack, epochs: int, codec: str, address: str | None = None, timeout: float = 1800,

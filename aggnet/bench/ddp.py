@@ -12,7 +12,10 @@ and ``aggnet-CODEC-staleS-predict`` (stale-gradient data parallelism,
 :mod:`aggnet.torch.stale`: the all-reduce hides behind the next S steps);
 and the two halves of a step alone, to weigh them against: ``compute``
 (forward, backward and update without DDP) and ``comm-CODEC`` (one aggnet
-all-reduce of the model's gradient size, nothing else).
+all-reduce of the model's gradient size, nothing else; ``comm-CODEC-buckets``
+in DDP's two buckets, a first of 1 MiB and the rest; ``comm-CODEC-pipelined``
+the same with each step waiting for the previous step's buckets, the way
+a stale step queues them).
 """
 
 from __future__ import annotations
@@ -32,6 +35,25 @@ def add_arguments(p) -> None:
     p.add_argument("--systems", default="gloo,aggnet-float32,aggnet-int32")
     p.add_argument("--address", default=None, help="aggregator (default: embedded local aggregator)")
     p.add_argument("--json", default=None)
+
+
+_CODEC_NAMES = ("float32", "int32", "fp16", "bf16")
+
+
+def check_system(name: str) -> str:
+    """A system name the worker knows, or a one-line error listing them."""
+    parts = name.split("-")
+    ok = (name in ("gloo", "compute")
+          or (parts[0] == "aggnet" and len(parts) >= 2 and parts[1] in _CODEC_NAMES
+              and (len(parts) == 2 or (parts[2].startswith("stale") and parts[2][5:].isdigit() and int(parts[2][5:]) > 0
+                                       and parts[3:] in ([], ["predict"]))))
+          or (parts[0] == "comm" and len(parts) in (2, 3) and parts[1] in _CODEC_NAMES
+              and parts[2:] in ([], ["buckets"], ["pipelined"])))
+    if not ok:
+        raise SystemExit(f"aggnet bench-ddp: unknown system {name!r}; use gloo, compute, aggnet-CODEC, "
+                         f"aggnet-CODEC-staleS[-predict], comm-CODEC[-buckets|-pipelined] with CODEC one of "
+                         f"{', '.join(_CODEC_NAMES)}")
+    return name
 
 
 def _free_port() -> int:
@@ -63,6 +85,7 @@ def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
     x = torch.randn(args.batch, 1024)
     y = torch.randn(args.batch, 1024)
     results = {}
+    client_stats = {}
     for system in systems:
         parts = system.split("-")
         state, stale, client = None, None, None
@@ -71,8 +94,11 @@ def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
         elif parts[0] == "comm":
             from aggnet.client.base import Client
 
-            client = Client(args.address, job=f"bench-comm-{parts[1]}-{port}", rank=rank, world_size=world)
+            client = Client(args.address, job=f"bench-{system}-{port}", rank=rank, world_size=world)
             grad = np.zeros(params, dtype=np.float32)
+            first = min(params, (1 << 20) // 4)
+            buckets = [np.ones(first, np.float32), np.ones(params - first, np.float32)]
+            in_flight = None
             ddp = None
         else:
             ddp = DDP(model)
@@ -85,12 +111,24 @@ def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
         if state is not None and state.staleness:
             stale = StaleStep(ddp, opt, state)
         times = []
+        # one barrier, then steps back to back as training runs them: a
+        # barrier per step would queue behind a stale all-reduce still on
+        # the link, and hide the overlap the stale systems are there for
+        dist.barrier()
+        t0 = time.perf_counter()
         for step in range(args.steps + 3):
-            dist.barrier()
-            t0 = time.perf_counter()
             if client is not None:
-                grad.fill(1.0)
-                client.allreduce(grad, op="avg", codec=None if parts[1] == "float32" else parts[1]).result()
+                codec = None if parts[1] == "float32" else parts[1]
+                if len(parts) == 2:  # one all-reduce of all the gradients
+                    grad.fill(1.0)
+                    client.allreduce(grad, op="avg", codec=codec).result()
+                else:  # DDP's buckets: the first of 1 MiB, then the rest
+                    futures = [client.allreduce(b, op="avg", codec=codec) for b in buckets]
+                    # "buckets": waited in the step, as synchronous DDP does;
+                    # "pipelined": the previous step's waited, as a stale step does
+                    waited, in_flight = ((futures, None) if parts[2] == "buckets" else (in_flight, futures))
+                    for f in waited or ():
+                        f.result()
             elif stale is not None:
                 with stale.step():
                     nn.functional.mse_loss(ddp(x), y).backward()
@@ -98,10 +136,19 @@ def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
                 opt.zero_grad()
                 nn.functional.mse_loss(ddp(x), y).backward()
                 opt.step()
+            t1 = time.perf_counter()
             if step >= 3:  # warm-up: connections, first-touch, JIT
-                times.append(time.perf_counter() - t0)
+                times.append(t1 - t0)
+            t0 = t1
         if stale is not None:
             stale.finish()
+        for f in (in_flight or ()) if client is not None else ():
+            f.result()
+        used = client if client is not None else (state._client if state is not None else None)
+        if used is not None:
+            cs = used.stats
+            client_stats[system] = {"allreduces": cs.allreduces, "packets": cs.chunks_sent,
+                                    "retransmissions": cs.retransmissions, "seconds": cs.seconds}
         if state is not None:
             state.close()
         if client is not None:
@@ -110,7 +157,7 @@ def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
         del ddp
     dist.destroy_process_group()
     if out is None:
-        print(json.dumps({"rank": rank, "parameters": params, "times": results}), flush=True)
+        print(json.dumps({"rank": rank, "parameters": params, "times": results, "client": client_stats}), flush=True)
     else:
         out.put((rank, params, results))
 
@@ -127,7 +174,8 @@ def worker_main(argv=None) -> int:
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--master", required=True)
     args = p.parse_args(argv)
-    _worker(args.rank, args.world, args.master, args, [s.strip() for s in args.systems.split(",") if s.strip()], None)
+    systems = [check_system(s.strip()) for s in args.systems.split(",") if s.strip()]
+    _worker(args.rank, args.world, args.master, args, systems, None)
     return 0
 
 
@@ -145,7 +193,7 @@ def summarize(got: list, systems: list, steps: int, world: int, batch: int) -> l
 def main(args) -> int:
     import torch.multiprocessing as mp
 
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    systems = [check_system(s.strip()) for s in args.systems.split(",") if s.strip()]
     records = []
     for world in [int(w) for w in args.workers.split(",")]:
         ctx = mp.get_context("spawn")

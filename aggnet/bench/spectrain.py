@@ -403,7 +403,10 @@ def _plot_modes(rows: list[dict], path: str) -> None:
     lrs = sorted({r["lr"] for r in rows})
     fig, axes = plt.subplots(1, len(depths), figsize=(5 * len(depths), 3.5), squeeze=False)
     for ax, n in zip(axes[0], depths):
-        modes = [r["mode"] for r in rows if r["stages"] == n and r["lr"] == lrs[0]]
+        from aggnet.pipeline import MODES
+
+        present = {r["mode"] for r in rows if r["stages"] == n}
+        modes = [m for m in MODES if m in present]
         width = 0.8 / len(modes)
         for j, mode in enumerate(modes):
             sel = [next(r for r in rows if r["stages"] == n and r["lr"] == lr and r["mode"] == mode) for lr in lrs]

@@ -3,9 +3,10 @@ runs while the next steps compute, and is applied ``s`` steps late.
 
 Synchronous data parallelism waits for every bucket's all-reduce before
 the optimizer steps; on a slow link that wait is the step. With
-``AggnetState(staleness=s)`` the DDP hook starts the all-reduce of step
-t's gradients and hands DDP, in their place, the all-reduced gradients of
-step t - s, which have had s steps of compute to arrive. Every rank
+``AggnetState(staleness=s)`` the DDP hook collects step t's buckets,
+starts one all-reduce of them all at the last, and hands DDP, in their
+place, the all-reduced gradients of step t - s, which have had s steps of
+compute to arrive. Every rank
 applies the same gradients at the same step, so ranks stay bit-identical;
 the price is that a gradient lands on weights s updates newer than the
 ones it was computed at.
@@ -68,6 +69,8 @@ class StaleQueue:
         self.staleness = staleness
         self.step = 0  #: steps whose last bucket the hook has seen
         self.sent: dict[int, list[_Sent]] = {}
+        #: this step's buckets so far: (copy, parameter keys, sizes)
+        self.parts: list = []
         self.lock = threading.Lock()
 
     @property
@@ -93,14 +96,23 @@ def allreduce_stale(state, bucket) -> torch.futures.Future:
     params = bucket.parameters()
     keys = [p.data_ptr() for p in params]
     sizes = [p.numel() for p in params]
-    staging = buf.detach().to("cpu", torch.float32, copy=True)
-    codec = state.codec if buf.dtype == torch.float32 else None
-    future = state.client.allreduce(staging.numpy(), op=state.op, codec=codec, key=bucket.index())
+    if buf.dtype != torch.float32:
+        raise AggnetError(f"aggnet DDP hook: staleness needs float32 gradients, bucket {bucket.index()} holds "
+                          f"{buf.dtype}; train in float32 (AMP keeps float32 gradients) or use staleness=0")
     with queue.lock:
         t = queue.step
-        queue.sent.setdefault(t, []).append(_Sent(future, staging, keys, sizes))
+        queue.parts.append((buf.detach().to("cpu", copy=True), keys, sizes))
         old = queue.sent.get(t - queue.staleness, [])
         if bucket.is_last():
+            # the whole step in one all-reduce: nothing waits for it before
+            # the next step's end, and one large all-reduce moves faster than
+            # a queue of DDP's buckets on every aggregator path
+            staging = torch.cat([p[0] for p in queue.parts])
+            all_keys = [k for p in queue.parts for k in p[1]]
+            all_sizes = [n for p in queue.parts for n in p[2]]
+            queue.parts = []
+            future = state.client.allreduce(staging.numpy(), op=state.op, codec=state.codec, key=0)
+            queue.sent[t] = [_Sent(future, staging, all_keys, all_sizes)]
             queue.step += 1
             queue.sent.pop(t - queue.staleness, None)
     if t < queue.staleness:

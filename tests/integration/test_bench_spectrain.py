@@ -51,10 +51,19 @@ def test_pipeline_modes_table_has_every_mode_with_its_spread(tmp_path):
 
 @pytest.mark.slow
 def test_ddp_bench_times_stale_steps_beside_their_halves(tmp_path):
-    systems = "aggnet-float32,aggnet-float32-stale1,aggnet-float32-stale1-predict,compute,comm-float32"
+    systems = ("aggnet-float32,aggnet-float32-stale1,aggnet-float32-stale1-predict,compute,comm-float32,"
+               "comm-float32-buckets,comm-float32-pipelined")
     out = _run(tmp_path, "bench-ddp", "--workers", "2", "--width", "64", "--batch", "4", "--steps", "3",
                "--systems", systems, "--json", "ddp.json")
     records = json.loads((tmp_path / "ddp.json").read_text())
     assert [r["system"] for r in records] == systems.split(",")
     assert all(r["median_s"] > 0 for r in records)
     assert "aggnet-float32-stale1-predict" in out
+
+
+def test_an_unknown_ddp_system_is_refused_with_the_list(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "aggnet", "bench-ddp", "--systems", "gloo,aggnet-int32-stale0"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert run.returncode != 0
+    assert "unknown system 'aggnet-int32-stale0'" in run.stderr and "aggnet-CODEC-staleS" in run.stderr
+    assert "Traceback" not in run.stderr
