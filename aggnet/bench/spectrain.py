@@ -425,19 +425,21 @@ def _plot_modes(rows: list[dict], path: str) -> None:
 def _plot_stale(rows: list[dict], path: str) -> None:
     plt = _figure()
     lrs = sorted({r["lr"] for r in rows})
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.8 / len(lrs)
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
     labels = []
     for j, lr in enumerate(lrs):
         sel = [r for r in rows if r["lr"] == lr]
-        xs = [i + j * 0.4 for i in range(len(sel))]
-        ax.bar(xs, [100 * r["best_valid_acc"] for r in sel], 0.4, yerr=[100 * r["best_valid_acc_std"] for r in sel],
-               label=f"lr {lr:g}", capsize=2)
+        xs = [i + j * width for i in range(len(sel))]
+        ax.bar(xs, [100 * r["last_valid_acc"] for r in sel], width,
+               yerr=[100 * r["last_valid_acc_std"] for r in sel], label=f"lr {lr:g}", capsize=2)
         labels = [("sync" if not r["staleness"] else f"s={r['staleness']}" + (" +pred" if r["predict"] else ""))
                   for r in sel]
-    ax.set_xticks([i + 0.2 for i in range(len(labels))], labels)
-    ax.set_ylim(max(0, min(100 * r["best_valid_acc"] for r in rows) - 3), None)
-    ax.set_ylabel("best validation accuracy %")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels)
+    finite = [100 * r["last_valid_acc"] for r in rows]
+    ax.set_ylim(max(0, min(finite) - 3), max(finite) + 2)
+    ax.set_ylabel("validation accuracy % at the end")
     ax.set_title("stale-gradient data parallelism, mean ± std over seeds")
-    ax.legend()
+    ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -126,3 +126,20 @@ def test_ddp_demo_runs_with_one_worker_per_namespace():
     assert any("epoch   2" in line for line in lines), lines
     acc = [line for line in lines if "test accuracy" in line]
     assert acc and float(acc[0].split("test accuracy")[1].split("%")[0]) > 85, lines
+
+
+def test_stale_gradient_ddp_steps_in_the_rack_beside_their_halves():
+    pytest.importorskip("torch", reason="DDP needs PyTorch")
+    systems = "aggnet-int32,aggnet-int32-stale1-predict,compute,comm-int32"
+    with Rack(2, rate_mbit=100, prefix="ags") as rack:
+        agg = rack_runs.start_aggregator(rack)
+        try:
+            records = rack_runs.run_ddp_bench(rack, steps=3, width=128, systems=systems, batch=64, timeout=600)
+        finally:
+            agg.stop()
+    by = {r["system"]: r for r in records}
+    assert list(by) == systems.split(",")
+    # the stale step's all-reduce went through the switch protocol, one per step
+    stale = by["aggnet-int32-stale1-predict"]["client_stats"]
+    assert all(s["allreduces"] >= 5 and s["packets"] > 0 for s in stale), stale
+    assert by["compute"]["client_stats"] == [None, None]
