@@ -28,6 +28,7 @@ def main(args) -> int:
     if refused:
         print(f"aggnet emulate --topology: {refused}", file=sys.stderr)
         return 2
+    args.batch = args.batch or 64  # bench-hybrid's global batch
     try:
         pl = plan(args.topology, racks=args.racks, workers=args.workers, host_mbit=args.rate,
                   uplink_mbit=args.uplink_rate, mtu=args.mtu)

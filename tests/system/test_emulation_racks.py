@@ -113,8 +113,10 @@ def test_ddp_demo_trains_across_racks():
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_an_interrupted_run_leaves_no_namespace_behind(sig):
+    # shaped links: 64 MiB take seconds, so the signal lands mid-run
     p = subprocess.Popen([sys.executable, "-m", "aggnet", "emulate", "--topology", TWO_RACKS, "allreduce",
-                          "--workers", "2", "--size", "64MiB", "--prefix", "agi"],
+                          "--workers", "2", "--size", "64MiB", "--rate", "100", "--uplink-rate", "100",
+                          "--prefix", "agi"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

@@ -228,7 +228,13 @@ def stop_capture(p: subprocess.Popen, path) -> None:
         if now != size:
             size, still_since = now, time.monotonic()
     p.send_signal(signal.SIGINT)
-    p.wait(10)
+    try:
+        p.wait(10)
+    except subprocess.TimeoutExpired:
+        # a sniffer blocked in its read can miss the signal; both captures
+        # write packet by packet, so nothing is lost by stopping it harder
+        p.kill()
+        p.wait(10)
 
 
 @pytest.mark.requires_netns
