@@ -13,6 +13,10 @@ What aggnet carries, and what it leaves to gloo
 
 * ``all_reduce`` (``allreduce``, ``allreduce_coalesced``) with ``SUM`` or
   ``AVG`` on float32, float16, bfloat16 tensors, and ``SUM`` on int32;
+  ``AVG`` of integer tensors is NCCL's: the sum (through aggnet for int32,
+  gloo for the others), then division truncated toward zero (frameworks
+  written for NCCL send it: Lightning's ``self.log(..., sync_dist=True)``
+  averages its int64 batch-size counter);
 * ``reduce_scatter_tensor`` / ``reduce_scatter_single``
   (``_reduce_scatter_base``), the list form ``reduce_scatter``, and their
   coalesced forms, with the same ops and dtypes: the aggregator returns each
@@ -29,8 +33,9 @@ aggregator sums, and a gather through it would move S each way, more than
 gloo's ring), ``broadcast``, ``barrier``, ``send``/``recv``, ``gather``,
 ``scatter``, ``reduce``, ``all_to_all``. What neither can do fails at
 once with :class:`UnsupportedCollective`, naming the collective and what
-to use instead: ``AVG`` of integer tensors, ``PREMUL_SUM``, tensors on
-other devices than the CPU. Over a switch, or for a rank in a rack of a
+to use instead: ``AVG`` of bool or sparse tensors, or of integers mixed
+with floats in one call, ``PREMUL_SUM``, tensors on other devices than
+the CPU. Over a switch, or for a rank in a rack of a
 hierarchy, where an aggregator cannot send one rank its share alone, a
 reduce-scatter is an all-reduce of which each rank keeps its share.
 
@@ -161,6 +166,17 @@ class AggnetWork(dist._Work):
         return self._future.wait()
 
 
+#: the integers NCCL averages (and gloo sums)
+_INTEGERS = (torch.int8, torch.uint8, torch.int32, torch.int64)
+
+
+def _integer_avg(tensors, op) -> bool:
+    """An ``AVG`` whose tensors are all dense integers NCCL averages."""
+    name = op.op.name if hasattr(op, "op") else str(op)
+    return name == "AVG" and bool(tensors) and all(
+        not t.is_sparse and t.dtype in _INTEGERS and t.device.type == "cpu" for t in tensors)
+
+
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
@@ -267,8 +283,9 @@ class AggnetProcessGroup(dist.ProcessGroup):
             bad = sorted({str(t.dtype) for t in tensors if t.is_sparse or t.dtype not in _FLOATS})
             if bad:
                 raise UnsupportedCollective(
-                    f"aggnet backend: {what} with ReduceOp.AVG of {', '.join(bad)} tensors; neither aggnet nor gloo "
-                    f"averages those: use ReduceOp.SUM and divide by the world size, or a float32 tensor")
+                    f"aggnet backend: {what} with ReduceOp.AVG of {', '.join(bad)} tensors; the backend averages "
+                    f"floating-point tensors, or int8, uint8, int32 and int64 tensors (dense) all in one call: use "
+                    f"ReduceOp.SUM and divide by the world size")
         return name in _OPS and all(
             not t.is_sparse and t.dtype in _DTYPES and not (name == "AVG" and t.dtype == torch.int32) for t in tensors)
 
@@ -277,8 +294,28 @@ class AggnetProcessGroup(dist.ProcessGroup):
 
     # -- all-reduce -----------------------------------------------------------------
 
+    def _integer_average(self, what: str, tensors, opts, options_kind, run_sum):
+        """``AVG`` of integer tensors as NCCL does it: the sum, then each
+        element divided by the world size, truncated toward zero."""
+        sum_opts = options_kind()
+        sum_opts.reduceOp = dist.ReduceOp.SUM
+        sum_opts.timeout = opts.timeout
+        work = run_sum(tensors, sum_opts)
+        world = self._world
+
+        def divide(f):
+            f.value()  # the sum's error, if it failed
+            for t in tensors:
+                t.div_(world, rounding_mode="trunc")
+            return list(tensors)
+
+        return AggnetWork(work.get_future().then(divide), f"{what} (integer average) on rank {self._rank}",
+                          self._timeout, getattr(work, "_failure", None))
+
     def allreduce(self, tensors, opts=None):
         opts = self._options(opts, dist.AllreduceOptions)
+        if _integer_avg(tensors, opts.reduceOp):
+            return self._integer_average("all_reduce", tensors, opts, dist.AllreduceOptions, self.allreduce)
         if not self._route("all_reduce", tensors, opts.reduceOp):
             return self._gloo.allreduce(tensors, opts)
         op = _OPS[opts.reduceOp.op.name]
@@ -286,6 +323,9 @@ class AggnetProcessGroup(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = self._options(opts, dist.AllreduceCoalescedOptions)
+        if _integer_avg(tensors, opts.reduceOp):
+            return self._integer_average("all_reduce_coalesced", tensors, opts, dist.AllreduceCoalescedOptions,
+                                         self.allreduce_coalesced)
         if not self._route("all_reduce_coalesced", tensors, opts.reduceOp):
             return self._gloo.allreduce_coalesced(tensors, opts)
         op = _OPS[opts.reduceOp.op.name]

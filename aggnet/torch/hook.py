@@ -71,6 +71,10 @@ class AggnetState:
       ``"propagate"`` passes them on (AMP's GradScaler then skips the step);
     * ``job``: the aggregator job name; by default one is agreed over the
       process group, distinct for every DDP model of the run;
+
+    The state may be built before ``init_process_group`` (Lightning builds
+    its strategy, and the state with it, before the processes exist): rank,
+    world size and job are then resolved on the first bucket.
     * ``topology``: a topology file of racks (:mod:`aggnet.protocol.topology`; None:
       ``AGGNET_TOPOLOGY`` when no address is set): each rank all-reduces
       through its rack's aggregator, and the racks through the root.
@@ -134,14 +138,15 @@ class AggnetState:
             raise ValueError(f"on_nonfinite must be one of {_ON_NONFINITE}, got {on_nonfinite!r}")
         if job is not None and (not isinstance(job, str) or not job):
             raise ValueError(f"job must be a non-empty name, got {job!r}")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "AggnetState needs torch.distributed initialized first: torchrun sets up env:// "
-                "rendezvous, then call dist.init_process_group('gloo') before creating the state"
-            )
         self.process_group = process_group
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
+        self._job_arg = job
+        self._member_arg = member
+        #: this state's place among the states a process builds (every rank
+        #: builds its DDP models in the same order): part of the agreed job name
+        self._serial = next(_state_counter)
+        self._resolved = False
+        self.rank = self.world_size = self.job = None  # resolved from torch.distributed (_resolve)
+        self.member = member
         self.codec = _CODECS[codec]
         self.op = op
         self.sparse_op = sparse_op
@@ -155,14 +160,8 @@ class AggnetState:
             raise ValueError("give address or topology, not both: the topology names each rack's aggregator")
         self.topology = topology if topology is not None else (
             self.config.topology if self.address is None else None)
-        if member is not None:
-            if address is None:
-                raise ValueError("member goes with an address: the aggregator this rank's part of the group joins")
-            if (len(member) != 2 or not all(isinstance(v, int) for v in member)
-                    or not 0 <= member[0] < member[1] <= self.world_size):
-                raise ValueError(f"member must be (member_rank, members) with 0 <= member_rank < members <= "
-                                 f"{self.world_size}, got {member!r}")
-        self.member = member
+        if member is not None and address is None:
+            raise ValueError("member goes with an address: the aggregator this rank's part of the group joins")
         if not isinstance(staleness, int) or staleness < 0:
             raise ValueError(f"staleness must be an integer >= 0 (steps a gradient is applied late), got {staleness!r}")
         if predict and not staleness:
@@ -173,11 +172,35 @@ class AggnetState:
             from aggnet.torch.stale import StaleQueue
 
             self.stale_queue = StaleQueue(staleness)
-        self.job = job or self._agree_job_name()
         self.buckets: dict[int, BucketStats] = {}
         self._client: Client | None = None
         self._lock = threading.Lock()
+        self._resolve_lock = threading.Lock()
         atexit.register(self.close)
+        if dist.is_available() and dist.is_initialized():
+            self._resolve(eager=True)
+        # else (a framework that builds the strategy before the processes
+        # exist, as Lightning does): rank, world and job on the first bucket
+
+    def _resolve(self, eager: bool = False) -> None:
+        """Rank, world size and job name from torch.distributed."""
+        with self._resolve_lock:
+            if self._resolved:
+                return
+            if not dist.is_available() or not dist.is_initialized():
+                raise RuntimeError(
+                    "aggnet DDP hook: torch.distributed is not initialized; torchrun sets up env:// rendezvous, "
+                    "then call dist.init_process_group('gloo') before training")
+            self.rank = dist.get_rank(self.process_group)
+            self.world_size = dist.get_world_size(self.process_group)
+            member = self._member_arg
+            if member is not None and (len(member) != 2 or not all(isinstance(v, int) for v in member)
+                                       or not 0 <= member[0] < member[1] <= self.world_size):
+                raise ValueError(f"member must be (member_rank, members) with 0 <= member_rank < members <= "
+                                 f"{self.world_size}, got {member!r}")
+            self.member = member
+            self.job = self._job_arg or (self._agree_job_name() if eager else self._agree_job_name_by_store())
+            self._resolved = True
 
     def _agree_job_name(self) -> str:
         """A name every rank agrees on: rank 0's random tag, broadcast over
@@ -186,11 +209,32 @@ class AggnetState:
         tag = [uuid.uuid4().hex[:10] if self.rank == 0 else None]
         dist.broadcast_object_list(tag, src=dist.get_global_rank(self.process_group, 0) if self.process_group else 0,
                                    group=self.process_group)
-        return f"ddp-{tag[0]}-{next(_state_counter)}"
+        return f"ddp-{tag[0]}-{self._serial}"
+
+    def _agree_job_name_by_store(self) -> str:
+        """The same agreement through the rendezvous store: resolved on the
+        first bucket, inside DDP's backward, where no collective may run."""
+        import datetime
+
+        store = dist.distributed_c10d._get_default_store()
+        group = "default" if self.process_group is None else dist.distributed_c10d._get_process_group_name(
+            self.process_group)
+        key = f"aggnet/ddp-job/{group}/{self._serial}"
+        if self.rank == 0:
+            store.set(key, uuid.uuid4().hex[:10])
+        store.wait([key], datetime.timedelta(seconds=self.config.connect_timeout))
+        return f"ddp-{store.get(key).decode()}-{self._serial}"
+
+    @property
+    def resolved(self) -> bool:
+        """Whether rank, world size and job are known (torch.distributed was
+        initialized when the state was built, or a bucket has gone through)."""
+        return self._resolved
 
     @property
     def client(self) -> Client:
         """The aggnet client, connected on first use (the first bucket)."""
+        self._resolve()
         with self._lock:
             if self._client is None:
                 try:
@@ -257,6 +301,7 @@ def _wire_itemsize(t: torch.Tensor, codec: str | None) -> int:
 
 def allreduce_hook(state: AggnetState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: all-reduce ``bucket`` through aggnet."""
+    state._resolve()
     if state.staleness:
         from aggnet.torch.stale import allreduce_stale
 

@@ -156,7 +156,8 @@ def unsupported(rank: int) -> dict:
     """What the aggnet group refuses, with its messages."""
     texts = {}
     for name, call in (
-        ("avg_int64", lambda: dist.all_reduce(torch.ones(4, dtype=torch.int64), op=dist.ReduceOp.AVG)),
+        ("avg_bool", lambda: dist.all_reduce(torch.ones(4, dtype=torch.bool), op=dist.ReduceOp.AVG)),
+        ("avg_int16", lambda: dist.all_reduce(torch.ones(4, dtype=torch.int16), op=dist.ReduceOp.AVG)),
         ("premul_sum", lambda: dist.all_reduce(torch.ones(4), op=dist._make_nccl_premul_sum(0.5))),
         ("meta_device", lambda: dist.all_reduce(torch.empty(4, device="meta"))),
         ("avg_int32_reduce_scatter",
@@ -222,7 +223,23 @@ def _collectives_part(rank: int, world: int, gloo) -> dict:
     share_received = stats.bytes_received - received
     ref = collectives(rank, world, gloo)
     return {"aggnet": agg, "gloo": ref, "aggnet_ops": ops, "share_received": share_received,
-            "refused": unsupported(rank)}
+            "refused": unsupported(rank), "integer_avg": integer_averages(rank)}
+
+
+def integer_averages(rank: int) -> dict:
+    """``AVG`` of integers as NCCL gives it (sum, then truncated division),
+    on negative and positive values, synchronous and asynchronous."""
+    out = {}
+    for dtype in (torch.int64, torch.int32, torch.int8, torch.uint8):
+        low = 0 if dtype == torch.uint8 else -50
+        t = _ints(60, rank, 101, torch.int64, 50).clamp(min=low).to(dtype)
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        out[str(dtype)] = t.numpy().copy()
+    t = torch.full((5,), 7 + rank, dtype=torch.int64)
+    work = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True)
+    work.wait()
+    out["async"] = t.numpy().copy()
+    return out
 
 
 def _ddp_part(rank: int, world: int, gloo) -> dict:

@@ -75,10 +75,16 @@ def ddp_run(rank: int, world: int, port: int, mode: str, options: dict):
     'aggnet'. Returns the final parameters (every model's, when several)."""
     torch.set_num_threads(1)
     os.environ.pop("AGGNET_ADDRESS", None)
+    from aggnet.torch import AggnetState, allreduce_hook
+
+    early = []
+    if mode == "aggnet" and options.get("state_before_init"):
+        # as Lightning builds DDPStrategy(ddp_comm_state=...) before the processes exist
+        early = [AggnetState(options.get("address"), codec=options.get("codec"))
+                 for _ in range(options.get("models", 1))]
+        assert not any(s.resolved for s in early)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        from aggnet.torch import AggnetState, allreduce_hook
-
         out = []
         states = []
         for m in range(options.get("models", 1)):
@@ -87,8 +93,8 @@ def ddp_run(rank: int, world: int, port: int, mode: str, options: dict):
                       static_graph=options.get("static_graph", False),
                       find_unused_parameters=options.get("unused", False), bucket_cap_mb=options.get("bucket_mb", 25))
             if mode == "aggnet":
-                state = AggnetState(options.get("address"), codec=options.get("codec"),
-                                    topology=options.get("topology"))
+                state = early[m] if early else AggnetState(options.get("address"), codec=options.get("codec"),
+                                                           topology=options.get("topology"))
                 states.append(state)
                 ddp.register_comm_hook(state, allreduce_hook)
             out.append(train(model, options.get("steps", 20), world, rank, options.get("sparse", False),

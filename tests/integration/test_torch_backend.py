@@ -166,10 +166,25 @@ def test_every_collective_equals_gloo(suite, world):
         assert res[r]["collectives"]["share_received"] == 4 * 4099
 
 
+def test_integer_averages_are_nccls_sum_then_truncated_division(suite):
+    # Lightning's self.log(..., sync_dist=True) sends AVG of an int64 counter
+    world = 2
+    results = suite(world)
+    for r in range(world):
+        got = results[r]["collectives"]["integer_avg"]
+        for dtype in ("torch.int64", "torch.int32", "torch.int8", "torch.uint8"):
+            low = 0 if dtype == "torch.uint8" else -50
+            parts = [B._ints(60, rank, 101, torch.int64, 50).clamp(min=low) for rank in range(world)]
+            want = torch.div(sum(parts), world, rounding_mode="trunc").numpy()
+            assert np.array_equal(got[dtype].astype(np.int64), want), dtype
+        assert got["async"].tolist() == [7] * 5  # (7 + 8) / 2 truncated
+
+
 def test_unsupported_collectives_are_refused_by_name(suite):
     refused = suite(2)[0]["collectives"]["refused"]
-    kind, text = refused["avg_int64"]
-    assert kind == "UnsupportedCollective" and "ReduceOp.AVG of torch.int64" in text and "ReduceOp.SUM" in text
+    for case in ("avg_bool", "avg_int16"):
+        kind, text = refused[case]
+        assert kind == "UnsupportedCollective" and "ReduceOp.AVG of" in text and "ReduceOp.SUM" in text, text
     kind, text = refused["premul_sum"]
     assert kind == "UnsupportedCollective" and "PREMUL_SUM" in text and "ReduceOp.SUM" in text
     kind, text = refused["meta_device"]

@@ -47,6 +47,17 @@ def test_float32_hook_matches_single_process_and_gloo(service, world):
     assert rel_diff(agg[0]["params"][0], gloo[0]["params"][0]) <= 1e-6
 
 
+def test_a_state_built_before_init_process_group_resolves_on_the_first_bucket(service):
+    world = 2
+    reference = W.single_process(world, STEPS)
+    agg = ddp(world, "aggnet", address=service.address, state_before_init=True, models=2)
+    for r in agg:
+        assert r["calls"] == [STEPS, STEPS]
+        # the ranks agreed each model's job through the store; two models, two jobs
+        assert r["jobs"] == agg[0]["jobs"] and len(set(r["jobs"])) == 2
+    assert rel_diff(agg[0]["params"][0], reference) <= 1e-6
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -170,8 +181,12 @@ def test_state_checks_its_settings():
         AggnetState(op="mean")
     with pytest.raises(ValueError, match="on_nonfinite must be one of"):
         AggnetState(on_nonfinite="ignore")
-    with pytest.raises(RuntimeError, match="needs torch.distributed initialized"):
-        AggnetState()
+    # built before init_process_group (as Lightning does): resolved on first
+    # use, and first use without torch.distributed says what to call
+    state = AggnetState()
+    assert not state.resolved and state.rank is None
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized.*init_process_group"):
+        state.client
 
 
 def test_hook_is_a_plain_function_listed_in_all():
