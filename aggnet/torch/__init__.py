@@ -3,7 +3,8 @@
 * :mod:`aggnet.torch.hook` -- the DDP communication hook
   (``ddp_model.register_comm_hook(AggnetState(), allreduce_hook)``);
 * :mod:`aggnet.torch.backend` -- aggnet as a ``torch.distributed`` backend
-  (``dist.init_process_group("aggnet")``): DDP without a hook, FSDP2's
+  (``dist.init_process_group("aggnet")``, or :func:`init_process_group`
+  before Accelerate or the HF Trainer): DDP without a hook, FSDP2's
   reduce-scatters and ``dist.all_reduce`` go through aggnet;
 * :mod:`aggnet.torch.stale` -- stale-gradient data parallelism
   (``AggnetState(staleness=1, predict=True)`` and :class:`StaleStep`):
@@ -20,10 +21,11 @@ to pick when).
 """
 
 from aggnet.torch import backend
+from aggnet.torch.backend import init_process_group
 from aggnet.torch.hook import AggnetState, allreduce_hook
 from aggnet.torch.sparse import ShardedEmbedding
 from aggnet.torch.stale import StaleStep
 
 backend.register()
 
-__all__ = ["AggnetState", "allreduce_hook", "ShardedEmbedding", "StaleStep"]
+__all__ = ["AggnetState", "allreduce_hook", "ShardedEmbedding", "StaleStep", "init_process_group"]

@@ -532,3 +532,21 @@ def register() -> None:
     if not dist.is_available():
         return
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+
+
+def init_process_group(**kwargs) -> None:
+    """``dist.init_process_group("aggnet", **kwargs)`` (torchrun's env://
+    rendezvous by default), for frameworks that keep the group they find
+    instead of taking a backend by name: call it before creating
+    Accelerate's ``Accelerator`` or the HF ``Trainer``'s
+    ``TrainingArguments`` (their own backend setting accepts only names
+    they know). Nothing to do where an aggnet group exists already."""
+    register()
+    if dist.is_initialized():
+        backend = str(dist.get_backend())
+        if backend != BACKEND_NAME:
+            raise RuntimeError(f"torch.distributed is already initialized with the {backend!r} backend; call "
+                               f"aggnet.torch.init_process_group() before anything initializes it, or "
+                               f"destroy_process_group() first")
+        return
+    dist.init_process_group(BACKEND_NAME, **kwargs)
