@@ -54,6 +54,11 @@ class Slot:
     owner: int | None = None
 
 
+#: a member heard from this recently is running: another connection's JOIN
+#: for its rank is a second run under the same job name, not a restart
+LIVE_SECONDS = 5.0
+
+
 @dataclass(eq=False)
 class Job:
     job_id: int
@@ -81,6 +86,17 @@ class Job:
     whole: bool = False
     #: when a member was last heard from (the shard's job lease)
     last_heard: float = field(default_factory=time.monotonic)
+    #: rank -> when that rank's member last sent anything
+    member_heard: dict = field(default_factory=dict)
+
+    def live_member(self, rank: int, now: float) -> float | None:
+        """Seconds since ``rank``'s member was last heard, where that member
+        is live: heard within LIVE_SECONDS, or holding a part of a round
+        still open. None: it may be replaced (a restarted worker)."""
+        quiet = now - self.member_heard.get(rank, -1e9)
+        if quiet < LIVE_SECONDS or any(slot.seen >> rank & 1 for slot in self.slots.values()):
+            return quiet
+        return None
 
     def remember_done(self, key) -> None:
         self.done[key] = None

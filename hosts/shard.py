@@ -133,7 +133,7 @@ class Shard:
             return
         job = self.jobs.get(h.job_id)
         if job is not None and job.members.get(h.sender) == peer:
-            job.last_heard = time.monotonic()
+            job.last_heard = job.member_heard[h.sender] = time.monotonic()
         t = h.msg_type
         if t == MsgType.PUSH:
             self._on_push(peer, h, payload)
@@ -201,6 +201,17 @@ class Shard:
             raise ControlError(ErrorCode.REFUSED, f"this rack cannot reach its root: {self.uplink.error}",
                                "uplink_failed")
         created = job is None
+        old = None if created else job.members.get(h.sender)
+        if old is not None and old != peer and not self.keyring.enforced:
+            quiet = job.live_member(h.sender, time.monotonic())
+            if quiet is not None:
+                # taking a live rank over would fail both runs; a job key
+                # holder may still take over (a signed JOIN is the job's own)
+                raise ControlError(
+                    ErrorCode.JOB_MISMATCH,
+                    f"rank {h.sender} of job {name!r} is running at another connection (heard {quiet:.1f}s ago): "
+                    f"two runs use the same job name; give each its own (job=... of AggnetState or Client), "
+                    f"or start this one after the other finishes", "rank_in_use")
         if not created and job.whole != whole:
             raise Disagreement(f"job {name!r} completes {'here' if job.whole else 'at the root'}, but rank "
                                f"{h.sender} joined it as {'all' if whole else 'part'} of the job's workers; "
@@ -217,7 +228,6 @@ class Shard:
             raise
         if created:
             log.info("shard %d: job %r (id %08x) registered with world size %d", self.index, name, h.job_id, h.world)
-        old = job.members.get(h.sender)
         if old is not None and old != peer:
             log.warning("shard %d: job %r rank %d re-joined from a new connection", self.index, name, h.sender)
             self.counters["rejoins"] += 1
