@@ -11,6 +11,8 @@ chunk's exponent with a MAX over workers (one small message per shard).
 from __future__ import annotations
 
 import collections
+import os
+import socket
 import logging
 import time
 from dataclasses import dataclass, field
@@ -127,7 +129,36 @@ class ChunkClient(Client):
                 f"worker cannot reach that host, restart the service with `aggnet serve --advertise HOST` naming "
                 f"an address of it that this worker can reach (and check that a firewall lets its shard ports in)")
 
+    def _check_socket_file(self) -> None:
+        """A Unix-socket service (zmq+ipc://, shm://) that is not there can be
+        told at once: no socket file (after a short grace for a service
+        that is starting), or a file nobody listens on (its service died)."""
+        addr = parse(self.address)
+        if addr.scheme not in ("zmq+ipc", "shm"):
+            return
+        grace = time.monotonic() + min(3.0, self.config.connect_timeout)
+        while not os.path.exists(addr.path) and time.monotonic() < grace:
+            time.sleep(0.05)
+        if not os.path.exists(addr.path):
+            raise AggregatorUnreachable(
+                f"no aggregator for {self._context()}: the socket file {addr.path} does not exist; "
+                f"start one with `aggnet serve --listen {self.address}`, or leave the address unset to use an "
+                f"embedded local aggregator")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(addr.path)
+        except ConnectionRefusedError:
+            raise AggregatorUnreachable(
+                f"no aggregator for {self._context()}: nothing listens on {addr.path}, left by a "
+                f"service that is gone; start one with `aggnet serve --listen {self.address}`") from None
+        except OSError:
+            pass  # anything else: let the HELLO decide, within its timeout
+        finally:
+            probe.close()
+
     def _discover(self) -> list[str]:
+        self._check_socket_file()
         deadline = time.monotonic() + self.config.connect_timeout
         with connect([self.address], **self._transport_options) as ctl:
             reply = self._request_reply(ctl, [0], Header(MsgType.HELLO), None, MsgType.HELLO_OK, deadline)[0]

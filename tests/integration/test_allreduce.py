@@ -221,6 +221,21 @@ def test_unreachable_aggregator_fails_fast_with_the_address(tmp_path):
     assert "nobody.sock" in str(err.value) and "aggnet serve --listen" in str(err.value)
 
 
+@pytest.mark.parametrize("scheme", ["zmq+ipc", "shm"])
+def test_a_socket_file_nobody_listens_on_is_reported_at_once(tmp_path, scheme):
+    # what a killed service leaves behind: the file, no listener
+    import socket
+
+    path = tmp_path / "gone.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))
+    s.close()
+    t0 = time.monotonic()
+    with pytest.raises(AggregatorUnreachable, match="nothing listens on .*gone.sock.*aggnet serve --listen"):
+        Client(f"{scheme}://{path}", job="late", connect_timeout=30)
+    assert time.monotonic() - t0 < 2
+
+
 def test_aggregator_that_dies_fails_the_allreduce_within_its_timeout(service_factory):
     svc = service_factory("zmq+ipc")
     c = Client(svc.address, job="orphan", rank=0, world_size=2, timeout=1.5)
