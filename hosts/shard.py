@@ -99,6 +99,9 @@ class Shard:
             while msg is not None:
                 self.handle(msg.peer, msg.header, msg.payload)
                 msg = self.listener.recv(0)
+            closed = self.listener.gone()
+            if closed:
+                self.connections_closed(closed)
             now = time.monotonic()
             if now >= self._next_stall_check:
                 self._next_stall_check = now + STALL_CHECK_INTERVAL
@@ -275,19 +278,35 @@ class Shard:
         job = self.jobs.get(h.job_id)
         if job is None or job.members.get(h.sender) != peer:
             return
-        del job.members[h.sender]
-        job.shm_members.discard(h.sender)
+        self._depart(job, h.sender, f"rank {h.sender} left job {job.name!r}")
+
+    def _depart(self, job: Job, rank: int, what: str) -> None:
+        """``rank`` is no longer a member: what is open now can never have
+        every rank's part, so say so at once to those waiting, rather than
+        after the stall timeout."""
+        del job.members[rank]
+        job.shm_members.discard(rank)
         if not job.members:
             self._drop_job(job)
             log.info("shard %d: job %r finished (every worker left)", self.index, job.name)
             return
-        job.departed.add(h.sender)
-        # what is open now can never have every rank's part: say so at once
-        # to those waiting, rather than after the stall timeout
+        job.departed.add(rank)
         for slot in list(job.slots.values()):
             self._abandon(job, slot, ErrorCode.STALL,
-                          f"rank {h.sender} left job {job.name!r} while round {slot.key[0]} "
-                          f"{self._what(slot)} was open; it cannot complete")
+                          f"{what} while round {slot.key[0]} {self._what(slot)} was open; it cannot complete")
+
+    def connections_closed(self, peers) -> None:
+        """Members whose connection closed without LEAVE (a killed worker):
+        they depart now, and the others' open rounds fail naming them."""
+        for peer in peers:
+            for job in list(self.jobs.values()):
+                for rank, member in list(job.members.items()):
+                    if member == peer:
+                        self.counters["members_disconnected"] += 1
+                        log.warning("shard %d: job %r rank %d's connection closed without LEAVE", self.index,
+                                    job.name, rank)
+                        self._depart(job, rank, f"rank {rank} of job {job.name!r} lost its connection to the "
+                                                f"aggregator without leaving (the worker died or closed its client)")
 
     @staticmethod
     def _what(slot: Slot) -> str:
@@ -359,8 +378,8 @@ class Shard:
             self.counters["dropped_member_left"] += 1
             err = Header(MsgType.ERROR, job_id=job.job_id, round=h.round, index=h.index, sender=h.sender)
             self._reply(peer, err, wire.error_payload(
-                ErrorCode.STALL, f"rank(s) {gone} left job {job.name!r}; round {h.round} cannot complete until "
-                                 f"they join again"))
+                ErrorCode.STALL, f"rank(s) {gone} left job {job.name!r} or lost their connection; round "
+                                 f"{h.round} cannot complete until they join again"))
             return
         if slot is None:
             acc_dtype = ACC_DTYPE[h.dtype]

@@ -54,6 +54,11 @@ class Listener(ABC):
         parent sleeps on both. Transports without a joint poll look often."""
         time.sleep(min(timeout, 0.001))
 
+    def gone(self) -> list:
+        """Peers whose connection closed since the last call (a worker that
+        died without LEAVE), where the transport can tell; [] otherwise."""
+        return []
+
     @abstractmethod
     def close(self) -> None: ...
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from aggnet.protocol.address import Address
 from aggnet.transport.base import Connection, Incoming, Listener, Transport, TransportError
@@ -125,13 +126,49 @@ class ZmqListener(Listener):
             self.address = addr.with_port(int(bound.rsplit(":", 1)[1]))
         else:
             self.address = addr
+        # which connection each peer's messages came in on, and the
+        # connections that closed: a worker killed without LEAVE is told
+        # at once (its kernel closes the socket), not by a stall timeout
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._fd_of: dict = {}  # routing id -> descriptor of its connection
+        self._peers_on: dict = {}  # descriptor -> routing ids seen on it
+        self._closed: list = []
 
     def recv(self, timeout: float) -> Incoming | None:
         if not self._sock.poll(max(0, int(timeout * 1000))):
             return None
         frames = self._sock.recv_multipart(copy=False)
+        peer = frames[0].bytes
+        if peer not in self._fd_of and len(frames) > 1:
+            # a new peer: first take in what the monitor knows (a descriptor
+            # closed before this peer's connection could reuse it)
+            self._drain_monitor()
+            try:
+                fd = frames[1].get(zmq.SRCFD)
+            except zmq.ZMQError:
+                fd = None
+            if fd is not None:
+                self._fd_of[peer] = fd
+                self._peers_on.setdefault(fd, set()).add(peer)
         header, payload = _split(frames[1:])
-        return Incoming(frames[0].bytes, header, payload)
+        return Incoming(peer, header, payload)
+
+    def _drain_monitor(self) -> None:
+        while self._monitor.poll(0):
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return
+            # a closed descriptor, or one accepted again (so closed before):
+            # every peer seen on it is gone
+            for peer in self._peers_on.pop(int(event["value"]), ()):
+                self._fd_of.pop(peer, None)
+                self._closed.append(peer)
+
+    def gone(self) -> list:
+        self._drain_monitor()
+        out, self._closed = self._closed, []
+        return out
 
     def wait(self, timeout: float, connections=()) -> None:
         socks = [self._sock]
@@ -160,6 +197,11 @@ class ZmqListener(Listener):
         return True
 
     def close(self) -> None:
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         if self.address.scheme in ("zmq+ipc", "shm"):
             try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -265,6 +267,42 @@ def test_a_silent_worker_is_named_by_the_others(service):
         assert "rank(s) [2]" in text and job in text, text
         assert waited < 3
     assert res[2] == "idle"
+
+
+_KILLED_WORKER = """
+import os, signal, sys
+import numpy as np
+from aggnet import Client
+c = Client(sys.argv[1], job=sys.argv[2], rank=1, world_size=2, timeout=60)
+c.allreduce(np.ones(1000, np.float32)).result(timeout=60)
+print("summed", flush=True)
+sys.stdin.readline()
+os.kill(os.getpid(), signal.SIGKILL)  # no LEAVE, no close: as a crash
+"""
+
+
+@pytest.mark.parametrize("kind", ["zmq+tcp", "zmq+ipc", "shm"])
+def test_a_killed_worker_is_reported_to_the_survivor_at_once(service_factory, kind):
+    svc = service_factory(kind)
+    job = f"killed-{uuid.uuid4().hex[:6]}"
+    other = subprocess.Popen([sys.executable, "-c", _KILLED_WORKER, svc.address, job], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        with Client(svc.address, job=job, rank=0, world_size=2, timeout=60) as c:
+            c.allreduce(np.ones(1000, np.float32)).result(timeout=60)
+            assert other.stdout.readline().strip() == "summed"
+            pending = c.allreduce(np.ones(200_000, np.float32))  # rank 1 will never send its part
+            other.stdin.write("go\n")
+            other.stdin.flush()
+            other.wait(10)
+            t0 = time.monotonic()
+            with pytest.raises(AggregationTimeout, match="rank 1 of job .* lost its connection"):
+                pending.result(timeout=60)
+            assert time.monotonic() - t0 < 2
+    finally:
+        if other.poll() is None:
+            other.kill()
+    assert svc.stats()["totals"]["members_disconnected"] >= 1
 
 
 @pytest.mark.parametrize("kind", ["inproc", "zmq+tcp", "shm", "udp"])
