@@ -113,11 +113,14 @@ def test_ddp_demo_trains_across_racks():
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_an_interrupted_run_leaves_no_namespace_behind(sig):
-    # shaped links: 64 MiB take seconds, so the signal lands mid-run
+    # shaped links: 64 MiB take seconds, so the signal lands mid-run; Ctrl-C
+    # as in a terminal even where this test runs in the background (a
+    # background job inherits SIGINT ignored, and Python keeps it so)
     p = subprocess.Popen([sys.executable, "-m", "aggnet", "emulate", "--topology", TWO_RACKS, "allreduce",
                           "--workers", "2", "--size", "64MiB", "--rate", "100", "--uplink-rate", "100",
                           "--prefix", "agi"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         # interrupt once the workers are running
