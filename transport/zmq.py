@@ -132,7 +132,9 @@ class ZmqListener(Listener):
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._fd_of: dict = {}  # routing id -> descriptor of its connection
         self._peers_on: dict = {}  # descriptor -> routing ids seen on it
-        self._closed: list = []
+        # bounded: a listener whose owner never asks (a control endpoint)
+        # keeps only the latest
+        self._closed: collections.deque = collections.deque(maxlen=65536)
 
     def recv(self, timeout: float) -> Incoming | None:
         if not self._sock.poll(max(0, int(timeout * 1000))):
@@ -167,7 +169,8 @@ class ZmqListener(Listener):
 
     def gone(self) -> list:
         self._drain_monitor()
-        out, self._closed = self._closed, []
+        out = list(self._closed)
+        self._closed.clear()
         return out
 
     def wait(self, timeout: float, connections=()) -> None:

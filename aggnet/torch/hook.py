@@ -234,7 +234,8 @@ class AggnetState:
     @property
     def client(self) -> Client:
         """The aggnet client, connected on first use (the first bucket)."""
-        self._resolve()
+        if not self._resolved:
+            self._resolve()
         with self._lock:
             if self._client is None:
                 try:
@@ -301,7 +302,8 @@ def _wire_itemsize(t: torch.Tensor, codec: str | None) -> int:
 
 def allreduce_hook(state: AggnetState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: all-reduce ``bucket`` through aggnet."""
-    state._resolve()
+    if not state._resolved:
+        state._resolve()
     if state.staleness:
         from aggnet.torch.stale import allreduce_stale
 

@@ -86,8 +86,9 @@ class StaleQueue:
 
 
 def allreduce_stale(state, bucket) -> torch.futures.Future:
-    """The hook's path for ``staleness`` > 0: send this step's bucket,
-    answer with the same parameters' all-reduced gradients of s steps ago."""
+    """The hook's path for ``staleness`` > 0: keep a copy of this step's
+    bucket (the last bucket sends the whole step), and answer with the same
+    parameters' all-reduced gradients of s steps ago."""
     queue: StaleQueue = state.stale_queue
     buf = bucket.buffer()
     if buf.is_sparse:
