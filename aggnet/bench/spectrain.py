@@ -343,11 +343,7 @@ def main(args) -> int:
         records = _pool_map(run_pipeline, calls, args.jobs,
                             lambda r: f"N={r['stages']} {r['mode']:>9} lr {r['lr']} seed {r['seed']}: best valid "
                                       f"acc {100 * r['best_valid_acc']:.2f}% ({r['seconds']:.0f}s)")
-        keys = ("stages", "lr", "mode")
-        rows = table(records, keys)
-        _print_rows(rows, keys)
-        drawn = _draw(_plot_modes, rows, plot_path)
-        out = {"experiment": what, "table": rows, "runs": records}
+        drawn, out = _tabulate(what, records, ("stages", "lr", "mode"), _plot_modes, plot_path)
     else:
         steps = args.steps or 1000
         configs = [(0, False), (1, False), (1, True), (2, False), (2, True)]
@@ -356,16 +352,19 @@ def main(args) -> int:
         records = _pool_map(run_stale, calls, args.jobs,
                             lambda r: f"s={r['staleness']} predict={r['predict']} lr {r['lr']} seed {r['seed']}: "
                                       f"best valid acc {100 * r['best_valid_acc']:.2f}% ({r['seconds']:.0f}s)")
-        keys = ("lr", "staleness", "predict")
-        rows = table(records, keys)
-        _print_rows(rows, keys)
-        drawn = _draw(_plot_stale, rows, plot_path)
-        out = {"experiment": what, "table": rows, "runs": records}
+        drawn, out = _tabulate(what, records, ("lr", "staleness", "predict"), _plot_stale, plot_path)
     with open(json_path, "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {json_path}" + (f" and {plot_path}" if drawn else
                                   " (no plot: matplotlib is not installed; pip install 'aggnet[plot]')"))
     return 0
+
+
+def _tabulate(what: str, records: list[dict], keys: tuple, plot, plot_path: str) -> tuple[bool, dict]:
+    """The table over seeds, printed and drawn; (drawn, what the JSON holds)."""
+    rows = table(records, keys)
+    _print_rows(rows, keys)
+    return _draw(plot, rows, plot_path), {"experiment": what, "table": rows, "runs": records}
 
 
 def _draw(plot, rows: list[dict], path: str) -> bool:

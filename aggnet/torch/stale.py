@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from aggnet.errors import AggnetError
+from aggnet.pipeline.emulator import average
 from aggnet.pipeline.predict import WeightPredictor
 from aggnet.torch.futures import torch_future, when_all
 
@@ -193,15 +194,6 @@ class StaleStep:
         """Wait for the all-reduces still on their way (their gradients are
         not applied: training ended first)."""
         self.state.stale_queue.wait_all(timeout if timeout is not None else self.state.config.timeout * 2 + 10)
-
-
-def average(grads: list[torch.Tensor]) -> torch.Tensor:
-    """What an aggnet float32 average of ranks' buffers gives: the sum in
-    rank order, times 1/R (exact for two ranks whatever the order)."""
-    total = grads[0].clone()
-    for g in grads[1:]:
-        total += g
-    return total * (1.0 / len(grads))
 
 
 def emulate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer], batches,
