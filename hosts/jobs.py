@@ -22,6 +22,9 @@ from aggnet.protocol.wire import DType
 #: duplicated contribution is recognized and dropped instead of opening a
 #: slot that would never complete
 DONE_MEMORY = 8192
+#: bytes of replayed results (FINAL pushes) a job keeps for members that
+#: have not asked for them yet; the oldest go first past this
+FINALS_BYTES = 256 << 20
 
 #: accumulator dtype per wire dtype: 16-bit floats are summed in float32
 ACC_DTYPE = {
@@ -88,6 +91,29 @@ class Job:
     last_heard: float = field(default_factory=time.monotonic)
     #: rank -> when that rank's member last sent anything
     member_heard: dict = field(default_factory=dict)
+    #: (round, index, op) -> [RESULT header, payload, ranks answered]: a
+    #: result a member replayed (it had it from before a restart), kept
+    #: for the members that ask for it after
+    finals: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    finals_bytes: int = 0
+    #: a rack under a root: (round, index, op) -> (RESULT header, payload)
+    #: of the root's finals that another rack may still wait for, replayed
+    #: to a root that restarted; the workers' buffer-size agreement says
+    #: when every worker has them
+    kept_up: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    #: the root lost the job (it restarted): once it takes the rack back,
+    #: the kept finals and the open partials go to it again
+    replay_up: bool = False
+
+    def keep_final(self, key, header, payload: bytes, seen: int) -> None:
+        self.finals[key] = [header, payload, seen]
+        self.finals_bytes += len(payload)
+        while self.finals and (self.finals_bytes > FINALS_BYTES or len(self.finals) > DONE_MEMORY):
+            self.forget_final(next(iter(self.finals)))
+
+    def forget_final(self, key) -> None:
+        _, payload, _ = self.finals.pop(key)
+        self.finals_bytes -= len(payload)
 
     def live_member(self, rank: int, now: float) -> float | None:
         """Seconds since ``rank``'s member was last heard, where that member

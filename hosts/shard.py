@@ -23,13 +23,14 @@ from aggnet.protocol import control, wire
 from aggnet.protocol.control import ControlError
 from aggnet.protocol.keys import Keyring
 from aggnet.transport import Listener
-from aggnet.protocol.wire import DType, ErrorCode, Flag, Header, MsgType
+from aggnet.protocol.wire import (PLAN_VALUES, DType, ErrorCode, Flag, Header, MsgType, round_at_or_before,
+                                  settled_through)
 
 from aggnet.buffers import BufferPool
 
 from aggnet.hosts.admission import Disagreement, PendingJoin, admit
 from aggnet.hosts.parent import refusal, whole_here
-from aggnet.hosts.jobs import ACC_DTYPE, Job, Segment, Slot
+from aggnet.hosts.jobs import ACC_DTYPE, DONE_MEMORY, Job, Segment, Slot
 from aggnet.hosts.sparse import MESSAGES as SPARSE_MESSAGES, SparseTables
 from aggnet.hosts.uplink import Uplink
 
@@ -41,8 +42,9 @@ STALL_CHECK_INTERVAL = 0.25
 #: (workers killed without LEAVE, junk JOINs from a service open to many
 #: hosts), then its memory is reclaimed; None: never (a job that pauses
 #: for an hour-long evaluation keeps its place). A member that comes back
-#: after its job was reclaimed fails that all-reduce (NOT_JOINED) and
-#: joins again on its next
+#: after its job was reclaimed is told NOT_JOINED, joins again and
+#: finishes its all-reduce (a client with resume off fails that one and
+#: joins again on its next)
 JOB_LEASE = None
 _HALF_FMT = {DType.FLOAT16: "f16", DType.BFLOAT16: "bf16"}
 
@@ -95,6 +97,10 @@ class Shard:
             else:
                 self.listener.wait(0.2, self.uplink.connections)
                 self.from_root()
+                if self.uplink.lost():
+                    for job in list(self.jobs.values()):
+                        if not job.whole:
+                            self.root_lost(job)
                 msg = self.listener.recv(0)
             while msg is not None:
                 self.handle(msg.peer, msg.header, msg.payload)
@@ -362,6 +368,13 @@ class Shard:
             payload = seg.input_slot(h.sender, h.ref)[: h.payload_bytes]
         op_max = bool(h.flags & Flag.OP_MAX)
         key = (h.round, h.index, op_max)
+        if h.flags & Flag.FINAL:
+            self._on_final(job, peer, h, key, payload)
+            return
+        final = job.finals.get(key)
+        if final is not None:
+            self._answer_final(job, peer, h.sender, key, final)
+            return
         if key in job.done:
             given_up = job.abandoned.get(key)
             if given_up is not None:
@@ -419,6 +432,52 @@ class Shard:
                 self._send_up(job, slot)
             else:
                 self._complete(job, slot)
+
+    def _on_final(self, job: Job, peer, h: Header, key, payload) -> None:
+        """A member that has the result of ``key`` from before this shard
+        restarted sends it: those waiting get it now, later askers from
+        what is kept. The result is the first sum's, to the bit: the
+        members that had it and those that get it now agree."""
+        if h.flags & (Flag.SHM | Flag.TO_OWNER):
+            self._drop(peer, "bad_final", ErrorCode.MALFORMED,
+                       "a FINAL carries its result in the message, for every member", h)
+            return
+        bit = 1 << h.sender
+        kept = job.finals.get(key)
+        if kept is not None:
+            kept[2] |= bit
+            self.counters["dropped_duplicate_final"] += 1
+            return
+        if key in job.done:
+            self.counters["dropped_late_final"] += 1
+            return
+        self.counters["finals_replayed"] += 1
+        slot = job.slots.get(key)
+        if slot is None:
+            # nobody asked yet: the members that do get it from here
+            result = Header(MsgType.RESULT, job_id=job.job_id, round=h.round, index=h.index,
+                            flags=h.flags & (Flag.LITTLE_ENDIAN | Flag.OP_MAX), dtype=h.dtype, count=h.count,
+                            exponent=h.exponent, next_exponent=h.next_exponent, nsum=h.nsum, world=job.world,
+                            ref=h.ref, offset=h.offset)
+            job.keep_final(key, result, bytes(payload), bit)
+            job.remember_done(key)
+            return
+        if (h.dtype, h.count, h.offset) != (slot.dtype, slot.count, slot.offset):
+            self._mismatch(job, slot, h)
+            return
+        slot.nsum = 0  # the result replaces the partial sum
+        self._accumulate(slot, h, payload)
+        slot.nsum, slot.exponent, slot.next_exponent = h.nsum, h.exponent, h.next_exponent
+        self._complete(job, slot)
+
+    def _answer_final(self, job: Job, peer, rank: int, key, final) -> None:
+        header, payload, seen = final
+        if not self.listener.send(peer, header.pack(), payload):
+            self.counters["send_unreachable"] += 1
+        self.counters["results"] += 1
+        final[2] = seen | 1 << rank
+        if final[2] == (1 << job.world) - 1:
+            job.forget_final(key)
 
     def _accumulate(self, slot: Slot, h: Header, payload) -> None:
         acc = slot.acc
@@ -538,16 +597,19 @@ class Shard:
                          self.uplink.config.rack_id)
                 for p in job.parent.accepted():
                     self._reply(p.member, p.header, p.payload)
+            if job.replay_up:
+                job.replay_up = False
+                self._replay_up(job)
             return
         if h.msg_type == MsgType.ERROR:
             code, text = wire.parse_error(payload)
             key = (h.round, h.index, False)
             slot = job.slots.get(key) or job.slots.get((h.round, h.index, True))
-            if code == ErrorCode.NOT_JOINED and job.parent.ready:
-                # the root lost the job (it restarted): ask again; workers
-                # that rejoin after this round's error wait for its answer
-                job.parent.lost()
-                self.uplink.join(job.job_id, job.name, job.stall_timeout)
+            if code == ErrorCode.NOT_JOINED and (job.parent.ready or job.replay_up):
+                # the root lost the job (it restarted): join it again and
+                # send it what it lost; the rounds in flight go on
+                self.root_lost(job)
+                return
             if slot is not None and slot.sent_up:
                 # the workers are members here: a job the root lost is this
                 # rack's to join again, not theirs (they would rejoin for
@@ -587,7 +649,45 @@ class Shard:
         slot.next_exponent = h.next_exponent
         slot.nsum = h.nsum
         job.counters["finals_down"] += 1
+        # kept by reference (a transport buffer is not reused while held)
+        job.kept_up[slot.key] = (h, payload)
+        if slot.key[1] == wire.PLAN_INDEX and h.count == PLAN_VALUES:
+            # the workers' agreement: every worker has the rounds more than
+            # the largest lag back
+            mark = settled_through(h.round, np.frombuffer(payload, np.int32, h.count))
+            while job.kept_up and round_at_or_before(next(iter(job.kept_up))[0], mark):
+                job.kept_up.popitem(last=False)
+        while len(job.kept_up) > DONE_MEMORY:
+            job.kept_up.popitem(last=False)
         self._complete(job, slot)
+
+    def root_lost(self, job: Job) -> None:
+        """The root forgot ``job`` (it restarted, or the connection to it
+        closed): join it again; the replay follows its answer."""
+        if job.replay_up:
+            return
+        log.warning("shard %d: the root lost job %r; joining it again to finish the rounds in flight", self.index,
+                    job.name)
+        self.counters["uplink_rejoins"] += 1
+        job.replay_up = True
+        job.parent.lost()
+        self.uplink.join(job.job_id, job.name, job.stall_timeout)
+
+    def _replay_up(self, job: Job) -> None:
+        """What a restarted root needs from this rack: each final that
+        another rack may still wait for, and every partial still open."""
+        up = self.uplink
+        for h, payload in job.kept_up.values():
+            final = Header(MsgType.PUSH, job_id=job.job_id, round=h.round, index=h.index, sender=up.config.rack_id,
+                           world=up.config.racks, flags=(h.flags & (Flag.LITTLE_ENDIAN | Flag.OP_MAX)) | Flag.FINAL,
+                           dtype=h.dtype, count=h.count, exponent=h.exponent, next_exponent=h.next_exponent,
+                           nsum=h.nsum, offset=h.offset)
+            up.send_final(final.pack(), payload)
+        resent = [slot for slot in job.slots.values() if slot.sent_up]
+        for slot in resent:
+            self._send_up(job, slot)
+        log.info("shard %d: the root took job %r back: %d final(s) and %d partial(s) sent again", self.index,
+                 job.name, len(job.kept_up), len(resent))
 
     def _mismatch(self, job: Job, slot: Slot, h: Header) -> None:
         text = (f"job {job.name!r} round {slot.key[0]} chunk {slot.key[1]}: rank {h.sender} sent "

@@ -123,6 +123,18 @@ class Uplink:
         self.counters["bytes_up"] += memoryview(payload).nbytes
         return self._send(header, payload)
 
+    def send_final(self, header: bytes, payload) -> bool:
+        """A final the root sent before it restarted, replayed to it."""
+        if self.data is None:
+            return False
+        self.counters["finals_replayed"] = self.counters.get("finals_replayed", 0) + 1
+        return self._send(header, payload)
+
+    def lost(self) -> bool:
+        """Whether the connection to the root shard closed since the last
+        call (the root shard died; its successor may be starting)."""
+        return self.data is not None and bool(self.data.gone())
+
     def _send(self, header: bytes, payload=None) -> bool:
         try:
             self.data.send(0, header, payload)

@@ -86,6 +86,12 @@ class Connection(ABC):
     def wakeup(self) -> None:
         """Make a blocked :meth:`recv` return early; safe from any thread."""
 
+    def gone(self) -> list[int]:
+        """Endpoints whose connection closed since the last call (an
+        aggregator shard that died; it may be back on the same address),
+        where the transport can tell; [] otherwise."""
+        return []
+
     @abstractmethod
     def close(self) -> None: ...
 

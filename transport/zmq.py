@@ -239,6 +239,14 @@ class ZmqConnection(Connection):
             self._socks.append(s)
             self._poller.register(s, zmq.POLLIN)
             self._index[s] = i
+        # a shard that dies closes its connections: the client hears it at
+        # once and can join the shard's successor on the same address
+        self._monitors = {}
+        for i, s in enumerate(self._socks):
+            m = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitors[m] = i
+            self._poller.register(m, zmq.POLLIN)
+        self._gone: set[int] = set()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller.register(self._wake_fd, zmq.POLLIN)
         self._ready: collections.deque[Incoming] = collections.deque()
@@ -261,6 +269,9 @@ class ZmqConnection(Connection):
                 except BlockingIOError:
                     pass
                 continue
+            if sock in self._monitors:
+                self._drain_monitor(sock)
+                continue
             # drain what is there so one poll serves many messages
             i = self._index[sock]
             while True:
@@ -272,12 +283,33 @@ class ZmqConnection(Connection):
                 self._ready.append(Incoming(i, header, payload))
         return self._ready.popleft() if self._ready else None
 
+    def _drain_monitor(self, monitor) -> None:
+        while True:
+            try:
+                recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return
+            self._gone.add(self._monitors[monitor])
+
+    def gone(self) -> list[int]:
+        out = sorted(self._gone)
+        self._gone.clear()
+        return out
+
     def wakeup(self) -> None:
         os.eventfd_write(self._wake_fd, 1)
 
     def close(self) -> None:
         # a short linger lets a last message (a LEAVE) go out; the shared
         # context is never terminated, so this never blocks the caller
+        for s in self._socks:
+            try:
+                s.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        for m in getattr(self, "_monitors", {}):
+            m.close(linger=0)
+        self._monitors = {}
         for s in self._socks:
             s.close(linger=200)
         self._socks = []

@@ -411,8 +411,10 @@ class Client(ABC):
         self._active.pop(req.round, None)
         if req.error is not None:
             req.failed = True
+            self._restore(req)
             req.future.set_exception(req.error)
             return
+        self._release(req)
         self.stats.allreduces += 1
         self.stats.seconds += time.monotonic() - req.submitted
         req.future.set_result(req.caller_buf)
@@ -422,6 +424,7 @@ class Client(ABC):
             return
         req.failed = True
         self._active.pop(req.round, None)
+        self._restore(req)
         req.future.set_exception(exc)
         if poison:
             self._fail_all(exc, poison=True)
@@ -445,4 +448,13 @@ class Client(ABC):
         for r in reqs:
             if not r.failed:
                 r.failed = True
+                self._restore(r)
                 r.future.set_exception(exc)
+
+    def _restore(self, req: Request) -> None:
+        """A failed all-reduce leaves the caller's buffer as it was given
+        (a client kind that writes results as they come puts back what
+        it overwrote)."""
+
+    def _release(self, req: Request) -> None:
+        """A completed all-reduce's bookkeeping may go."""

@@ -6,6 +6,16 @@ each result is written into the caller's buffer as it arrives. Over
 ``shm://`` the payloads go through shared-memory rings (:mod:`aggnet.transport.shm`)
 and only headers cross the socket. The int32 codec first agrees every
 chunk's exponent with a MAX over workers (one small message per shard).
+
+A shard that restarts loses the rounds it was summing. The client hears it
+(the shard's connection closes, or the shard answers NOT_JOINED), joins
+the shard's successor and sends it again what it owes: its contributions
+to what it still waits for, and, as a FINAL, every result it already has
+that another worker may still wait for (it keeps results until the
+buffer-size agreement of a later round shows that every worker has them).
+Until a round completes, each result overwrites the caller's buffer only
+after the elements it replaces are saved, so a round that fails leaves
+the buffer as it was given.
 """
 
 from __future__ import annotations
@@ -20,14 +30,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from aggnet import kernels
+from aggnet.buffers import BufferPool
 from aggnet.client import chunking, session
 from aggnet.protocol import wire
 from aggnet.protocol.address import parse, reached_via
 from aggnet.client.base import STALL_FRACTION, Client, Request
 from aggnet.client.codec import Encoding
 from aggnet.errors import AggregationError, AggregationTimeout, AggregatorUnreachable, JobMismatch, NonFiniteError
-from aggnet.transport import connect
-from aggnet.protocol.wire import DType, Flag, Header, MsgType
+from aggnet.transport import TransportError, connect
+from aggnet.protocol.wire import (PLAN_VALUES, DType, Flag, Header, MsgType, round_at_or_before,
+                                  settled_through)
 
 log = logging.getLogger("aggnet.client")
 
@@ -36,6 +48,8 @@ _TICK = 0.05
 #: how long a closing client waits for its shards to echo its LEAVE (an
 #: aggregator that is gone costs a close this much)
 LEAVE_ACK_TIMEOUT = 1.0
+#: seconds between JOINs to a shard that restarted, until it answers
+REJOIN_INTERVAL = 0.5
 
 
 @dataclass(eq=False)
@@ -52,7 +66,12 @@ class ChunkRequest(Request):
     #: worker sees the same agreed exponents, so all skip the same chunks
     skip_shards: set = field(default_factory=set)
     plan: np.ndarray | None = None  #: size, wire dtype: what the buffer-size agreement compares
+    plan_sent: np.ndarray | None = None  #: the agreement's payload as sent
+    plan_shard: int = 0
     plan_done: bool = False
+    #: (offset, count, saved copy) of the caller's elements each result
+    #: overwrote, put back if the round fails
+    saved: list = field(default_factory=list)
     #: a chunk given up because another worker stopped: reported once the
     #: buffer-size agreement and the chunks in flight have answered, since
     #: one of them may name the cause (a JobMismatch), which is the error
@@ -74,6 +93,10 @@ class ChunkClient(Client):
         #: same-host shared-memory payloads (shm:// addresses)
         scheme = parse(self.address).scheme
         self._shm = scheme == "shm"
+        # shared-memory rings are numbered alike on every worker from the
+        # job's start: a restarted shard's new rings cannot take a round
+        # over half-way, so over shm:// a restart fails the round
+        self._resume = self.config.resume and not self._shm
         self.chunk_bytes = self.config.chunk_bytes_for(scheme)
         self._segments: list = []
         self._conn = None
@@ -173,8 +196,7 @@ class ChunkClient(Client):
         self._advertised = shards
         return reachable
 
-    def _join(self) -> None:
-        deadline = time.monotonic() + self.config.connect_timeout
+    def _join_message(self) -> tuple[Header, bytes]:
         # at its aggregator a worker is one of `members` (its rack's workers)
         h = Header(MsgType.JOIN, job_id=self.job_id, sender=self.member_rank, world=self.members)
         # the aggregator names silent workers before the client's own
@@ -184,7 +206,11 @@ class ChunkClient(Client):
         request = {"name": self.job, "world": self.world_size, "timeout": STALL_FRACTION * self.config.timeout}
         if self._shm:
             request["shm"] = {"window": self.config.window, "chunk_bytes": self.chunk_bytes}
-        payload = wire.json_payload(self._signed("JOIN", h, request))
+        return h, wire.json_payload(self._signed("JOIN", h, request))
+
+    def _join(self) -> None:
+        deadline = time.monotonic() + self.config.connect_timeout
+        h, payload = self._join_message()
         replies = self._request_reply(self._conn, list(range(len(self.shards))), h, payload, MsgType.JOIN_OK, deadline)
         if self._shm:
             from aggnet.transport.shm import Segment
@@ -226,6 +252,14 @@ class ChunkClient(Client):
         self._outstanding: dict[tuple[int, int], np.ndarray | None] = {}
         self._last_progress = time.monotonic()
         self._rejoin_needed = False
+        #: shard -> when its JOIN goes again: shards that restarted (or
+        #: lost the connection) and have not taken this worker back yet
+        self._rejoining: dict[int, float] = {}
+        #: per shard, (round, index, op) -> (RESULT header, payload) of the
+        #: results this worker has and another may still wait for
+        self._kept = [collections.OrderedDict() for _ in self.shards]
+        #: the caller's elements a result overwrote, until its round is over
+        self._saves = BufferPool(max_buffers=4096)
         while True:
             new, closing = self._take_submitted()
             if closing:
@@ -242,6 +276,7 @@ class ChunkClient(Client):
                 if msg is None:
                     self._send_ready()
                     msg = self._conn.recv(0)
+            self._watch_shards()
             self._check_progress()
 
     def _rejoin(self, new: list) -> list:
@@ -259,6 +294,80 @@ class ChunkClient(Client):
         log.info("%s joined its shards again", self._context())
         self.stats.rejoins += 1
         return new
+
+    # -- a shard that restarted ------------------------------------------------------
+
+    def _watch_shards(self) -> None:
+        if not self._resume:
+            return
+        for shard in self._conn.gone():
+            self._shard_lost(shard, "closed its connection")
+        now = time.monotonic()
+        for shard, due in list(self._rejoining.items()):
+            if now >= due:
+                self._rejoining[shard] = now + REJOIN_INTERVAL
+                h, payload = self._join_message()
+                try:
+                    self._conn.send(shard, h.pack_for(payload), payload)
+                except TransportError:
+                    pass  # sent again in REJOIN_INTERVAL, until the progress timeout
+
+    def _shard_lost(self, shard: int, why: str) -> None:
+        if shard not in self._rejoining:
+            log.warning("%s: shard %d at %s %s; joining it again to finish the rounds in flight", self._context(),
+                        shard, self.shards[shard], why)
+            self._rejoining[shard] = 0.0
+
+    def _rejoined(self, shard: int) -> None:
+        """The shard took this worker (back): send it what it may have lost.
+        A shard that did not restart drops what it has seen already."""
+        del self._rejoining[shard]
+        self.stats.rejoins += 1
+        self._last_progress = time.monotonic()
+        finals = self._kept[shard]
+        log.info("%s: shard %d took this worker back; %d result(s) and the rounds in flight go to it again",
+                 self._context(), shard, len(finals))
+        for h, payload in finals.values():
+            final = Header(MsgType.PUSH, job_id=self.job_id, round=h.round, index=h.index, sender=self.member_rank,
+                           flags=(h.flags | Flag.FINAL) & ~Flag.SHM, dtype=h.dtype, count=h.count,
+                           exponent=h.exponent, next_exponent=h.next_exponent, nsum=h.nsum, world=self.members,
+                           ref=h.ref, offset=h.offset)
+            self._conn.send(shard, final.pack(), payload)
+        for req in list(self._active.values()):
+            if req.failed:
+                continue
+            owed = [c for c in req.queues.get(shard, ()) if (req.round, c.index) in self._outstanding]
+            if req.bounds is not None and (owed or req.queues.get(shard)):
+                # an owner's share is kept by its owner alone: the others
+                # cannot replay it
+                self._fail_round(req, AggregationError(
+                    f"{self._context()}: shard {shard} at {self.shards[shard]} restarted during reduce-scatter "
+                    f"round {req.round}, which cannot be resumed; run the step again"))
+                continue
+            if not req.plan_done and req.plan_shard == shard:
+                self._send_plan(req)
+            if shard in req.scale_pending:
+                self._send_scale(req, shard)
+            for c in owed:
+                self._send_chunk(req, c, again=True)
+
+    def _forget_through(self, mark: int) -> None:
+        """Every worker has the results of rounds up to ``mark``."""
+        for kept in self._kept:
+            while kept:
+                key = next(iter(kept))
+                if not round_at_or_before(key[0], mark):
+                    break
+                del kept[key]
+
+    def _restore(self, req: ChunkRequest) -> None:
+        dest = req.buf if req.out is None else req.out
+        for start, saved in reversed(req.saved):
+            dest[start:start + saved.size] = saved
+        req.saved = []
+
+    def _release(self, req: ChunkRequest) -> None:
+        req.saved = []
 
     def _admit(self, req: ChunkRequest) -> None:
         rotation = req.round if req.key is None else req.key
@@ -285,16 +394,28 @@ class ChunkClient(Client):
         size = req.buf.size
         mine = np.array([size >> 31, size & 0x7FFFFFFF, int(req.enc.wire)], np.int32)
         req.plan = mine
-        shard = req.round % len(self.shards)
+        req.plan_shard = req.round % len(self.shards)
+        # rounds back to this worker's oldest unfinished one (this one: 1)
+        oldest = next(iter(self._active))
+        lag = min((req.round - oldest) % (1 << 32) + 1, 0x7FFFFFFF)
+        req.plan_sent = np.concatenate([mine, -mine, np.array([lag], np.int32)])
+        self._send_plan(req)
+
+    def _send_plan(self, req: ChunkRequest) -> None:
         h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=wire.PLAN_INDEX,
-                   sender=self.member_rank, flags=Flag.OP_MAX | Flag.LITTLE_ENDIAN, dtype=DType.INT32, count=6,
-                   world=self.members)
-        self._conn.send(shard, h.pack(), np.concatenate([mine, -mine]))
+                   sender=self.member_rank, flags=Flag.OP_MAX | Flag.LITTLE_ENDIAN, dtype=DType.INT32,
+                   count=PLAN_VALUES, world=self.members)
+        self._conn.send(req.plan_shard, h.pack(), req.plan_sent)
 
     def _on_plan(self, req: ChunkRequest, h: Header, payload) -> None:
         req.plan_done = True
-        agreed = np.frombuffer(payload, np.int32, h.count) if h.count == 6 else None
-        if agreed is not None and (agreed[:3] == req.plan).all() and (-agreed[3:] == req.plan).all():
+        agreed = np.frombuffer(payload, np.int32, h.count) if h.count == PLAN_VALUES else None
+        if agreed is not None:
+            # every worker had finished the rounds more than the largest
+            # lag back when it started this one: nobody waits for their
+            # results any more
+            self._forget_through(settled_through(req.round, agreed))
+        if agreed is not None and (agreed[:3] == req.plan).all() and (-agreed[3:6] == req.plan).all():
             if req.held_error is not None:
                 self._settle_held(req)
                 return
@@ -303,7 +424,7 @@ class ChunkClient(Client):
                 self._complete(req)
             return
         if agreed is None:
-            text = f"the buffer-size agreement came back with {h.count} values, not 6"
+            text = f"the buffer-size agreement came back with {h.count} values, not {PLAN_VALUES}"
         else:
             lo = (int(-agreed[3]) << 31) + int(-agreed[4])
             hi = (int(agreed[0]) << 31) + int(agreed[1])
@@ -334,13 +455,18 @@ class ChunkClient(Client):
             req.local_nonfinite += nonfinite
             exps[c.index] = kernels.exponent_of(bits, nonfinite)
         req.exponents = exps
-        for shard, q in req.queues.items():
-            mine = np.ascontiguousarray(exps[[c.index for c in q]])
-            h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=wire.SCALE_INDEX,
-                       sender=self.member_rank, flags=Flag.OP_MAX | Flag.LITTLE_ENDIAN, dtype=DType.INT16,
-                       count=mine.size, world=self.members)
-            self._conn.send(shard, h.pack(), mine)
+        for shard in req.queues:
+            self._send_scale(req, shard)
             req.scale_pending.add(shard)
+
+    def _send_scale(self, req: ChunkRequest, shard: int) -> None:
+        """This worker's exponents of its chunks on ``shard`` (before the
+        agreement's answer replaces them)."""
+        mine = np.ascontiguousarray(req.exponents[[c.index for c in req.queues[shard]]])
+        h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=wire.SCALE_INDEX,
+                   sender=self.member_rank, flags=Flag.OP_MAX | Flag.LITTLE_ENDIAN, dtype=DType.INT16,
+                   count=mine.size, world=self.members)
+        self._conn.send(shard, h.pack(), mine)
 
     def _take_staging(self) -> np.ndarray:
         # at most shards * window buffers ever exist: allocated on first use,
@@ -360,13 +486,16 @@ class ChunkClient(Client):
             for shard, q in enumerate(self._to_send):
                 while q and (q[0][0].failed or q[0][0].held_error is not None or shard in q[0][0].skip_shards):
                     q.popleft()
-                if not q or self._inflight[shard] >= window or shard in q[0][0].scale_pending:
+                if not q or self._inflight[shard] >= window or shard in q[0][0].scale_pending or \
+                        shard in self._rejoining:
                     continue
                 req, c = q.popleft()
                 self._send_chunk(req, c)
                 progressed = True
 
-    def _send_chunk(self, req: ChunkRequest, c: chunking.Chunk) -> None:
+    def _send_chunk(self, req: ChunkRequest, c: chunking.Chunk, again: bool = False) -> None:
+        """Send a chunk (``again``: once more, to a shard that restarted;
+        its window place and staging buffer are the ones it has)."""
         enc = req.enc
         src = req.buf[c.offset:c.offset + c.count]
         exponent = 0
@@ -374,7 +503,7 @@ class ChunkClient(Client):
         if enc.quantized:
             exponent = int(req.exponents[c.index])
             shift = kernels.quant_shift(exponent, self.world_size)
-        staging = None
+        staging = self._outstanding.get((req.round, c.index)) if again else None
         seq = self._seq[c.shard]
         self._seq[c.shard] = (seq + 1) & 0xFFFFFFFF
         flags = Flag.LITTLE_ENDIAN
@@ -387,7 +516,7 @@ class ChunkClient(Client):
         elif enc.zero_copy:
             payload = src
         else:
-            staging = self._take_staging()
+            staging = staging if staging is not None else self._take_staging()
             payload = enc.encode(src, staging.view(enc.staging_dtype), shift)
         self._outstanding[(req.round, c.index)] = staging
         if c.owner is not None:
@@ -396,7 +525,8 @@ class ChunkClient(Client):
                    sender=self.member_rank, flags=flags, dtype=enc.wire, count=c.count, exponent=exponent,
                    world=self.members, ref=seq, offset=c.offset, nsum=c.owner or 0)
         self._conn.send(c.shard, h.pack(), payload)
-        self._inflight[c.shard] += 1
+        if not again:
+            self._inflight[c.shard] += 1
         self.stats.chunks_sent += 1
         self.stats.bytes_sent += c.count * enc.wire_itemsize
 
@@ -415,6 +545,8 @@ class ChunkClient(Client):
             self._on_result(msg.peer, h, msg.payload)
         elif h.msg_type == MsgType.ERROR:
             self._on_error(msg.peer, h, *wire.parse_error(msg.payload))
+        elif h.msg_type == MsgType.JOIN_OK and msg.peer in self._rejoining:
+            self._rejoined(msg.peer)
 
     def _on_result(self, shard: int, h: Header, payload) -> None:
         if h.index not in (wire.SCALE_INDEX, wire.PLAN_INDEX):
@@ -429,11 +561,16 @@ class ChunkClient(Client):
         if req is None:
             return  # a late result of a failed round
         self._last_progress = time.monotonic()
+        if self._resume and not h.flags & Flag.TO_OWNER:
+            # kept by reference: ZeroMQ frames and UCX's pooled buffers are
+            # not reused while referenced (an owner's share is nobody else's)
+            self._kept[shard][(h.round, h.index, bool(h.flags & Flag.OP_MAX))] = (h, payload)
         if h.index == wire.SCALE_INDEX:
             self._on_scale(req, shard, h, payload)
             return
         if h.index == wire.PLAN_INDEX:
-            self._on_plan(req, h, payload)
+            if not req.plan_done:  # else a second answer, from a shard that was sent it again
+                self._on_plan(req, h, payload)
             return
         if h.index >= len(req.chunks):
             self.stats.dropped_replies += 1
@@ -461,7 +598,12 @@ class ChunkClient(Client):
             payload = self._segments[shard].result_slot(h.ref)[: h.payload_bytes]
         # a reduce-scatter's share goes to its own output buffer
         start = c.offset if req.out is None else c.offset - req.bounds[self.rank]
-        req.enc.decode(payload, (req.buf if req.out is None else req.out)[start:start + c.count], shift)
+        dest = (req.buf if req.out is None else req.out)[start:start + c.count]
+        if self._resume:
+            saved = self._saves.take(dest.nbytes)[:dest.nbytes].view(dest.dtype)
+            np.copyto(saved, dest)
+            req.saved.append((start, saved))
+        req.enc.decode(payload, dest, shift)
         self.stats.results += 1
         self.stats.bytes_received += len(payload)
         req.remaining -= 1
@@ -503,6 +645,16 @@ class ChunkClient(Client):
         where = f"aggregator shard {shard} at {self._conn.addresses[shard]}"
         kind = session.error_type(code)
         exc = kind(f"{self._context()}: {where}: {text}")
+        if shard in self._rejoining and not h.round and code != wire.ErrorCode.NOT_JOINED.value:
+            # the restarted shard refused this worker's JOIN: nothing in
+            # flight can finish there
+            del self._rejoining[shard]
+            self._rejoin_needed = True
+            for req in list(self._active.values()):
+                self._fail_round(req, exc)
+            if code == wire.ErrorCode.JOB_MISMATCH.value:
+                self._job_refused(exc)
+            return
         if code == wire.ErrorCode.JOB_MISMATCH.value and not h.round:
             # about the job, not a round: another member disagrees with it
             self._job_refused(exc)
@@ -515,6 +667,11 @@ class ChunkClient(Client):
             log.debug("%s: an ERROR for no pending all-reduce: %s", self._context(), text)
             return
         if code == wire.ErrorCode.NOT_JOINED.value:
+            if self._resume:
+                # the shard restarted (or reclaimed the job): join it again
+                # and send it what it lost; the round goes on
+                self._shard_lost(shard, "answered that this worker has not joined it")
+                return
             self._rejoin_needed = True
         if kind is AggregationTimeout:
             # given up because another worker stopped: if it stopped over a
@@ -550,9 +707,16 @@ class ChunkClient(Client):
                           ([s for s in range(len(self.shards)) if self._inflight[s]] + list(r.scale_pending))})
         where = ", ".join(f"shard {s} at {self.shards[s]}" for s in waiting) or "no shard"
         rounds = sorted(self._active)
-        exc = AggregationTimeout(
-            f"{self._context()}: no progress for {idle:.1f}s on round(s) {rounds}, waiting on {where}; "
-            f"is the aggregator running and are all {self.world_size} workers calling allreduce?")
+        if self._rejoining:
+            lost = ", ".join(f"shard {s} at {self.shards[s]}" for s in sorted(self._rejoining))
+            exc = AggregationTimeout(
+                f"{self._context()}: no progress for {idle:.1f}s on round(s) {rounds}: {lost} went away and has "
+                f"not taken this worker back; is the aggregator service (and its --restart) running?")
+            self._rejoining.clear()
+        else:
+            exc = AggregationTimeout(
+                f"{self._context()}: no progress for {idle:.1f}s on round(s) {rounds}, waiting on {where}; "
+                f"is the aggregator running and are all {self.world_size} workers calling allreduce?")
         for req in list(self._active.values()):
             self._fail_round(req, exc)
         # a shard that died and came back has forgotten the job

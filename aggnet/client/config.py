@@ -20,6 +20,7 @@ Environment variables:
 ``AGGNET_SERVER_KEY``  the service's CURVE public key (zmq+tcp with CURVE)
 ``AGGNET_TOPOLOGY``    a topology file: each rank finds its rack's aggregator
 ``AGGNET_CODEC``       aggnet.torch's float32 wire format: float32, int32, fp16, bf16
+``AGGNET_RESUME``      0: an aggregator restart fails the all-reduces in flight
 =====================  ====================================================
 """
 
@@ -58,6 +59,15 @@ def parse_size(text: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read size {text!r}: use a number with an optional unit like 32KiB, 1MiB, 100MiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("use 1 or 0")
 
 
 def format_size(n: int) -> str:
@@ -104,6 +114,11 @@ class ClientConfig:
     #: a topology file (racks, their aggregators, the root): each rank finds
     #: its rack's aggregator in it; used when no address is given
     topology: str | None = None
+    #: keep what a restarted aggregator needs to finish the all-reduces in
+    #: flight (the caller's input until a round completes, each result
+    #: until every worker has it), so that a shard restart costs a rejoin
+    #: instead of a failed step; False saves that memory and copying
+    resume: bool = True
 
     def __post_init__(self):
         if self.timeout <= 0:
@@ -152,6 +167,7 @@ class ClientConfig:
             ("server_key", "AGGNET_SERVER_KEY", str),
             ("topology", "AGGNET_TOPOLOGY", str),
             ("codec", "AGGNET_CODEC", str),
+            ("resume", "AGGNET_RESUME", _flag),
         ):
             if env.get(name):
                 try:

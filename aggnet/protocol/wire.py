@@ -147,12 +147,19 @@ class Flag(enum.IntFlag):
     #: the other ranks get a RESULT without payload (``count`` 0) that
     #: frees their window
     TO_OWNER = 0x40
+    #: a PUSH that carries a complete result, sent by a member that has it
+    #: to an aggregator that restarted and lost it: the aggregator answers
+    #: the members still waiting for that result with it, exactly as the
+    #: first aggregator summed it, instead of waiting for contributions that
+    #: the members who finished can no longer send
+    FINAL = 0x80
 
 
 #: flags the P4 program leaves undeclared: a switch multicasts every result
-#: to all members of a job and cannot deliver one rank's share, so only
-#: aggregator services honour them
-NOT_IN_P4 = Flag.TO_OWNER
+#: to all members of a job and cannot deliver one rank's share, and keeps
+#: no job across a restart of its own, so only aggregator services honour
+#: them
+NOT_IN_P4 = Flag.TO_OWNER | Flag.FINAL
 
 #: message types only aggregator hosts speak: the P4 program's enum leaves
 #: them out (a switch drops them as unknown)
@@ -304,6 +311,24 @@ SCALE_INDEX = 0xFFFFFFFF
 #: its size and of its negation over workers): a worker whose buffer
 #: differs fails with JobMismatch on every rank, not with a timeout
 PLAN_INDEX = 0xFFFFFFFE
+#: values in the buffer-size agreement: size (two words), wire dtype, their
+#: negations, and how many rounds back the sender's oldest unfinished one
+#: is (the MAX over workers says which results every worker has, so the
+#: results kept for a restarted aggregator can go)
+PLAN_VALUES = 7
+_ROUNDS = 1 << 32
+
+
+def round_at_or_before(r: int, mark: int) -> bool:
+    """Whether round ``r`` is ``mark`` or earlier, rounds counted modulo 2**32."""
+    return (mark - r) % _ROUNDS < _ROUNDS // 2
+
+
+def settled_through(round_: int, plan) -> int:
+    """The last round every worker had finished, read from ``round_``'s
+    agreed buffer-size agreement ``plan`` (PLAN_VALUES int32)."""
+    return (round_ - int(plan[PLAN_VALUES - 1])) % _ROUNDS
+
 
 
 def json_payload(obj) -> bytes:

@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch", reason="the backend needs PyTorch (pip inst
 from harness import backend_workers as B  # noqa: E402
 from aggnet import Client  # noqa: E402
 from aggnet.errors import JobMismatch  # noqa: E402
+from aggnet.protocol.wire import PLAN_VALUES  # noqa: E402
 from harness.helpers import RunningService, run_workers  # noqa: E402
 
 
@@ -64,9 +65,9 @@ def test_service_reduce_scatter_sends_each_rank_only_its_share(kind):
             out, received = res[r]
             assert np.array_equal(out, total[bounds[r]:bounds[r + 1]])
             assert received == 4 * (bounds[r + 1] - bounds[r])  # S/N down, not S
-        # the aggregator sent the sum once (and to each rank the 24-byte
+        # the aggregator sent the sum once (and to each rank the 28-byte
         # buffer-size agreement), where an all-reduce sends it to every rank
-        assert svc.stats()["totals"]["bytes_out"] == 4 * bounds[-1] + world * 24
+        assert svc.stats()["totals"]["bytes_out"] == 4 * bounds[-1] + world * 4 * PLAN_VALUES
     finally:
         svc.stop()
 
