@@ -25,6 +25,10 @@ DONE_MEMORY = 8192
 #: bytes of replayed results (FINAL pushes) a job keeps for members that
 #: have not asked for them yet; the oldest go first past this
 FINALS_BYTES = 256 << 20
+#: a rack under a root keeps the root's last finals of chunks for a root
+#: that restarts (another rack lacks at most those of its open partials,
+#: which its workers' windows bound)
+KEEP_UP_CHUNKS = 64
 
 #: accumulator dtype per wire dtype: 16-bit floats are summed in float32
 ACC_DTYPE = {
@@ -101,6 +105,7 @@ class Job:
     #: to a root that restarted; the workers' buffer-size agreement says
     #: when every worker has them
     kept_up: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    kept_up_chunks: collections.OrderedDict = field(default_factory=collections.OrderedDict)
     #: the root lost the job (it restarted): once it takes the rack back,
     #: the kept finals and the open partials go to it again
     replay_up: bool = False

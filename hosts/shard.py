@@ -30,7 +30,7 @@ from aggnet.buffers import BufferPool
 
 from aggnet.hosts.admission import Disagreement, PendingJoin, admit
 from aggnet.hosts.parent import refusal, whole_here
-from aggnet.hosts.jobs import ACC_DTYPE, DONE_MEMORY, Job, Segment, Slot
+from aggnet.hosts.jobs import ACC_DTYPE, KEEP_UP_CHUNKS, Job, Segment, Slot
 from aggnet.hosts.sparse import MESSAGES as SPARSE_MESSAGES, SparseTables
 from aggnet.hosts.uplink import Uplink
 
@@ -511,6 +511,12 @@ class Shard:
     def _complete(self, job: Job, slot: Slot) -> None:
         del job.slots[slot.key]
         job.remember_done(slot.key)
+        if job.finals and slot.key[1] == wire.PLAN_INDEX and slot.count == PLAN_VALUES:
+            # the workers' agreement says which rounds every worker has
+            # finished: nobody will ask for their replayed results
+            mark = settled_through(slot.key[0], slot.acc)
+            for key in [k for k in job.finals if round_at_or_before(k[0], mark)]:
+                job.forget_final(key)
         h = Header(MsgType.RESULT, job_id=job.job_id, round=slot.key[0], index=slot.key[1],
                    flags=Flag.LITTLE_ENDIAN | (Flag.OP_MAX if slot.op_max else 0), dtype=slot.dtype,
                    count=slot.count, exponent=slot.exponent, next_exponent=slot.next_exponent,
@@ -649,17 +655,28 @@ class Shard:
         slot.next_exponent = h.next_exponent
         slot.nsum = h.nsum
         job.counters["finals_down"] += 1
-        # kept by reference (a transport buffer is not reused while held)
-        job.kept_up[slot.key] = (h, payload)
-        if slot.key[1] == wire.PLAN_INDEX and h.count == PLAN_VALUES:
-            # the workers' agreement: every worker has the rounds more than
-            # the largest lag back
-            mark = settled_through(h.round, np.frombuffer(payload, np.int32, h.count))
-            while job.kept_up and round_at_or_before(next(iter(job.kept_up))[0], mark):
-                job.kept_up.popitem(last=False)
-        while len(job.kept_up) > DONE_MEMORY:
-            job.kept_up.popitem(last=False)
+        self._keep_up(job, h, payload)
         self._complete(job, slot)
+
+    def _keep_up(self, job: Job, h: Header, payload) -> None:
+        """Keep a final of the root's, by reference (a transport buffer is
+        not reused while held), for a root that restarts. Another rack
+        can lack only the finals of its open partials, which its workers'
+        windows bound: the last KEEP_UP_CHUNKS chunks are kept, and the
+        agreements until the workers' buffer-size agreement shows that
+        every worker has them."""
+        key = (h.round, h.index, bool(h.flags & Flag.OP_MAX))
+        if h.index in (wire.SCALE_INDEX, wire.PLAN_INDEX):
+            job.kept_up[key] = (h, payload)
+        else:
+            job.kept_up_chunks[key] = (h, payload)
+            if len(job.kept_up_chunks) > KEEP_UP_CHUNKS:
+                job.kept_up_chunks.popitem(last=False)
+        if h.index == wire.PLAN_INDEX and h.count == PLAN_VALUES:
+            mark = settled_through(h.round, np.frombuffer(payload, np.int32, h.count))
+            for kept in (job.kept_up, job.kept_up_chunks):
+                while kept and round_at_or_before(next(iter(kept))[0], mark):
+                    kept.popitem(last=False)
 
     def root_lost(self, job: Job) -> None:
         """The root forgot ``job`` (it restarted, or the connection to it
@@ -677,7 +694,8 @@ class Shard:
         """What a restarted root needs from this rack: each final that
         another rack may still wait for, and every partial still open."""
         up = self.uplink
-        for h, payload in job.kept_up.values():
+        finals = list(job.kept_up.values()) + list(job.kept_up_chunks.values())
+        for h, payload in finals:
             final = Header(MsgType.PUSH, job_id=job.job_id, round=h.round, index=h.index, sender=up.config.rack_id,
                            world=up.config.racks, flags=(h.flags & (Flag.LITTLE_ENDIAN | Flag.OP_MAX)) | Flag.FINAL,
                            dtype=h.dtype, count=h.count, exponent=h.exponent, next_exponent=h.next_exponent,
@@ -687,7 +705,7 @@ class Shard:
         for slot in resent:
             self._send_up(job, slot)
         log.info("shard %d: the root took job %r back: %d final(s) and %d partial(s) sent again", self.index,
-                 job.name, len(job.kept_up), len(resent))
+                 job.name, len(finals), len(resent))
 
     def _mismatch(self, job: Job, slot: Slot, h: Header) -> None:
         text = (f"job {job.name!r} round {slot.key[0]} chunk {slot.key[1]}: rank {h.sender} sent "

@@ -50,6 +50,12 @@ _TICK = 0.05
 LEAVE_ACK_TIMEOUT = 1.0
 #: seconds between JOINs to a shard that restarted, until it answers
 REJOIN_INTERVAL = 0.5
+#: chunk results kept per shard (at least twice the window) for a shard
+#: that restarts. A shard completes its chunks in the order every worker
+#: sends them, and a worker has at most a window of them open there, so
+#: what another worker can lack is among the last window results this
+#: one received: keeping a few costs no memory and no copy
+KEEP_CHUNKS = 16
 
 
 @dataclass(eq=False)
@@ -97,6 +103,8 @@ class ChunkClient(Client):
         # job's start: a restarted shard's new rings cannot take a round
         # over half-way, so over shm:// a restart fails the round
         self._resume = self.config.resume and not self._shm
+        #: save what each result overwrites, for a round that fails
+        self._restores = self.config.all_or_nothing is not False
         self.chunk_bytes = self.config.chunk_bytes_for(scheme)
         self._segments: list = []
         self._conn = None
@@ -256,8 +264,12 @@ class ChunkClient(Client):
         #: lost the connection) and have not taken this worker back yet
         self._rejoining: dict[int, float] = {}
         #: per shard, (round, index, op) -> (RESULT header, payload) of the
-        #: results this worker has and another may still wait for
+        #: results this worker has and another may still wait for: the
+        #: agreements of rounds not known finished everywhere, and the
+        #: last chunks (see _keep)
         self._kept = [collections.OrderedDict() for _ in self.shards]
+        self._kept_chunks = [collections.OrderedDict() for _ in self.shards]
+        self._keep_chunks = max(2 * self.config.window, KEEP_CHUNKS)
         #: the caller's elements a result overwrote, until its round is over
         self._saves = BufferPool(max_buffers=4096)
         while True:
@@ -324,10 +336,10 @@ class ChunkClient(Client):
         del self._rejoining[shard]
         self.stats.rejoins += 1
         self._last_progress = time.monotonic()
-        finals = self._kept[shard]
+        finals = list(self._kept[shard].values()) + list(self._kept_chunks[shard].values())
         log.info("%s: shard %d took this worker back; %d result(s) and the rounds in flight go to it again",
                  self._context(), shard, len(finals))
-        for h, payload in finals.values():
+        for h, payload in finals:
             final = Header(MsgType.PUSH, job_id=self.job_id, round=h.round, index=h.index, sender=self.member_rank,
                            flags=(h.flags | Flag.FINAL) & ~Flag.SHM, dtype=h.dtype, count=h.count,
                            exponent=h.exponent, next_exponent=h.next_exponent, nsum=h.nsum, world=self.members,
@@ -351,9 +363,22 @@ class ChunkClient(Client):
             for c in owed:
                 self._send_chunk(req, c, again=True)
 
+    def _keep(self, shard: int, h: Header, payload) -> None:
+        """Keep a result for a successor of ``shard``, by reference: ZeroMQ
+        frames and UCX's pooled buffers are not reused while referenced
+        (an owner's share is nobody else's, and is not kept)."""
+        key = (h.round, h.index, bool(h.flags & Flag.OP_MAX))
+        if h.index in (wire.SCALE_INDEX, wire.PLAN_INDEX):
+            self._kept[shard][key] = (h, payload)
+            return
+        chunks = self._kept_chunks[shard]
+        chunks[key] = (h, payload)
+        if len(chunks) > self._keep_chunks:
+            chunks.popitem(last=False)
+
     def _forget_through(self, mark: int) -> None:
         """Every worker has the results of rounds up to ``mark``."""
-        for kept in self._kept:
+        for kept in self._kept + self._kept_chunks:
             while kept:
                 key = next(iter(kept))
                 if not round_at_or_before(key[0], mark):
@@ -562,9 +587,7 @@ class ChunkClient(Client):
             return  # a late result of a failed round
         self._last_progress = time.monotonic()
         if self._resume and not h.flags & Flag.TO_OWNER:
-            # kept by reference: ZeroMQ frames and UCX's pooled buffers are
-            # not reused while referenced (an owner's share is nobody else's)
-            self._kept[shard][(h.round, h.index, bool(h.flags & Flag.OP_MAX))] = (h, payload)
+            self._keep(shard, h, payload)
         if h.index == wire.SCALE_INDEX:
             self._on_scale(req, shard, h, payload)
             return
@@ -599,7 +622,7 @@ class ChunkClient(Client):
         # a reduce-scatter's share goes to its own output buffer
         start = c.offset if req.out is None else c.offset - req.bounds[self.rank]
         dest = (req.buf if req.out is None else req.out)[start:start + c.count]
-        if self._resume:
+        if self._restores:
             saved = self._saves.take(dest.nbytes)[:dest.nbytes].view(dest.dtype)
             np.copyto(saved, dest)
             req.saved.append((start, saved))

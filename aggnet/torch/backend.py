@@ -239,7 +239,7 @@ class AggnetProcessGroup(dist.ProcessGroup):
                     raise AggnetError(f"aggnet backend, rank {self._rank}: the process group was shut down")
                 try:
                     self._client = Client(job=self.job, rank=self._rank, world_size=self._world,
-                                          config=self.config)
+                                          config=self.config.for_torch())
                 except AggregatorUnreachable as exc:
                     hint = ("" if self.config.address or self.config.topology else
                             " (no AGGNET_ADDRESS is set: the embedded aggregator serves only the ranks on rank 0's "

@@ -241,12 +241,12 @@ class AggnetState:
                 try:
                     if self.topology is not None:
                         self._client = Client(topology=self.topology, job=self.job, rank=self.rank,
-                                              world_size=self.world_size, config=self.config)
+                                              world_size=self.world_size, config=self.config.for_torch())
                     else:
                         placed = ({} if self.member is None else
                                   {"member_rank": self.member[0], "members": self.member[1]})
                         self._client = Client(self.address, job=self.job, rank=self.rank,
-                                              world_size=self.world_size, config=self.config, **placed)
+                                              world_size=self.world_size, config=self.config.for_torch(), **placed)
                 except AggregatorUnreachable as exc:
                     hint = ("" if self.address or self.topology is not None else
                             " (no AGGNET_ADDRESS is set: the embedded aggregator serves only the workers on "

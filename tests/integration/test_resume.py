@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from aggnet import Client
+from aggnet.client.chunked import KEEP_CHUNKS
 from aggnet.client.stats import query
 from aggnet.errors import AggregationError, AggregationTimeout
 from aggnet.processes import ServiceProcess
@@ -116,26 +117,28 @@ def test_a_worker_that_finished_a_round_replays_its_result_to_the_restarted_shar
             client.close()
 
 
-def test_results_everyone_has_are_not_kept():
-    """Once a later round's agreement shows that every worker finished a
-    round, its results are not kept any longer: a shard that restarts
-    after is sent no result of that round."""
+def test_a_worker_keeps_only_what_another_may_lack():
+    """Results of rounds a later agreement shows every worker finished are
+    not kept, nor chunks older than the last few (a worker can lack at most
+    a window of a shard's chunks): a shard that restarts after three
+    rounds of 40 chunks is sent the last round's agreement and 16 chunks."""
     with ServiceProcess("zmq+tcp://127.0.0.1:0", shards=1, args=["--restart"]) as svc:
         job = _job()
-        clients = [Client(svc.address, job=job, rank=r, world_size=2, timeout=20) for r in range(2)]
+        clients = [Client(svc.address, job=job, rank=r, world_size=2, timeout=20, chunk_bytes=1024)
+                   for r in range(2)]
         try:
             for _ in range(3):
-                bufs = [np.ones(5000, np.float32) for _ in range(2)]
+                bufs = [np.ones(10_240, np.float32) for _ in range(2)]
                 for f in [c.allreduce(b) for c, b in zip(clients, bufs)]:
                     f.result(timeout=30)
             _kill_and_await_restart(svc, 0)
-            bufs = [np.ones(5000, np.float32) for _ in range(2)]
+            bufs = [np.ones(10_240, np.float32) for _ in range(2)]
             for f in [c.allreduce(b) for c, b in zip(clients, bufs)]:
                 f.result(timeout=30)
             assert all((b == 2).all() for b in bufs)
-            # each replayed only round 3 (its chunk and its agreement)
             counters = query(svc.address)["shards"][0]["counters"]
-            assert counters.get("finals_replayed", 0) + counters.get("dropped_duplicate_final", 0) == 4, counters
+            replayed = counters.get("finals_replayed", 0) + counters.get("dropped_duplicate_final", 0)
+            assert replayed == 2 * (KEEP_CHUNKS + 1), counters
         finally:
             for c in clients:
                 c.close()
