@@ -40,6 +40,7 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
     raise ImportError("the ucx:// transport needs ucxx: pip install 'aggnet[rdma]'") from exc
 
 from aggnet.protocol import wire
+from aggnet.protocol.limits import MAX_MESSAGE_BYTES
 from aggnet.protocol.address import Address
 from aggnet.buffers import BufferPool
 from aggnet.transport.base import Connection, Incoming, Listener, Transport, TransportError
@@ -171,6 +172,12 @@ class _Peer:
                     break
                 n = 0 if h.flags & wire.Flag.SHM else h.payload_bytes
                 payload = _EMPTY
+                if n > MAX_MESSAGE_BYTES:
+                    # no buffer of whatever size a header claims: the header
+                    # goes on without it (refused and counted), the
+                    # connection ends
+                    self.deliver(Incoming(self.key, raw, _EMPTY))
+                    break
                 if n:
                     payload = self.pool.take(n)[:n]
                     body = asyncio.ensure_future(self.ep.recv(payload))

@@ -20,6 +20,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from aggnet.protocol.address import Address
+from aggnet.protocol.limits import MAX_MESSAGE_BYTES
 from aggnet.transport.base import Connection, Incoming, Listener, Transport, TransportError
 
 #: messages queued per socket before sends block (clients bound their
@@ -115,6 +116,9 @@ class ZmqListener(Listener):
         self._sock.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
         # [::] then serves IPv6 and IPv4 workers alike
         self._sock.setsockopt(zmq.IPV6, 1)
+        # a peer that sends a larger frame is disconnected, not buffered
+        # (a header, a chunk or a block of rows is never larger)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         endpoint = zmq_endpoint(addr)
         try:
             self._sock.bind(endpoint)

@@ -31,7 +31,7 @@ import os
 import re
 from dataclasses import dataclass, field, fields, replace
 
-from aggnet.protocol.limits import MAX_ELEMENTS
+from aggnet.protocol.limits import MAX_ELEMENTS, MAX_MESSAGE_BYTES
 
 #: wire bytes per chunk, by transport; measured with `aggnet bench
 #: --chunk-bytes 64KiB,256KiB,1MiB,2MiB,4MiB` on the reference 2-core machine
@@ -133,8 +133,9 @@ class ClientConfig:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
         if self.connect_timeout <= 0:
             raise ValueError(f"connect_timeout must be > 0 seconds, got {self.connect_timeout!r}")
-        if self.chunk_bytes is not None and not (64 <= self.chunk_bytes <= 1 << 30):
-            raise ValueError(f"chunk_bytes must be between 64 B and 1 GiB, got {self.chunk_bytes!r}")
+        if self.chunk_bytes is not None and not (64 <= self.chunk_bytes <= MAX_MESSAGE_BYTES):
+            raise ValueError(f"chunk_bytes must be between 64 B and {MAX_MESSAGE_BYTES >> 20} MiB (the largest message "
+                             f"an aggregator takes), got {self.chunk_bytes!r}")
         if self.chunk_bytes is not None and self.chunk_bytes % 4:
             raise ValueError(f"chunk_bytes must be a multiple of 4, got {self.chunk_bytes!r}")
         if not (1 <= self.window <= 1024):

@@ -74,6 +74,11 @@ IP_UDP_OVERHEAD = 28
 MAX_SHARD_PORTS = 64
 #: the highest UDP port
 MAX_PORT = 0xFFFF
+#: the largest payload one message may carry on the service path (a chunk,
+#: a block of sparse rows). Chunks of 1-4 MiB are fastest; a listener
+#: refuses more (ZeroMQ drops the connection of a peer that sends it, UCX
+#: ends it) instead of buffering whatever size a header or a frame claims
+MAX_MESSAGE_BYTES = 64 << 20
 
 
 def packet_bytes(elements: int) -> int:

@@ -506,3 +506,50 @@ def test_a_job_whose_members_went_silent_is_reclaimed_and_a_returning_member_joi
     r = subprocess.run([sys.executable, "-m", "aggnet", "serve", "--listen", "zmq+tcp://127.0.0.1:0", "--job-lease",
                         "0"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "--job-lease must be a positive" in r.stderr and "Traceback" not in r.stderr
+
+
+def _peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError(f"no VmHWM for process {pid}")
+
+
+def test_a_frame_larger_than_any_message_is_refused_unbuffered():
+    """A listener takes no frame over MAX_MESSAGE_BYTES: the sender is
+    disconnected before the frame is buffered, and the shard goes on."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    from aggnet.protocol.limits import MAX_MESSAGE_BYTES
+    from aggnet.transport.zmq import zmq_endpoint
+    from aggnet.protocol.address import parse
+
+    with ServiceProcess("zmq+tcp://127.0.0.1:0", shards=1) as svc:
+        shard = _shards(svc.address)[0]
+        pid = query(svc.address)["shards"][0]["pid"]
+        before = _peak_rss(pid)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            sock.connect(zmq_endpoint(parse(shard)))
+            h = Header(MsgType.PUSH, job_id=1, count=(MAX_MESSAGE_BYTES >> 2) + 1024, dtype=wire.DType.FLOAT32)
+            sock.send_multipart([h.pack(), bytes(MAX_MESSAGE_BYTES + 4096)], copy=False)
+            assert monitor.poll(20_000), "the shard kept the connection of a peer sending an oversized frame"
+            assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+        assert _peak_rss(pid) - before < MAX_MESSAGE_BYTES // 2
+        r = _allreduce_pair(svc.address, _job())
+        assert all(isinstance(b, np.ndarray) and (b == 3).all() for b in r), r
+        assert query(svc.address)["shards"][0]["pid"] == pid
+
+
+def test_a_chunk_size_over_the_message_bound_is_refused_in_one_line():
+    from aggnet.protocol.limits import MAX_MESSAGE_BYTES
+
+    with pytest.raises(ValueError, match=r"chunk_bytes must be between 64 B and 64 MiB"):
+        Client("zmq+tcp://127.0.0.1:9", job=_job(), chunk_bytes=MAX_MESSAGE_BYTES + 4)
