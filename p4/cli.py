@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from aggnet.p4.control import Member, SwitchControl, SwitchControlError, Uplink
+from aggnet.p4.control import Member, SwitchControl, SwitchControlError, Uplink, _one_line
 
 
 def add_arguments(p) -> None:
@@ -71,7 +71,7 @@ def main(args) -> int:
                 print(json.dumps({"job": job.name, "id": f"{job.job_id:08x}", "row": job.row, "base": job.base,
                                   "slots": job.slots, "world": job.world, "group": job.group}))
             elif cmd == "remove-job":
-                ctl.remove_job(args.name)
+                print(json.dumps({"job": args.name, "entries_removed": ctl.remove_job(args.name)}))
             elif cmd == "jobs":
                 print(json.dumps([{"id": f"{j.job_id:08x}", "row": j.row, "base": j.base, "slots": j.slots,
                                    "world": j.world} for j in ctl.jobs()], indent=1))
@@ -87,5 +87,9 @@ def main(args) -> int:
             ctl.close()
     except (SwitchControlError, ValueError) as exc:
         print(f"aggnet switch {cmd}: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a P4Runtime or gRPC error the checks above did not foresee
+        print(f"aggnet switch {cmd}: the switch refused it ({type(exc).__name__}: {_one_line(exc)}); "
+              f"`aggnet switch jobs` shows what is installed", file=sys.stderr)
         return 1
     return 0

@@ -12,7 +12,9 @@ P4Runtime.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +37,28 @@ _SLOT_REGISTERS = ("tag", "count", "seen", "exponent", "max_exponent")
 
 class SwitchControlError(RuntimeError):
     pass
+
+
+#: BMv2's ports are 9 bits wide, and 511 is its drop port
+MAX_SWITCH_PORT = 510
+_MAC = re.compile(r"[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}")
+
+
+def _check_ip(what: str, ip) -> None:
+    try:
+        ipaddress.IPv4Address(ip)
+    except (ipaddress.AddressValueError, ValueError):
+        raise ValueError(f"{what}: {ip!r} is not an IPv4 address like 10.77.0.1") from None
+
+
+def _check_mac(what: str, mac) -> None:
+    if not isinstance(mac, str) or not _MAC.fullmatch(mac):
+        raise ValueError(f"{what}: {mac!r} is not a MAC address like 02:a6:6e:00:00:01") from None
+
+
+def _check_port(what: str, port) -> None:
+    if not isinstance(port, int) or not 0 <= port <= MAX_SWITCH_PORT:
+        raise ValueError(f"{what}: port {port!r} is not a switch port (0..{MAX_SWITCH_PORT})")
 
 
 @dataclass(frozen=True)
@@ -178,6 +202,22 @@ class SwitchControl:
             raise ValueError(f"a switch job takes 1 to {MAX_WORKERS} members, got {world}")
         if not 1 <= slots <= P4_POOL:
             raise ValueError(f"slots must be 1..{P4_POOL}, got {slots}")
+        # every value is checked before the first write: a bad one leaves
+        # the switch as it was
+        for i, m in enumerate(members):
+            what = f"member {i} ({m.ip},{m.mac},{m.port})"
+            _check_ip(what, m.ip)
+            _check_mac(what, m.mac)
+            _check_port(what, m.port)
+        if len({m.ip for m in members}) != world:
+            raise ValueError(f"job {name!r}: two members have the same address; each worker has its own")
+        if uplink is not None:
+            what = f"uplink ({uplink.parent_ip},{uplink.parent_mac},{uplink.port},{uplink.rack_id})"
+            _check_ip(what, uplink.parent_ip)
+            _check_mac(what, uplink.parent_mac)
+            _check_port(what, uplink.port)
+            if not isinstance(uplink.rack_id, int) or not 0 <= uplink.rack_id < MAX_WORKERS:
+                raise ValueError(f"{what}: rack id {uplink.rack_id!r} is not in 0..{MAX_WORKERS - 1}")
         job_id = job_id_of(name)
         existing = self.jobs()
         if any(j.job_id == job_id for j in existing):
@@ -185,7 +225,39 @@ class SwitchControl:
         row, base = self._place(existing, slots, base)
         job = InstalledJob(name, job_id, row, base, slots, world, list(members))
         self.reset_slice(base, slots)
+        undo: list = []  # (what, how to take it back), in the order written
+        try:
+            self._write_job(job, uplink, undo)
+        except Exception as exc:
+            failed = []
+            for what, take_back in reversed(undo):
+                try:
+                    take_back()
+                except Exception as undo_exc:  # the switch may be gone: say what is left
+                    failed.append(f"{what} ({undo_exc})")
+            step = getattr(exc, "aggnet_step", "its entries")
+            left = (f"; could not take back {', '.join(failed)}: run `aggnet switch remove-job {name}`" if failed
+                    else "; nothing of it was left on the switch")
+            raise SwitchControlError(f"installing job {name!r} failed writing {step}: {_one_line(exc)}{left}") \
+                from None
+        log.info("job %r (id %08x) installed: row %d, slots %d..%d, %d members%s", name, job_id, row, base,
+                 base + slots - 1, world, f", uplink to {uplink.parent_ip} as rack {uplink.rack_id}" if uplink else "")
+        return job
+
+    def _write_job(self, job: InstalledJob, uplink: Uplink | None, undo: list) -> None:
+        """Write a job's entries, recording how to take back each one; an
+        exception carries the step it failed at."""
         sh = self.sh
+        job_id, row, base, slots, world = job.job_id, job.row, job.base, job.slots, job.world
+
+        def write(what: str, entry, take_back) -> None:
+            try:
+                entry.insert()
+            except Exception as exc:
+                exc.aggnet_step = what
+                raise
+            undo.append((what, take_back))
+
         te = sh.TableEntry(P + "jobs")(action=P + "job")
         te.match["hdr.agg.job_id"] = str(job_id)
         params = {"row": row, "base": base, "slots": slots, "world": world, "group": job.group,
@@ -196,24 +268,26 @@ class SwitchControl:
                   "switch_ip": self.switch_ip, "switch_mac": self.switch_mac}
         for k, v in params.items():
             te.action[k] = str(v)
-        te.insert()
+        write("its jobs table entry", te, lambda: self._delete_job_entry(job_id))
         group = sh.MulticastGroupEntry(job.group)
-        for bit, m in enumerate(members):
+        for bit, m in enumerate(job.members):
             adm = sh.TableEntry(P + "admission")(action=P + "admit")
             adm.match["hdr.agg.job_id"] = str(job_id)
             adm.match["hdr.agg.sender"] = str(bit)
             adm.match["hdr.ipv4.src"] = m.ip
-            adm.insert()
+            write(f"member {bit}'s admission", adm, adm.delete)
             rep = sh.TableEntry("AggEgress.replicas")(action="AggEgress.to_member")
             rep.match["sm.egress_rid"] = str(job.rid_base + bit)
             rep.action["mac"] = m.mac
             rep.action["ip"] = m.ip
-            rep.insert()
+            write(f"member {bit}'s result address", rep, rep.delete)
             group.add(m.port, job.rid_base + bit)
-        group.insert()
-        log.info("job %r (id %08x) installed: row %d, slots %d..%d, %d members%s", name, job_id, row, base,
-                 base + slots - 1, world, f", uplink to {uplink.parent_ip} as rack {uplink.rack_id}" if uplink else "")
-        return job
+        write(f"multicast group {job.group}", group, group.delete)
+
+    def _delete_job_entry(self, job_id: int) -> None:
+        te = self.sh.TableEntry(P + "jobs")
+        te.match["hdr.agg.job_id"] = str(job_id)
+        te.delete()
 
     @staticmethod
     def _place(existing: list[InstalledJob], slots: int, base: int | None) -> tuple[int, int]:
@@ -237,26 +311,40 @@ class SwitchControl:
             raise SwitchControlError(f"cannot place the job at base {base}: {exc}") from None
         return row, base
 
-    def remove_job(self, name: str) -> None:
+    def remove_job(self, name: str) -> int:
+        """Remove whatever part of job ``name`` is on the switch (a job
+        written by an older control plane may be half there); returns how
+        many entries went. Raises if there was none."""
         job_id = job_id_of(name)
         job = next((j for j in self.jobs() if j.job_id == job_id), None)
-        if job is None:
-            raise SwitchControlError(f"job {name!r} is not installed")
         sh = self.sh
+        admitted = []
         sh.TableEntry(P + "admission").read(
-            function=lambda te: te.delete() if _match_int(te, "hdr.agg.job_id") == job_id else None)
-        for bit in range(job.world):
-            rep = sh.TableEntry("AggEgress.replicas")
-            rep.match["sm.egress_rid"] = str(job.rid_base + bit)
+            function=lambda te: admitted.append(te) if _match_int(te, "hdr.agg.job_id") == job_id else None)
+        removed = 0
+        for te in admitted:
+            te.delete()
+            removed += 1
+        if job is not None:
+            for bit in range(MAX_WORKERS):  # a half-written job's world may not be all there
+                rep = sh.TableEntry("AggEgress.replicas")
+                rep.match["sm.egress_rid"] = str(job.rid_base + bit)
+                try:
+                    rep.delete()
+                    removed += 1
+                except Exception:
+                    pass  # not written
             try:
-                rep.delete()
+                sh.MulticastGroupEntry(job.group).delete()
+                removed += 1
             except Exception:
-                pass
-        sh.MulticastGroupEntry(job.group).delete()
-        te = sh.TableEntry(P + "jobs")
-        te.match["hdr.agg.job_id"] = str(job_id)
-        te.delete()
-        log.info("job %r removed", name)
+                pass  # not written
+            self._delete_job_entry(job_id)
+            removed += 1
+        if not removed:
+            raise SwitchControlError(f"job {name!r} is not installed (`aggnet switch jobs` lists what is)")
+        log.info("job %r removed (%d entries)", name, removed)
+        return removed
 
     # -- registers and counters -----------------------------------------------------------
 
@@ -271,7 +359,11 @@ class SwitchControl:
         self._cli("\n".join(lines) + "\n")
 
     def _cli(self, commands: str) -> str:
-        cmd = [find_tool("simple_switch_CLI") or "simple_switch_CLI", "--thrift-port", str(self.thrift_port)]
+        tool = find_tool("simple_switch_CLI")
+        if tool is None:
+            raise SwitchControlError("simple_switch_CLI (BMv2's runtime CLI, which clears a job's registers) is not "
+                                     "on PATH; install BMv2 (docs/p4.md) or put its bin/ directory on PATH")
+        cmd = [tool, "--thrift-port", str(self.thrift_port)]
         if self.thrift_host:
             cmd += ["--thrift-ip", self.thrift_host]
         if self.netns:
@@ -298,6 +390,12 @@ class SwitchControl:
         sh.CounterEntry(P + "events").read(function=reader(out["events"], EVENTS))
         sh.CounterEntry(P + "completions").read(function=reader(out["completions"], None))
         return out
+
+
+def _one_line(exc: Exception) -> str:
+    """A P4Runtime error (often several lines of gRPC detail) in one line."""
+    text = " ".join(str(exc).split())
+    return (text[:300] + "...") if len(text) > 300 else (text or type(exc).__name__)
 
 
 def _match_int(te, field_name: str) -> int:

@@ -119,3 +119,65 @@ def test_bmv2_admits_only_installed_members():
     # BMv2 takes what its queue holds of the flood; every one it took was refused
     assert counters["drops"].get("not_admitted", 0) > 1000, counters["drops"]
     assert set(counters["drops"]) <= {"not_admitted", "type", "duplicate"}, counters["drops"]
+
+
+_COLLIDE = """
+import sys
+from aggnet.p4.control import SwitchControl
+# a multicast group in the place the next job's would go: that job's last
+# write fails, after its table entries are in
+with SwitchControl(switch_ip=sys.argv[1]) as ctl:
+    row = len(ctl.jobs())
+    ctl.sh.MulticastGroupEntry(row + 1).add(0, 4242).insert()
+print(row + 1)
+"""
+
+_UNCOLLIDE = """
+from aggnet.p4.control import SwitchControl
+import sys
+with SwitchControl(switch_ip=sys.argv[1]) as ctl:
+    ctl.sh.MulticastGroupEntry(int(sys.argv[2])).delete()
+"""
+
+
+def test_the_control_plane_installs_a_job_all_or_nothing():
+    """A bad value is refused before anything is written; a write that fails
+    half-way is taken back; errors are one line; remove-job removes what
+    there is and says so when there is nothing."""
+    import json
+    import sys
+
+    from aggnet.emulation.netns import EmulationError
+    from aggnet.emulation.rack_runs import SWITCH_IP
+
+    with Rack(2, aggregator=False, bridge=False, prefix="agc") as rack:
+        switch = rack_runs.RackSwitch(rack)
+        try:
+            good = [f"{h.ip},{rack.mac(h)},{i}" for i, h in enumerate(rack.workers)]
+            args = [x for m in good for x in ("--member", m)]
+            bad = [good[0], f"{rack.workers[1].ip},zz,1"]
+            with pytest.raises(EmulationError) as err:
+                switch.ctl("add-job", "x", *[x for m in bad for x in ("--member", m)])
+            message = str(err.value)
+            assert "member 1" in message and "'zz' is not a MAC address" in message and "Traceback" not in message
+            assert json.loads(switch.ctl("jobs")) == []
+            # a write refused half-way: the entries before it are taken back
+            group = rack.run(rack.tor, [sys.executable, "-c", _COLLIDE, SWITCH_IP], timeout=120).stdout.strip()
+            with pytest.raises(EmulationError) as err:
+                switch.ctl("add-job", "x", *args)
+            message = str(err.value)
+            assert f"failed writing multicast group {group}" in message, message
+            assert "nothing of it was left on the switch" in message and "Traceback" not in message
+            assert json.loads(switch.ctl("jobs")) == []
+            with pytest.raises(EmulationError, match="job 'x' is not installed"):
+                switch.ctl("remove-job", "x")
+            rack.run(rack.tor, [sys.executable, "-c", _UNCOLLIDE, SWITCH_IP, group], timeout=120)
+            # and the same job installs, serves and goes
+            switch.ctl("add-job", "x", *args)
+            assert [j["world"] for j in json.loads(switch.ctl("jobs"))] == [2]
+            removed = json.loads(switch.ctl("remove-job", "x"))["entries_removed"]
+            assert removed == 1 + 2 * 2 + 1, removed  # the job, 2 x (admission, result address), its group
+            assert json.loads(switch.ctl("jobs")) == []
+            switch.ctl("add-job", "x", *args)
+        finally:
+            switch.stop()
