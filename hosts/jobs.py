@@ -109,6 +109,14 @@ class Job:
     #: the root lost the job (it restarted): once it takes the rack back,
     #: the kept finals and the open partials go to it again
     replay_up: bool = False
+    #: at a root: members that are racks' shards (a supervisor restarts
+    #: them), and those whose connection closed -> when
+    racks: set = field(default_factory=set)
+    away: dict = field(default_factory=dict)
+    #: at a root: (round, index, op) -> (RESULT header, payload) of the last
+    #: results, for a rack shard that restarted and asks again for one it
+    #: never got (at most its open partials: KEEP_UP_CHUNKS)
+    recent: collections.OrderedDict = field(default_factory=collections.OrderedDict)
 
     def keep_final(self, key, header, payload: bytes, seen: int) -> None:
         self.finals[key] = [header, payload, seen]

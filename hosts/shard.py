@@ -211,7 +211,14 @@ class Shard:
                                "uplink_failed")
         created = job is None
         old = None if created else job.members.get(h.sender)
-        if old is not None and old != peer and not self.keyring.enforced:
+        if old is not None and old != peer:
+            # a restarted rack's JOIN can come before this loop heard
+            # that its predecessor's connection closed
+            closed = self.listener.gone()
+            if closed:
+                self.connections_closed(closed)
+        came_back = old is not None and old != peer and h.sender in job.away
+        if old is not None and old != peer and not self.keyring.enforced and not came_back:
             quiet = job.live_member(h.sender, time.monotonic())
             if quiet is not None:
                 # taking a live rank over would fail both runs; a job key
@@ -242,6 +249,12 @@ class Shard:
             self.counters["rejoins"] += 1
         job.members[h.sender] = peer
         job.departed.discard(h.sender)
+        if info.get("rack"):
+            job.racks.add(h.sender)
+        if came_back:
+            log.info("shard %d: job %r rack %d is back after %.1fs", self.index, name, h.sender,
+                     time.monotonic() - job.away.pop(h.sender))
+            self.counters["racks_back"] += 1
         # the least patient worker decides (it names the missing ranks
         # before its own deadline); the schema keeps it at 0.5 s or more
         job.stall_timeout = min(job.stall_timeout, timeout)
@@ -307,7 +320,16 @@ class Shard:
         for peer in peers:
             for job in list(self.jobs.values()):
                 for rank, member in list(job.members.items()):
-                    if member == peer:
+                    if member == peer and rank in job.racks:
+                        # a rack's shard: its supervisor restarts it, and it
+                        # joins again; its open chunks wait (the stall
+                        # timeout still names it if it does not)
+                        if rank not in job.away:
+                            self.counters["racks_disconnected"] += 1
+                            log.warning("shard %d: job %r rack %d's connection closed; its open chunks wait for "
+                                        "it to join again", self.index, job.name, rank)
+                            job.away[rank] = time.monotonic()
+                    elif member == peer:
                         self.counters["members_disconnected"] += 1
                         log.warning("shard %d: job %r rank %d's connection closed without LEAVE", self.index,
                                     job.name, rank)
@@ -374,6 +396,14 @@ class Shard:
         final = job.finals.get(key)
         if final is not None:
             self._answer_final(job, peer, h.sender, key, final)
+            return
+        recent = job.recent.get(key)
+        if recent is not None:
+            # a rack shard that restarted asks again for a result its
+            # predecessor got (and lost): this member's part is in it
+            self.counters["results_resent"] += 1
+            if not self.listener.send(peer, *recent):
+                self.counters["send_unreachable"] += 1
             return
         if key in job.done:
             given_up = job.abandoned.get(key)
@@ -556,6 +586,12 @@ class Shard:
                 sent = self.listener.send(peer, header, inline)
             if not sent:
                 self.counters["send_unreachable"] += 1
+        if job.racks and slot.owner is None and inline is not None:
+            # held by reference: the pool hands the buffer out again only
+            # once it falls out of here
+            job.recent[slot.key] = (header, inline)
+            if len(job.recent) > KEEP_UP_CHUNKS:
+                job.recent.popitem(last=False)
         readers = len(job.members) if slot.owner is None else 1
         self.counters["results"] += 1
         self.counters["bytes_out"] += out.nbytes * readers

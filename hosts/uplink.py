@@ -82,7 +82,7 @@ class Uplink:
         """Ask the root to take ``job_id`` from this rack (answered through
         :meth:`receive` as a JOIN_OK or an ERROR)."""
         h = Header(MsgType.JOIN, job_id=job_id, sender=self.config.rack_id, world=self.config.racks)
-        payload = wire.json_payload({"name": name, "timeout": timeout})
+        payload = wire.json_payload({"name": name, "timeout": timeout, "rack": 1})
         self._join_messages[job_id] = (h.pack_for(payload), payload)
         self._joins.want(job_id, time.monotonic())
 

@@ -109,6 +109,10 @@ JOIN = (
     Field("elements", "int", 0, MAX_ELEMENTS, default=0),
     Field("max_elements", "int", 1, 1 << 30),
     Field("slots", "int", 0, 1 << 20, default=0),
+    #: 1: the member is a rack's aggregator shard, which a supervisor
+    #: restarts: when its connection closes, its open chunks wait for it
+    #: to join again (a worker's closed connection fails them at once)
+    Field("rack", "int", 0, 1, default=0),
     AUTH,
 )
 

@@ -337,6 +337,65 @@ def test_a_restarted_root_shard_takes_the_racks_back_and_the_round_in_flight_fin
         r.stop()
 
 
+def test_a_restarted_rack_shard_is_taken_back_by_the_root_and_the_round_in_flight_finishes():
+    """A rack's shard dies with the round open: the root keeps the rack's
+    place (its open chunks wait), the rack's successor joins the root
+    again, its workers join the successor and send what it lost, and the
+    round completes exactly."""
+    import threading
+    import time
+
+    r = Racks("service", rack_args=["--restart"])
+    try:
+        clients = [None] * 4
+        job = _job()
+
+        def connect(rank):
+            clients[rank] = Client(topology=r.topology, rank=rank, job=job, timeout=20, connect_timeout=30)
+
+        ts = [threading.Thread(target=connect, args=(k,)) for k in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+
+        def results(futures):
+            for f in futures:
+                f.result(timeout=60)
+
+        bufs = [np.full(300_000, k + 1, np.int32) for k in range(4)]
+        results([c.allreduce(b) for c, b in zip(clients, bufs)])
+        # ranks 0..2 start a round; rack 1 waits for rank 3 when a shard of rack 0 dies
+        bufs = [np.full(300_000, 3 * k, np.int32) for k in range(4)]
+        early = [c.allreduce(b) for c, b in zip(clients[:3], bufs[:3])]
+        rack = r.racks[0]
+        stats = r.stats(rack)
+        pid, restarts = stats["shards"][1]["pid"], stats["restarts"]
+        os.kill(pid, 9)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            s = r.stats(rack)
+            if s["restarts"] > restarts and s["shards"][1] is not None and s["shards"][1]["pid"] != pid:
+                break
+            time.sleep(0.1)
+        assert not any(f.done() for f in early)
+        results(early + [clients[3].allreduce(bufs[3])])
+        assert all((b == 18).all() for b in bufs)
+        bufs = [np.full(1000, k, np.int32) for k in range(4)]
+        results([c.allreduce(b) for c, b in zip(clients, bufs)])
+        assert all((b == 6).all() for b in bufs)
+        root = [sh["counters"] for sh in r.stats(r.root)["shards"]]
+        assert sum(c.get("racks_disconnected", 0) for c in root) == 1, root
+        assert sum(c.get("racks_back", 0) for c in root) == 1, root
+        # rack 0's workers joined the successor; rack 1's had nothing to do
+        assert [c.stats.rejoins >= 1 for c in clients] == [True, True, False, False]
+    finally:
+        for c in clients:
+            if c is not None:
+                c.close()
+        r.stop()
+
+
 def test_sparse_buckets_through_racks_keep_torch_distributed_and_train_like_one_process():
     """Sparse tables need one service every worker reaches; through racks
     the hook's sparse buckets take torch.distributed's path instead of

@@ -1,0 +1,86 @@
+"""Training through faults: DDP through two racks of aggregator services
+under a root while a rack's shard and a root shard are killed (SIGKILL)
+and restarted mid-training. With the int32 codec every sum is exact, so
+the faults may cost time but must not change one bit of the weights."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from aggnet.client import stats as stats_cli
+from harness import ddp_workers as W
+from harness.helpers import free_port, run_workers
+from harness.racks import Racks
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 150
+
+
+def _root_results(r: Racks) -> int:
+    return sum(s["counters"].get("results", 0) for s in r.stats(r.root)["shards"] if s is not None)
+
+
+def _kill(proc, shard: int, timeout: float = 60.0) -> None:
+    stats = stats_cli.query(proc.address)
+    pid, restarts = stats["shards"][shard]["pid"], stats["restarts"]
+    os.kill(pid, 9)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = stats_cli.query(proc.address)
+        if s["restarts"] > restarts and s["shards"][shard] is not None and s["shards"][shard]["pid"] != pid:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{proc.address} shard {shard} was not restarted within {timeout}s")
+
+
+def test_ddp_through_racks_survives_shard_kills_bit_for_bit():
+    r = Racks("service", root_args=["--restart"], rack_args=["--restart"])
+    try:
+        options = {"topology": r.topology, "codec": "int32", "steps": STEPS}
+        quiet = run_workers("spawn://", 4, W.ddp_run, 4, free_port(), "aggnet", options, timeout=240,
+                            start_method="spawn")
+        base = _root_results(r)
+        faults: list[str] = []
+        failure: list[BaseException] = []
+
+        def inject():
+            try:
+                # a rack shard once training is under way, then a root shard
+                for when, proc, shard, what in ((base + 20, r.racks[0], 0, "rack 0 shard 0"),
+                                                (base + 80, r.root, 1, "root shard 1")):
+                    deadline = time.monotonic() + 120
+                    while _root_results(r) < when:
+                        assert time.monotonic() < deadline, f"training never reached the point to kill {what}"
+                        time.sleep(0.01)
+                    _kill(proc, shard)
+                    faults.append((what, time.monotonic()))
+            except BaseException as exc:  # reported by the test thread
+                failure.append(exc)
+
+        injector = threading.Thread(target=inject, daemon=True)
+        injector.start()
+        faulted = run_workers("spawn://", 4, W.ddp_run, 4, free_port(), "aggnet", options, timeout=240,
+                              start_method="spawn")
+        finished = time.monotonic()
+        injector.join(120)
+        assert not failure, failure
+        assert [what for what, _ in faults] == ["rack 0 shard 0", "root shard 1"], faults
+        # both successors served before the training ended: the faults were survived, not outrun
+        assert all(at < finished for _, at in faults), (faults, finished)
+        for q, f in zip(quiet, faulted):
+            assert f["calls"] == [STEPS]
+            for a, b in zip(q["params"][0], f["params"][0]):
+                assert a.tobytes() == b.tobytes()
+        # every fault shows in the counters
+        root = [s["counters"] for s in r.stats(r.root)["shards"]]
+        racks = [s["counters"] for rack in r.racks for s in r.stats(rack)["shards"]]
+        assert sum(c.get("racks_disconnected", 0) for c in root) >= 1, root
+        assert sum(c.get("uplink_rejoins", 0) for c in racks) >= 1, racks
+        assert r.stats(r.root)["restarts"] == 1 and r.stats(r.racks[0])["restarts"] == 1
+    finally:
+        r.stop()
