@@ -405,10 +405,15 @@ class SwitchService(Aggregator):
         place = self._place(slots)
         if place is None and self._reclaim_idle_jobs(name):
             place = self._place(slots)
+        if place is None and self.pool.free_row() is None:
+            raise ControlError(ErrorCode.REFUSED,
+                               f"no room for job {name!r}: this aggregator holds its most jobs ({MAX_JOBS}) and none "
+                               f"of them is idle; wait for one to finish, or run the job on another aggregator")
         if place is None:
             raise ControlError(ErrorCode.REFUSED,
-                               f"no room for job {name!r}: {len(self.jobs)} jobs, largest free run of the pool "
-                               f"{self.pool.largest_free} slots, asked for {slots}")
+                               f"no room for job {name!r} in the pool: its largest free run is "
+                               f"{self.pool.largest_free} slots, the job asked for {slots} ({len(self.jobs)} jobs "
+                               f"hold the rest); ask for fewer (AGGNET_SLOTS) or wait for a job to finish")
         row, base = place
         # a job whole at this rack (hosts.parent.whole_here) completes here
         up = self.parent if not whole else None

@@ -41,8 +41,11 @@ P4_POOL = 1024
 #: (ARP) to every port; a job's results go to group job row + 1, below it
 FLOOD_GROUP = 1000
 DEFAULT_JOB_SLOTS = 128
-#: the most slots one job may take on a host
-MAX_JOB_SLOTS = 4096
+#: the most slots one job may take on a host: a quarter of the default
+#: pool, so that one JOIN (or one tenant) cannot take all of it. 1024
+#: slots of 2048 values keep 8 MiB in flight per worker, far past what a
+#: rack's round trips need (64 slots measured best at 1 Gbit/s)
+MAX_JOB_SLOTS = 1024
 #: bytes of payload a job keeps in flight per worker when it does not say
 #: how many slots it wants. Measured (docs/benchmarks.md): on loopback 64
 #: and 128 slots of 2048 values tie within noise (1.2-1.8 GB/s), and in a

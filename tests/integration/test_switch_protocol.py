@@ -365,3 +365,36 @@ def test_lost_uplink_packets_are_recovered_through_the_workers(aggregator):
             for s in racks:
                 s.stop()
     parent.stop()
+
+
+def _raw_join(sock, dest, name: str, slots: int):
+    """One JOIN datagram; the answer's (header, payload)."""
+    payload = wire.json_payload({"name": name, "world": 1, "timeout": 5, "slots": slots, "elements": K})
+    sock.sendto(Header(MsgType.JOIN, job_id=job_id_of(name), sender=0, world=1).pack_for(payload) + payload, dest)
+    while True:
+        data, src = sock.recvfrom(1 << 16)
+        h = wire.unpack_header(data)
+        if h.job_id == job_id_of(name):
+            return h, bytes(data[HEADER_SIZE:])
+
+
+def test_refusals_name_the_real_cause_when_job_rows_or_slots_run_out(aggregator):
+    """A JOIN cannot take more than MAX_JOB_SLOTS; once every job row is
+    taken (by one-slot jobs, the pool mostly free) the refusal says that,
+    not that the pool is full."""
+    from aggnet.protocol.limits import MAX_JOB_SLOTS, MAX_JOBS
+
+    host, port = aggregator.address.split("://")[1].rsplit(":", 1)
+    dest = (host, int(port))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(5)
+        h, payload = _raw_join(s, dest, f"greedy-{uuid.uuid4().hex[:6]}", MAX_JOB_SLOTS + 1)
+        assert h.msg_type == MsgType.ERROR and f"gives a job 1..{min(MAX_JOB_SLOTS, 512)}" in wire.parse_error(payload)[1]
+        names = [f"row-{i}-{uuid.uuid4().hex[:6]}" for i in range(MAX_JOBS)]
+        for name in names:
+            h, payload = _raw_join(s, dest, name, 1)
+            assert h.msg_type == MsgType.JOIN_OK, wire.parse_error(payload)
+        h, payload = _raw_join(s, dest, "one-too-many", 1)
+        assert h.msg_type == MsgType.ERROR
+        text = wire.parse_error(payload)[1]
+        assert f"holds its most jobs ({MAX_JOBS})" in text and "pool" not in text, text
