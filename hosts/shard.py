@@ -612,6 +612,11 @@ class Shard:
                    dtype=DType.FLOAT32 if slot.dtype in _HALF_FMT else slot.dtype, count=slot.count,
                    exponent=slot.exponent, next_exponent=slot.next_exponent, offset=slot.offset)
         slot.sent_up = True
+        if not job.parent.ready and up.error is None:
+            # the root has not taken the job (back) yet, as when this shard
+            # has just restarted: the partial goes once it has (_replay_up)
+            job.replay_up = True
+            return
         job.counters["partials_up"] += 1
         if not up.send_partial(h.pack(), slot.acc):
             why = up.error or "not connected yet"

@@ -15,6 +15,16 @@ are paused between two all-reduces, so the samples compare like with like.
   fabric (no root needed, unlike iptables on lo).
 * ``service``: the sharded ZeroMQ service over zmq+tcp; TCP recovers its
   own losses below aggnet, so no loss is applied there.
+* ``racks``: two racks of services under a root service, workers placed
+  by a topology file, as a cluster runs them.
+
+``--kill-every SECONDS`` makes it a chaos run: every aggregator runs with
+``--restart``, and a shard picked at random (of the service, or of the
+root or a rack) is killed with SIGKILL that often. Every all-reduce must
+still come back right (with resume, a restart costs a rejoin, not a
+result), and the memory and descriptors of each aggregator (its
+supervisor and its shard processes together, since killed shards are
+replaced) must stay flat.
 
 Workers are spawned processes: nothing of this process (the relay's
 sockets and thread) is inherited into the counts. Every worker knows every
@@ -49,8 +59,12 @@ def add_arguments(p) -> None:
     p.add_argument("--allreduces", type=int, default=10000, help="all-reduces per worker (default %(default)s)")
     p.add_argument("--loss", type=float, default=0.01,
                    help="switch kind: drop probability of each datagram, both directions (default %(default)s)")
-    p.add_argument("--kind", choices=["switch", "service", "both"], default="both",
-                   help="aggregator: switch mode over UDP, the ZeroMQ service over tcp, or both (default both)")
+    p.add_argument("--kind", choices=["switch", "service", "racks", "both"], default="both",
+                   help="aggregator: switch mode over UDP, the ZeroMQ service over tcp, two racks of services "
+                        "under a root, or both switch and service (default both)")
+    p.add_argument("--kill-every", type=float, default=None, metavar="SECONDS",
+                   help="service and racks: SIGKILL a random aggregator shard this often (they run with --restart)")
+    p.add_argument("--seed", type=int, default=1, help="which shards --kill-every kills (default %(default)s)")
     p.add_argument("--elements", type=int, default=65536,
                    help="values per all-reduce buffer, alternately int32 and float32 (default %(default)s)")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default %(default)s)")
@@ -122,7 +136,8 @@ def _float_tolerance(floats: list, exact: np.ndarray, world: int, block: int | N
     return tol + np.abs(exact) * 2.0**-23
 
 
-def _worker(rank: int, world: int, address: str, job: str, n: int, elements: int, points: list, conn) -> None:
+def _worker(rank: int, world: int, address: str, job: str, n: int, elements: int, points: list, conn,
+            topology: str | None = None) -> None:
     """N all-reduces, alternately int32 (even) and float32 (odd), each
     checked; at each point in ``points`` it reports and waits for the
     driver to sample and say go."""
@@ -134,7 +149,8 @@ def _worker(rank: int, world: int, address: str, job: str, n: int, elements: int
         exact = sum(b[1].astype(np.float64) for b in bases)
         ibuf, fbuf = np.empty(elements, np.int32), np.empty(elements, np.float32)
         iwant, err = np.empty(elements, np.int32), np.empty(elements)
-        with Client(address, job=job, rank=rank, world_size=world, timeout=30) as c:
+        where = {"topology": topology} if topology else {"address": address}
+        with Client(job=job, rank=rank, world_size=world, timeout=30, **where) as c:
             block = c.elements if address.startswith("udp://") else None
             tol = _float_tolerance([b[1] for b in bases], exact, world, block)
             failures = {"int32": 0, "float32": 0}
@@ -189,16 +205,17 @@ def checkpoints(n: int) -> list[int]:
     return sorted({warm, *(warm + (n - warm) * k // SAMPLES for k in range(1, SAMPLES + 1))})
 
 
-def _gather(conns: list, procs: list, service, timeout: float) -> list[dict]:
-    """One report from every worker; raises as soon as a worker or the
+def _gather(conns: list, procs: list, services: list, timeout: float) -> list[dict]:
+    """One report from every worker; raises as soon as a worker or an
     aggregator fails."""
     got: dict[int, dict] = {}
     deadline = time.monotonic() + timeout
     while len(got) < len(conns):
         if time.monotonic() > deadline:
             raise SoakFailed(f"workers {sorted(set(range(len(conns))) - set(got))} did not report in {timeout:g}s")
-        if not service.alive():
-            raise SoakFailed(f"the aggregator (pid {service.pid}) exited with status {service.process.poll()}")
+        for service in services:
+            if not service.alive():
+                raise SoakFailed(f"the aggregator (pid {service.pid}) exited with status {service.process.poll()}")
         for r, conn in enumerate(conns):
             if r in got or not conn.poll(0.05):
                 continue
@@ -212,27 +229,123 @@ def _gather(conns: list, procs: list, service, timeout: float) -> list[dict]:
     return [got[r] for r in range(len(conns))]
 
 
-def _sample(roles: dict, service) -> dict:
+def _sample(roles: dict, services: dict) -> dict:
     """A sample of every known process; shard processes are looked up
     afresh each time, so one that died or was replaced shows."""
-    for pid in descendants(service.pid):
-        roles.setdefault(pid, f"aggregator child {pid}")
+    for name, service in services.items():
+        for pid in descendants(service.pid):
+            roles.setdefault(pid, f"{name} child {pid}")
     return {pid: proc_sample(pid) for pid in roles}
 
 
-def run_soak(kind: str, allreduces: int, loss: float, elements: int, workers: int) -> dict:
-    """One soak of ``kind`` ("switch" or "service"); returns its record."""
+def _sample_groups(services: dict) -> dict:
+    """Per aggregator: its supervisor and its shard processes of now,
+    summed (a chaos run replaces the shards it kills)."""
+    out = {}
+    for name, service in services.items():
+        live = [x for x in (proc_sample(pid) for pid in [service.pid, *descendants(service.pid)]) if x]
+        out[name] = {k: sum(x[k] for x in live) for k in ("rss_kb", "fds", "threads")}
+    return out
+
+
+class Killer:
+    """Kills a random shard of a random aggregator every ``every``
+    seconds, each time once the last one's successor serves."""
+
+    def __init__(self, services: dict, every: float, seed: int):
+        import random
+        import threading
+
+        self.services, self.every = services, every
+        self.rng = random.Random(seed)
+        self.kills: list[dict] = []
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="aggnet-soak-killer", daemon=True)
+
+    def start(self) -> "Killer":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def _run(self) -> None:
+        from aggnet.client.stats import query
+
+        t0 = time.monotonic()
+        while not self._stop.wait(self.every):
+            name = self.rng.choice(sorted(self.services))
+            address = self.services[name].address
+            try:
+                stats = query(address)
+                shard = self.rng.randrange(len(stats["shards"]))
+                pid, restarts = stats["shards"][shard]["pid"], stats["restarts"]
+                os.kill(pid, 9)
+                deadline = time.monotonic() + 60
+                while True:
+                    s = query(address)
+                    if s["restarts"] > restarts and s["shards"][shard] is not None:
+                        break
+                    if time.monotonic() > deadline or self._stop.wait(0.05):
+                        raise SoakFailed(f"{name} shard {shard} was not restarted within 60 s")
+            except Exception as exc:  # reported by the driver
+                self.error = f"killing a shard of {name}: {exc}"
+                return
+            self.kills.append({"t": round(time.monotonic() - t0, 2), "aggregator": name, "shard": shard,
+                               "pid": pid})
+            print(f"  killed {name} shard {shard} (pid {pid}); its successor serves", flush=True)
+
+
+def _racks(workers: int, restart: list, tmp: str):
+    """A root and two racks of services, and a topology file placing
+    ``workers`` (even) on them."""
+    from aggnet.processes import ServiceProcess
+
+    services = {"root": ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2, args=restart)}
+    try:
+        for i in range(2):
+            services[f"rack{i}"] = ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2, args=[
+                "--parent", services["root"].address, "--rack-id", str(i), "--racks", "2", *restart])
+    except BaseException:
+        for s in services.values():
+            s.stop()
+        raise
+    per = workers // 2
+    lines = ['job = "soak"', "[root]", 'kind = "service"', f'address = "{services["root"].address}"', "shards = 2"]
+    for i in range(2):
+        lines += ["[[racks]]", f'name = "rack{i}"', f'ranks = "{i * per}-{(i + 1) * per - 1}"',
+                  f'aggregator = {{ kind = "service", address = "{services[f"rack{i}"].address}", shards = 2 }}']
+    path = os.path.join(tmp, "topology.toml")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return services, path
+
+
+def run_soak(kind: str, allreduces: int, loss: float, elements: int, workers: int, kill_every: float | None = None,
+             seed: int = 1) -> dict:
+    """One soak of ``kind`` ("switch", "service" or "racks"); returns its record."""
+    import tempfile
+
     from aggnet.emulation.lossy_relay import LossyRelay
     from aggnet.processes import ServiceProcess
 
     points = checkpoints(allreduces)
+    restart = ["--restart"] if kill_every else []
+    tmp = tempfile.TemporaryDirectory(prefix="aggnet-soak-")
+    topology = None
     if kind == "switch":
-        service = ServiceProcess("udp://127.0.0.1:0", shards=1, args=["--mode", "switch"])
+        services = {"aggregator": ServiceProcess("udp://127.0.0.1:0", shards=1, args=["--mode", "switch"])}
+    elif kind == "service":
+        services = {"aggregator": ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2, args=restart)}
     else:
-        service = ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2)
-    relay = None
+        services, topology = _racks(workers, restart, tmp.name)
+    service = next(iter(services.values()))
+    relay = killer = None
     record = {"kind": kind, "allreduces": allreduces, "workers": workers, "elements": elements,
-              "loss": loss if kind == "switch" else None, "warmup": points[0], "points": points}
+              "loss": loss if kind == "switch" else None, "warmup": points[0], "points": points,
+              "kill_every": kill_every}
     ctx = multiprocessing.get_context("spawn")
     procs, conns = [], []
     try:
@@ -244,34 +357,53 @@ def run_soak(kind: str, allreduces: int, loss: float, elements: int, workers: in
         job = f"soak-{uuid.uuid4().hex[:8]}"
         for r in range(workers):
             mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(r, workers, addresses[r], job, allreduces, elements, points, theirs),
-                            daemon=True)
+            p = ctx.Process(target=_worker, args=(r, workers, addresses[r], job, allreduces, elements, points, theirs,
+                                                  topology), daemon=True)
             p.start()
             theirs.close()
             procs.append(p)
             conns.append(mine)
-        roles = {service.pid: "aggregator"}
-        roles.update({pid: f"aggregator child {pid}" for pid in descendants(service.pid)})
+        roles = {}
+        for name, svc in services.items():
+            roles[svc.pid] = name
+            if not kill_every:  # a chaos run replaces the shards it kills: they are summed per aggregator
+                roles.update({pid: f"{name} child {pid}" for pid in descendants(svc.pid)})
         roles.update({p.pid: f"worker {r}" for r, p in enumerate(procs)})
         if relay is not None:
             roles[os.getpid()] = "relay (driver)"
         samples, reports = [], []
+        if kill_every:
+            from aggnet.client.stats import query
+
+            for svc in services.values():
+                query(svc.address)  # the control endpoint's connections to its shards open on the first STATS
         t0 = time.monotonic()
         for prev, point in zip([0] + points, points):
             # generous: even at 10% loss a segment runs at tens of all-reduces/s
-            reps = _gather(conns, procs, service, timeout=120 + 0.5 * (point - prev))
-            samples.append({"at": point, "t": time.monotonic() - t0,
-                            "procs": {str(pid): s for pid, s in _sample(roles, service).items()}})
+            reps = _gather(conns, procs, list(services.values()), timeout=120 + 0.5 * (point - prev))
+            if killer is not None and killer.error:
+                raise SoakFailed(killer.error)
+            sample = {"at": point, "t": time.monotonic() - t0,
+                      "procs": {str(pid): s for pid, s in _sample(roles, services if not kill_every else {}).items()}}
+            if kill_every:
+                sample["aggregators"] = _sample_groups(services)
+            samples.append(sample)
             reports.append(reps)
+            if kill_every and killer is None:
+                killer = Killer(services, kill_every, seed).start()  # after warm-up
+            print(f"  {point}/{allreduces} all-reduces", flush=True)
             for conn in conns:
                 conn.send("go")
         record["wall_s"] = time.monotonic() - t0
-        record["aggregator_alive"] = service.alive()
+        record["aggregator_alive"] = all(s.alive() for s in services.values())
     except SoakFailed as exc:
         record["error"] = str(exc)
-        record["aggregator_alive"] = service.alive()
+        record["aggregator_alive"] = all(s.alive() for s in services.values())
         return record
     finally:
+        if killer is not None:
+            killer.stop()
+            record["kills"] = killer.kills
         for conn in conns:
             try:
                 conn.send("stop")  # to a worker still waiting at a sample point (after a failure)
@@ -285,7 +417,9 @@ def run_soak(kind: str, allreduces: int, loss: float, elements: int, workers: in
         if relay is not None:
             relay.stop()
             record["relay"] = dict(relay.counters)
-        service.stop()
+        for svc in services.values():
+            svc.stop()
+        tmp.cleanup()
     final = reports[-1]
     # a segment takes as long as its slowest worker; the pauses to sample are left out
     busy = [max(rep[r]["busy_s"] for r in range(workers)) for rep in reports]
@@ -300,6 +434,11 @@ def run_soak(kind: str, allreduces: int, loss: float, elements: int, workers: in
         "samples": samples,
         "processes": _summarize(roles, samples),
     })
+    if kill_every:
+        record["aggregators"] = {
+            name: {k: {"start": samples[0]["aggregators"][name][k], "end": samples[-1]["aggregators"][name][k],
+                       "max": max(x["aggregators"][name][k] for x in samples)} for k in ("rss_kb", "fds", "threads")}
+            for name in services}
     return record
 
 
@@ -335,6 +474,16 @@ def problems(record: dict, max_rss_growth_mb: float | None = None) -> list[str]:
             growth = (row["rss_kb"]["end"] - row["rss_kb"]["start"]) / 1024
             if growth > max_rss_growth_mb:
                 out.append(f"{record['kind']}: {row['process']} RSS grew {growth:.1f} MB (> {max_rss_growth_mb:g})")
+    for name, row in record.get("aggregators", {}).items():
+        growth = (row["rss_kb"]["end"] - row["rss_kb"]["start"]) / 1024
+        if max_rss_growth_mb is not None and growth > max_rss_growth_mb:
+            out.append(f"{record['kind']}: {name} (supervisor and shards) RSS grew {growth:.1f} MB "
+                       f"(> {max_rss_growth_mb:g})")
+        if row["fds"]["end"] > row["fds"]["start"] + 8:
+            out.append(f"{record['kind']}: {name} (supervisor and shards) holds {row['fds']['end']} descriptors, "
+                       f"{row['fds']['start']} after warm-up")
+    if record.get("kill_every") and not record.get("kills"):
+        out.append(f"{record['kind']}: no shard was killed; run longer than --kill-every")
     return out
 
 
@@ -359,9 +508,15 @@ def _print_record(r: dict) -> None:
     rate = f"{r['allreduces_per_s']:.1f}" if r["allreduces_per_s"] else "-"
     relay = r.get("relay")
     seen = f", relay dropped {relay.get('dropped', 0)} of {relay.get('seen', 0)} datagrams" if relay else ""
+    for name, a in r.get("aggregators", {}).items():
+        rss, fds = a["rss_kb"], a["fds"]
+        print(f"{name + ' (all shards)':>24} {'':>7} {mb(rss['start']):>12} {mb(rss['end']):>7} {mb(rss['max']):>7} "
+              f"{mb(rss['end'] - rss['start']):>7} {fds['start']:>9} {fds['end']:>4} {fds['max']:>4}")
+    kills = f"; {len(r['kills'])} shard(s) killed and restarted" if r.get("kill_every") else ""
+    rejoins = sum(s["rejoins"] for s in r["client_stats"])
     print(f"  {rate} all-reduces/s after warm-up ({r['wall_s']:.1f} s in all); retransmissions {retrans}{seen}; "
           f"wrong results {r['failures']}; workers agree: {r['results_agree']}; "
-          f"aggregator alive: {r['aggregator_alive']}")
+          f"aggregator alive: {r['aggregator_alive']}{kills}; worker rejoins {rejoins}")
 
 
 def main(args) -> int:
@@ -370,7 +525,15 @@ def main(args) -> int:
         print("aggnet soak: needs --allreduces >= 3, --workers >= 1, --elements >= 1 and 0 <= --loss < 1",
               file=sys.stderr)
         return 2
-    records = [run_soak(k, args.allreduces, args.loss, args.elements, args.workers) for k in kinds]
+    if args.kind == "racks" and args.workers % 2:
+        print("aggnet soak: --kind racks places --workers on two racks: give an even number", file=sys.stderr)
+        return 2
+    if args.kill_every is not None and (args.kill_every <= 0 or "switch" in kinds):
+        print("aggnet soak: --kill-every takes seconds > 0, with --kind service or racks (a switch-mode aggregator "
+              "does not resume after a restart)", file=sys.stderr)
+        return 2
+    records = [run_soak(k, args.allreduces, args.loss, args.elements, args.workers, args.kill_every, args.seed)
+               for k in kinds]
     found = []
     for r in records:
         _print_record(r)

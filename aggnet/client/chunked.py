@@ -424,7 +424,8 @@ class ChunkClient(Client):
         oldest = next(iter(self._active))
         lag = min((req.round - oldest) % (1 << 32) + 1, 0x7FFFFFFF)
         req.plan_sent = np.concatenate([mine, -mine, np.array([lag], np.int32)])
-        self._send_plan(req)
+        if req.plan_shard not in self._rejoining:  # else it goes once the shard takes this worker back
+            self._send_plan(req)
 
     def _send_plan(self, req: ChunkRequest) -> None:
         h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=wire.PLAN_INDEX,
@@ -481,7 +482,8 @@ class ChunkClient(Client):
             exps[c.index] = kernels.exponent_of(bits, nonfinite)
         req.exponents = exps
         for shard in req.queues:
-            self._send_scale(req, shard)
+            if shard not in self._rejoining:  # else it goes once the shard takes this worker back
+                self._send_scale(req, shard)
             req.scale_pending.add(shard)
 
     def _send_scale(self, req: ChunkRequest, shard: int) -> None:

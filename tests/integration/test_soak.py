@@ -38,3 +38,18 @@ def test_problems_names_growth_beyond_the_limit():
     assert problems(record) == []
     assert problems(record, max_rss_growth_mb=100) == []
     assert problems(record, max_rss_growth_mb=30) == ["switch: worker 0 RSS grew 48.8 MB (> 30)"]
+
+
+@pytest.mark.slow
+def test_a_chaos_soak_of_racks_kills_shards_and_every_result_is_right():
+    """``aggnet soak --kind racks --kill-every``: shards of the root and the
+    racks are killed while the workers all-reduce; none of it shows in a
+    result, and each aggregator's descriptors stay where they were."""
+    r = run_soak("racks", allreduces=2500, loss=0.0, elements=16384, workers=2, kill_every=0.7, seed=3)
+    assert "error" not in r, r["error"]
+    assert len(r["kills"]) >= 2, r["kills"]
+    assert r["failures"] == {"int32": 0, "float32": 0}, r["first_failure"]
+    assert r["results_agree"] and r["aggregator_alive"]
+    assert sum(s["rejoins"] for s in r["client_stats"]) >= 1 or any(k["aggregator"] == "root" for k in r["kills"])
+    assert set(r["aggregators"]) == {"root", "rack0", "rack1"}
+    assert [p for p in problems(r) if "descriptors" in p] == []
