@@ -104,7 +104,9 @@ def main(args) -> int:
                         print(line)
                     return 0
                 systems = ["aggnet"] + (["gloo"] if args.what == "bench" else [])
-                results = [rack_runs.run_system(rack, s, nbytes, args.reps, switch=switch, **extra) for s in systems]
+                pids = None if bmv2 else [agg.pid]
+                results = [rack_runs.run_system(rack, s, nbytes, args.reps, switch=switch, aggregator_pids=pids,
+                                                **extra) for s in systems]
                 impaired = rack.impairment_counts() if (args.drop or args.duplicate) else None
                 if bmv2:
                     switch_stats = agg.counters()
@@ -169,12 +171,17 @@ def _report(args, nbytes: int, results: list[dict], impaired) -> None:
     same_everywhere = all(len({tuple(c) for c in r["checksums"]}) == 1 for r in results)
     sums = [r["checksums"][0][0] for r in results]
     spread = (max(sums) - min(sums)) / max(1.0, max(abs(x) for x in sums))
-    print(f"{'system':>7} {'median s':>9} {'sent/worker':>12} {'recv/worker':>12} {'x S up':>7} {'x S down':>9}")
+    print(f"{'system':>7} {'median s':>9} {'sent/worker':>12} {'recv/worker':>12} {'x S up':>7} {'x S down':>9} "
+          f"{'cpu s/GB':>9} {'agg s/GB':>9}")
     for r in results:
         tx = sum(v["tx_bytes"] for v in r["per_worker"].values()) / n
         rx = sum(v["rx_bytes"] for v in r["per_worker"].values()) / n
+        agg = r.get("aggregator_cpu_s_per_gb")
         print(f"{r['system']:>7} {r['median_s']:9.3f} {tx / 2**20:9.1f}MiB {rx / 2**20:9.1f}MiB "
-              f"{tx / nbytes:7.3f} {rx / nbytes:9.3f}")
+              f"{tx / nbytes:7.3f} {rx / nbytes:9.3f} {r['worker_cpu_s_per_gb']:9.2f} "
+              f"{'' if agg is None else f'{agg:.2f}':>9}")
+    print("cpu s/GB: a worker's CPU-seconds (user + system, every thread) per GB of buffer over its timed "
+          "all-reduces; agg s/GB: the aggregator host's over the whole run")
     ring = 2 * (n - 1) / n
     print(f"gloo ring moves 2S(N-1)/N = {ring:.3f} S each way; aggnet S each way plus headers")
     if len(results) == 2:

@@ -103,11 +103,13 @@ def _report_bench(args, pl: Plan, nbytes: int, results: list[dict], drops: dict 
     rs = racks * nbytes
     print(f"fabric: {pl.shape}, {_links(pl)}; {format_size(nbytes)} float32 all-reduce, "
           f"{args.reps} repetition(s){_drops(drops)}")
-    print(f"{'system':>7} {'median s':>9} {'cross-rack up':>14} {'down':>11} {'up/(R*S)':>9} {'down/(R*S)':>10}")
+    print(f"{'system':>7} {'median s':>9} {'cross-rack up':>14} {'down':>11} {'up/(R*S)':>9} {'down/(R*S)':>10} "
+          f"{'cpu s/GB':>9}")
     for r in results:
         up, down = r["cross_rack_bytes"]["up"], r["cross_rack_bytes"]["down"]
         print(f"{r['system']:>7} {r['median_s']:9.3f} {up / 2**20:11.1f}MiB {down / 2**20:8.1f}MiB "
-              f"{up / max(rs, 1):9.3f} {down / max(rs, 1):10.3f}")
+              f"{up / max(rs, 1):9.3f} {down / max(rs, 1):10.3f} {r['worker_cpu_s_per_gb']:9.2f}")
+    print("cpu s/GB: a worker's CPU-seconds (user + system, every thread) per GB of buffer over its timed all-reduces")
     a, g = results
     print(f"aggnet time / gloo time = {a['median_s'] / g['median_s']:.3f}; aggnet sends each rack's partial up "
           f"and its result down once (R*S each way), gloo's ring crosses racks R times with 2S(N-1)/N")

@@ -34,6 +34,8 @@ def run_system(fabric: Fabric, system: str, nbytes: int, reps: int = 1, *, dtype
     repetition (slowest worker), each worker's checksums (and, for int32,
     whether its result is the exact sum) and the bytes every rack's uplink
     moved per all-reduce, each way."""
+    from aggnet.bench.cpu import per_gb
+
     workers = fabric.workers
     world = len(workers)
     master = f"{workers[0][2].ip}:{GLOO_PORT}"
@@ -55,7 +57,8 @@ def run_system(fabric: Fabric, system: str, nbytes: int, reps: int = 1, *, dtype
             "median_s": statistics.median(times), "checksums": [o["checksums"] for o in outs],
             "exact": [o["exact"] for o in outs], "uplinks": uplinks,
             "cross_rack_bytes": {"up": sum(u["up"] for u in uplinks), "down": sum(u["down"] for u in uplinks)},
-            "client_stats": [o["stats"] for o in outs]}
+            "client_stats": [o["stats"] for o in outs],
+            "worker_cpu_s_per_gb": per_gb(sum(o["cpu_s"] for o in outs) / world, nbytes, reps)}
 
 
 def run_demo(fabric: Fabric, epochs: int, codec: str, timeout: float = 1800, extra: list[str] = ()) -> list[str]:

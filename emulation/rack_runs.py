@@ -64,10 +64,15 @@ def collect(procs: list, timeout: float, what: str) -> list[dict]:
 
 def run_system(rack: Rack, system: str, nbytes: int, reps: int, address: str | None = None,
                elements: int | None = None, slots: int | None = None, timeout: float = 1800,
-               switch: "RackSwitch | None" = None) -> dict:
+               switch: "RackSwitch | None" = None, aggregator_pids: list | None = None) -> dict:
     """Run one all-reduce system on every worker of the rack; return the
-    per-repetition time (slowest worker), the results' checksums and the
-    bytes each worker's interface moved per all-reduce."""
+    per-repetition time (slowest worker), the results' checksums, the
+    bytes each worker's interface moved per all-reduce, and CPU-seconds per
+    GB of buffer: each worker's over its timed all-reduces (averaged), and
+    the aggregator's (``aggregator_pids`` and their children) over the
+    whole run, joins and barriers included."""
+    from aggnet.bench.cpu import per_gb, tree_cpu_seconds
+
     world = len(rack.workers)
     if switch is not None:
         address = switch.address
@@ -82,6 +87,7 @@ def run_system(rack: Rack, system: str, nbytes: int, reps: int, address: str | N
     if switch is not None and system == "aggnet":
         switch.install(job, slots)
     before = rack.counters()
+    agg0 = tree_cpu_seconds(aggregator_pids) if aggregator_pids and system == "aggnet" else None
     procs = []
     for rank, h in enumerate(rack.workers):
         cmd = [sys.executable, "-m", "aggnet.emulation.worker", system, "--rank", str(rank), "--world", str(world),
@@ -89,6 +95,7 @@ def run_system(rack: Rack, system: str, nbytes: int, reps: int, address: str | N
                "--job", job]
         procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = collect(procs, timeout, f"{system} all-reduce")
+    agg_cpu = tree_cpu_seconds(aggregator_pids) - agg0 if agg0 is not None else None
     after = rack.counters()
     if switch is not None and system == "aggnet":
         switch.remove(job)
@@ -96,7 +103,9 @@ def run_system(rack: Rack, system: str, nbytes: int, reps: int, address: str | N
     per_worker = {h: {k: (after[h][k] - before[h][k]) / reps for k in after[h]} for h in after}
     return {"system": system, "workers": world, "bytes": nbytes, "times": times,
             "median_s": statistics.median(times), "checksums": [o["checksums"] for o in outs],
-            "per_worker": per_worker, "client_stats": [o["stats"] for o in outs]}
+            "per_worker": per_worker, "client_stats": [o["stats"] for o in outs],
+            "worker_cpu_s_per_gb": per_gb(sum(o["cpu_s"] for o in outs) / world, nbytes, reps),
+            "aggregator_cpu_s_per_gb": None if agg_cpu is None else per_gb(agg_cpu, nbytes, reps)}
 
 
 def run_ddp_bench(rack: Rack, steps: int, width: int, systems: str = "gloo,aggnet-int32",
@@ -121,7 +130,7 @@ def run_ddp_bench(rack: Rack, steps: int, width: int, systems: str = "gloo,aggne
                "--systems", systems, "--batch", str(batch)]
         procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     recs = collect(procs, timeout, "DDP benchmark")
-    got = [(rec["rank"], rec["parameters"], rec["times"]) for rec in recs]
+    got = [(rec["rank"], rec["parameters"], rec["times"], rec.get("cpu", {})) for rec in recs]
     names = [s.strip() for s in systems.split(",") if s.strip()]
     records = summarize(got, names, steps, world, batch)
     for r in records:  # each worker's client counters (retransmissions, packets) for that system

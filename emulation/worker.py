@@ -3,7 +3,8 @@
 Runs inside a worker's namespace, all-reduces a buffer through aggnet (the
 address in AGGNET_ADDRESS, or its rack's aggregator in ``--topology``) or
 through torch.distributed gloo, and prints one JSON line: times per
-repetition, a checksum of the result, and the client's counters. With
+repetition, this process's CPU-seconds over them (every thread), a
+checksum of the result, and the client's counters. With
 ``--dtype int32`` every worker also rebuilds every rank's data and says
 whether the result is bit-identical to their sum.
 """
@@ -51,8 +52,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["float32", "int32"], default="float32",
                    help="int32: check the result bit for bit against the sum")
     args = p.parse_args(argv)
+    from aggnet.bench.cpu import own_cpu_seconds
+
     n = args.bytes // 4
     times, sums = [], []
+    cpu = 0.0
     stats = {}
     exact = None
     if args.system == "aggnet":
@@ -63,9 +67,10 @@ def main(argv=None) -> int:
             for _ in range(args.reps):
                 x = _data(args.rank, n, args.dtype)
                 _barrier_aggnet(c)
-                t0 = time.perf_counter()
+                c0, t0 = own_cpu_seconds(), time.perf_counter()
                 c.allreduce(x).result(3600)
                 times.append(time.perf_counter() - t0)
+                cpu += own_cpu_seconds() - c0
                 sums.append(float(np.sum(x, dtype=np.float64)))
                 if args.dtype == "int32":
                     exact = bool(np.array_equal(x, _expected(args.world, n))) and exact is not False
@@ -82,14 +87,15 @@ def main(argv=None) -> int:
         for _ in range(args.reps):
             x = torch.from_numpy(_data(args.rank, n, args.dtype))
             dist.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = own_cpu_seconds(), time.perf_counter()
             dist.all_reduce(x)
             times.append(time.perf_counter() - t0)
+            cpu += own_cpu_seconds() - c0
             sums.append(float(x.double().sum()))
             if args.dtype == "int32":
                 exact = bool(np.array_equal(x.numpy(), _expected(args.world, n))) and exact is not False
         dist.destroy_process_group()
-    print(json.dumps({"rank": args.rank, "times": times, "checksums": sums, "stats": stats,
+    print(json.dumps({"rank": args.rank, "times": times, "cpu_s": cpu, "checksums": sums, "stats": stats,
                       "exact": exact, "pid": os.getpid()}), flush=True)
     return 0
 

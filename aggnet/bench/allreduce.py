@@ -8,6 +8,12 @@ done when the last worker has its result). The table shows medians and the
 ratio gloo / aggnet (above 1: aggnet is faster); ``--json`` writes one record
 per measurement. The aggregator's own summation speed is read from its
 shards' counters and set beside the memory-copy bandwidth.
+
+Each point also reports CPU-seconds per GB of buffer: a worker's (user +
+system of its process, every thread included, over the timed repetitions,
+averaged over workers) and, for aggnet, the aggregator's (its supervisor
+and shard processes together), so host cycles per byte stand beside
+gloo's workers in the same run.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import uuid
 
 import numpy as np
 
+from aggnet.bench.cpu import own_cpu_seconds, per_gb, tree_cpu_seconds
 from aggnet.client.config import format_size, parse_size
 
 DEFAULT_SIZES = "1MiB,16MiB,100MiB"
@@ -50,22 +57,32 @@ def _system_info() -> dict:
             "machine": platform.machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-def _timed(barrier, fn, reps: int) -> list[float]:
+def _timed(barrier, fn, reps: int, rank: int = 0, aggregator: list | None = None) -> dict:
+    """Times of ``reps`` calls of ``fn`` after a warm-up, this worker's
+    CPU-seconds over them, and (rank 0, when given the aggregator's pids)
+    the aggregator's, between barriers that every worker passes."""
     fn()  # warm-up: first-touch page faults, connection set-up, JIT
+    barrier.wait(120)
+    agg0 = tree_cpu_seconds(aggregator) if aggregator and rank == 0 else None
+    cpu0 = own_cpu_seconds()
     times = []
     for _ in range(reps):
         barrier.wait(120)
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return times
+    cpu = own_cpu_seconds() - cpu0
+    barrier.wait(120)
+    agg = tree_cpu_seconds(aggregator) - agg0 if agg0 is not None else None
+    return {"times": times, "cpu_s": cpu, "aggregator_cpu_s": agg}
 
 
 def _fill(buf: np.ndarray, rank: int) -> None:
     buf[...] = rank + 1
 
 
-def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_port: int | None, barrier, out) -> None:
+def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_port: int | None, barrier, out,
+            aggregator: list | None = None) -> None:
     from aggnet import Client
 
     results = []
@@ -95,7 +112,7 @@ def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_p
                                           rank=rank, world_size=world, chunk_bytes=chunk, timeout=120)
                 c = clients[key]
                 codec = "int32" if dtype == "q-int32" else None
-                times = _timed(barrier, lambda: c.allreduce(buf, codec=codec).result(300), reps)
+                times = _timed(barrier, lambda: c.allreduce(buf, codec=codec).result(300), reps, rank, aggregator)
                 # the warm-up sums rank+1 over ranks; every repetition then
                 # all-reduces the previous result again
                 want = world * (world + 1) / 2 * world ** reps
@@ -124,16 +141,26 @@ def _memcpy_times(nbytes: int, reps: int) -> list[float]:
     return times
 
 
-def _record(point: dict, workers: int, times: list[float]) -> dict:
-    return {**point, "workers": workers, "median_s": statistics.median(times), "min_s": min(times),
-            "max_s": max(times), "reps": len(times)}
+def _record(point: dict, workers: int, times: list[float], cpu: list[float] | None = None,
+            aggregator_cpu: float | None = None) -> dict:
+    """One point: times, and CPU-seconds per GB of buffer (per worker,
+    averaged; and the aggregator's) when measured."""
+    r = {**point, "workers": workers, "median_s": statistics.median(times), "min_s": min(times),
+         "max_s": max(times), "reps": len(times)}
+    if cpu is not None:
+        r["worker_cpu_s_per_gb"] = per_gb(sum(cpu) / len(cpu), point["bytes"], len(times))
+    if aggregator_cpu is not None:
+        r["aggregator_cpu_s_per_gb"] = per_gb(aggregator_cpu, point["bytes"], len(times))
+    return r
 
 
-def _run_group(world: int, plan: list, services: dict, reps: int, gloo_port: int | None) -> dict:
+def _run_group(world: int, plan: list, services: dict, reps: int, gloo_port: int | None,
+               aggregator: list | None = None) -> dict:
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(world)
     out = ctx.Queue()
-    ps = [ctx.Process(target=_worker, args=(r, world, plan, services, reps, gloo_port, barrier, out), daemon=True)
+    ps = [ctx.Process(target=_worker, args=(r, world, plan, services, reps, gloo_port, barrier, out, aggregator),
+                      daemon=True)
           for r in range(world)]
     for p in ps:
         p.start()
@@ -262,7 +289,8 @@ def main(args) -> int:
             service = None if group == "gloo" else ServiceProcess(listen[group], args.shards)
             try:
                 services = {group: service.address} if service else {}
-                per_rank = _run_group(world, plan, services, args.reps, _free_port() if group == "gloo" else None)
+                per_rank = _run_group(world, plan, services, args.reps, _free_port() if group == "gloo" else None,
+                                      [service.pid] if service else None)
                 if service is not None:
                     totals = _service_stats(service.address).get("totals", {})
                     acc = sums.setdefault(group, {})
@@ -272,8 +300,9 @@ def main(args) -> int:
                 if service is not None:
                     service.stop()
             for i, point in enumerate(plan):
-                slowest = [max(per_rank[r][i][k] for r in range(world)) for k in range(args.reps)]
-                records.append(_record(point, world, slowest))
+                slowest = [max(per_rank[r][i]["times"][k] for r in range(world)) for k in range(args.reps)]
+                records.append(_record(point, world, slowest, [per_rank[r][i]["cpu_s"] for r in range(world)],
+                                       per_rank[0][i]["aggregator_cpu_s"]))
     _print_table(records)
     # the all-reduce streams whole buffers through memory: compare with the
     # copy of the largest one (the small ones copy within the caches)
@@ -299,11 +328,13 @@ def _print_table(records: list[dict]) -> None:
     gloo = {(r["workers"], r["bytes"], r["dtype"]): r["median_s"] for r in records if r["system"] == "gloo"}
     gloo_f32 = {(w, b): t for (w, b, d), t in gloo.items() if d == "float32"}
     print(f"{'N':>2} {'size':>7} {'system':>7} {'transport':>9} {'dtype':>8} {'chunk':>7} {'median ms':>10} "
-          f"{'min ms':>8} {'max ms':>8} {'GB/s':>6} {'gloo/this':>9}")
+          f"{'min ms':>8} {'max ms':>8} {'GB/s':>6} {'gloo/this':>9} {'cpu s/GB':>8} {'agg s/GB':>8}")
     for r in sorted(records, key=lambda r: (r["workers"], r["bytes"], r["system"] != "memcpy", r["system"] != "gloo")):
         ref = gloo.get((r["workers"], r["bytes"], r["dtype"]), gloo_f32.get((r["workers"], r["bytes"])))
         ratio = f"{ref / r['median_s']:9.2f}" if ref and r["system"] == "aggnet" else f"{'':>9}"
         chunk = format_size(r["chunk_bytes"]) if r.get("chunk_bytes") else "-"
+        cpu = f"{r['worker_cpu_s_per_gb']:8.2f}" if "worker_cpu_s_per_gb" in r else f"{'':>8}"
+        agg = f"{r['aggregator_cpu_s_per_gb']:8.2f}" if "aggregator_cpu_s_per_gb" in r else f"{'':>8}"
         print(f"{r['workers']:>2} {format_size(r['bytes']):>7} {r['system']:>7} {r['transport']:>9} {r['dtype']:>8} "
               f"{chunk:>7} {r['median_s'] * 1e3:10.1f} {r['min_s'] * 1e3:8.1f} {r['max_s'] * 1e3:8.1f} "
-              f"{r['bytes'] / r['median_s'] / 1e9:6.2f} {ratio}")
+              f"{r['bytes'] / r['median_s'] / 1e9:6.2f} {ratio} {cpu} {agg}")

@@ -92,7 +92,7 @@ def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, po
             if float(buf[0]) != float(arr[0]) or float(buf[-1]) != float(arr[-1]):
                 raise AssertionError(f"rank {rank}: backend all_reduce gave {buf[-1]}, client {arr[-1]}")
             buf = torch.ones(n)
-            times["gloo all_reduce"] = _timed(barrier, lambda: dist.all_reduce(buf, group=gloo), reps)
+            times["gloo all_reduce"] = _timed(barrier, lambda: dist.all_reduce(buf, group=gloo), reps)["times"]
             results.append(times)
     finally:
         client.close()

@@ -26,6 +26,8 @@ import socket
 import statistics
 import time
 
+from aggnet.bench.cpu import own_cpu_seconds
+
 
 def add_arguments(p) -> None:
     p.add_argument("--workers", default="2,4", help="worker counts (default %(default)s)")
@@ -85,6 +87,7 @@ def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
     x = torch.randn(args.batch, 1024)
     y = torch.randn(args.batch, 1024)
     results = {}
+    cpu = {}
     client_stats = {}
     for system in systems:
         parts = system.split("-")
@@ -139,11 +142,14 @@ def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
             t1 = time.perf_counter()
             if step >= 3:  # warm-up: connections, first-touch, JIT
                 times.append(t1 - t0)
+            else:
+                cpu0 = own_cpu_seconds()
             t0 = t1
         if stale is not None:
             stale.finish()
         for f in (in_flight or ()) if client is not None else ():
             f.result()
+        cpu[system] = own_cpu_seconds() - cpu0
         used = client if client is not None else (state._client if state is not None else None)
         if used is not None:
             cs = used.stats
@@ -157,9 +163,10 @@ def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
         del ddp
     dist.destroy_process_group()
     if out is None:
-        print(json.dumps({"rank": rank, "parameters": params, "times": results, "client": client_stats}), flush=True)
+        print(json.dumps({"rank": rank, "parameters": params, "times": results, "cpu": cpu, "client": client_stats}),
+              flush=True)
     else:
-        out.put((rank, params, results))
+        out.put((rank, params, results, cpu))
 
 
 def worker_main(argv=None) -> int:
@@ -180,13 +187,19 @@ def worker_main(argv=None) -> int:
 
 
 def summarize(got: list, systems: list, steps: int, world: int, batch: int) -> list[dict]:
-    """Per-system records: a step takes as long as its slowest worker."""
+    """Per-system records: a step takes as long as its slowest worker; a
+    worker's CPU-seconds per step (user + system, every thread: compute
+    and communication) are averaged over workers."""
     records = []
     for system in systems:
         per_step = [max(g[2][system][i] for g in got) for i in range(steps)]
-        records.append({"system": system, "workers": world, "parameters": got[0][1], "batch": batch,
-                        "median_s": statistics.median(per_step), "min_s": min(per_step), "max_s": max(per_step),
-                        "steps": steps})
+        r = {"system": system, "workers": world, "parameters": got[0][1], "batch": batch,
+             "median_s": statistics.median(per_step), "min_s": min(per_step), "max_s": max(per_step),
+             "steps": steps}
+        cpus = [g[3][system] for g in got if len(g) > 3 and system in g[3]]
+        if cpus:
+            r["worker_cpu_s_per_step"] = sum(cpus) / len(cpus) / steps
+        records.append(r)
     return records
 
 
@@ -207,12 +220,15 @@ def main(args) -> int:
         for p in procs:
             p.join(60)
         records += summarize(got, systems, args.steps, world, args.batch)
-    print(f"{'N':>2} {'system':>15} {'params':>11} {'step ms (median)':>17} {'min':>7} {'max':>7} {'gloo/this':>9}")
+    print(f"{'N':>2} {'system':>15} {'params':>11} {'step ms (median)':>17} {'min':>7} {'max':>7} {'gloo/this':>9} "
+          f"{'cpu s/step':>10}")
     for r in records:
         gloo = next((g["median_s"] for g in records if g["system"] == "gloo" and g["workers"] == r["workers"]), None)
-        ratio = f"{gloo / r['median_s']:9.2f}" if gloo else ""
+        ratio = f"{gloo / r['median_s']:9.2f}" if gloo else f"{'':>9}"
+        cpu = f"{r['worker_cpu_s_per_step']:10.3f}" if "worker_cpu_s_per_step" in r else ""
         print(f"{r['workers']:>2} {r['system']:>15} {r['parameters']:>11,} {r['median_s'] * 1e3:17.1f} "
-              f"{r['min_s'] * 1e3:7.1f} {r['max_s'] * 1e3:7.1f} {ratio}")
+              f"{r['min_s'] * 1e3:7.1f} {r['max_s'] * 1e3:7.1f} {ratio} {cpu}")
+    print("cpu s/step: a worker's CPU-seconds per step (user + system, every thread: compute and communication)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

@@ -48,6 +48,8 @@ import zlib
 
 import numpy as np
 
+from aggnet.bench.cpu import descendants
+
 #: all-reduces before the first sample: allocator pools, JIT-compiled
 #: kernels and socket buffers reach their working size first
 WARMUP = 100
@@ -85,26 +87,6 @@ def proc_sample(pid: int) -> dict | None:
     except (FileNotFoundError, ProcessLookupError):
         return None
     return {"rss_kb": int(fields["VmRSS"].split()[0]), "fds": fds, "threads": int(fields["Threads"])}
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process under ``pid`` (shard processes), from the parent ids
-    in /proc/*/stat: no psutil needed."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return sorted(out)
 
 
 # -- the workers ----------------------------------------------------------------

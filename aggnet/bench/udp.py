@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from aggnet.bench.cpu import tree_cpu_seconds
+
 from aggnet.client.config import format_size, parse_size
 
 SOL_UDP, UDP_SEGMENT, UDP_GRO = 17, 103, 104
@@ -118,23 +120,6 @@ def raw_loop(size: int, gso: bool, seconds: float, header: int) -> dict:
 # -- aggnet ------------------------------------------------------------------------
 
 
-def _cpu_of_tree(pid: int) -> float:
-    """CPU seconds of a process and its children (an aggregator's shards)."""
-    total = 0.0
-    tick = os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(entry) == pid or int(fields[1]) == pid:
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
-
-
 def aggnet_client(elements: int, nbytes: int, reps: int, io: str | None, shards: int) -> dict:
     from aggnet import Client
     from aggnet.processes import ServiceProcess
@@ -153,11 +138,11 @@ def aggnet_client(elements: int, nbytes: int, reps: int, io: str | None, shards:
             y = np.empty_like(x)  # one buffer, refilled: as DDP reuses its buckets
             for _ in range(reps):
                 np.copyto(y, x)  # neither timed nor counted
-                cpu0, agg0 = os.times(), _cpu_of_tree(agg.pid)
+                cpu0, agg0 = os.times(), tree_cpu_seconds([agg.pid])
                 t0 = time.perf_counter()
                 c.allreduce(y).result(600)
                 times.append(time.perf_counter() - t0)
-                cpu1, agg1 = os.times(), _cpu_of_tree(agg.pid)
+                cpu1, agg1 = os.times(), tree_cpu_seconds([agg.pid])
                 client_cpu += cpu1.user + cpu1.system - cpu0.user - cpu0.system
                 aggregator_cpu += agg1 - agg0
             sent, recv = c.stats.chunks_sent - sent0, c.stats.results - recv0

@@ -57,8 +57,8 @@ def test_ddp_bench_times_stale_steps_beside_their_halves(tmp_path):
                "--systems", systems, "--json", "ddp.json")
     records = json.loads((tmp_path / "ddp.json").read_text())
     assert [r["system"] for r in records] == systems.split(",")
-    assert all(r["median_s"] > 0 for r in records)
-    assert "aggnet-float32-stale1-predict" in out
+    assert all(r["median_s"] > 0 and r["worker_cpu_s_per_step"] >= 0 for r in records)  # 10 ms ticks: 3 short steps may read 0
+    assert "aggnet-float32-stale1-predict" in out and "cpu s/step" in out
 
 
 def test_an_unknown_ddp_system_is_refused_with_the_list(tmp_path):

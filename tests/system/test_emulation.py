@@ -62,7 +62,7 @@ def test_each_worker_moves_S_up_and_S_down_where_gloo_moves_2S_N_1_over_N():
     with Rack(n, rate_mbit=200, prefix="agb") as rack:
         agg = rack_runs.start_aggregator(rack)
         try:
-            ours = rack_runs.run_system(rack, "aggnet", size, reps=1)
+            ours = rack_runs.run_system(rack, "aggnet", size, reps=1, aggregator_pids=[agg.pid])
             ring = rack_runs.run_system(rack, "gloo", size, reps=1)
         finally:
             agg.stop()
@@ -76,6 +76,9 @@ def test_each_worker_moves_S_up_and_S_down_where_gloo_moves_2S_N_1_over_N():
         assert 1.45 <= w["rx_bytes"] / size <= 1.6, (name, w)
     a, g = ours["checksums"][0][0], ring["checksums"][0][0]
     assert abs(a - g) <= 1e-3 * max(1.0, abs(g))
+    # host cycles per byte, beside the peer's
+    assert ours["worker_cpu_s_per_gb"] > 0 and ring["worker_cpu_s_per_gb"] > 0
+    assert ours["aggregator_cpu_s_per_gb"] > 0 and ring["aggregator_cpu_s_per_gb"] is None
 
 
 def _join_from(rack, host, address, elements=None) -> str:

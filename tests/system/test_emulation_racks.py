@@ -89,7 +89,8 @@ def test_bench_writes_cross_rack_bytes_near_R_times_S_for_aggnet(tmp_path):
     assert (data["racks"], data["workers"], data["bytes"]) == (2, 2, size)
     rec = {x["system"]: x for x in data["records"]}
     assert set(rec) == {"aggnet", "gloo"}
-    assert all(x["median_s"] > 0 for x in rec.values())
+    assert all(x["median_s"] > 0 and x["worker_cpu_s_per_gb"] > 0 for x in rec.values())
+    assert "cpu s/GB" in r.stdout
     rs = 2 * size
     for way in ("up", "down"):
         assert 1.0 <= rec["aggnet"]["cross_rack_bytes"][way] / rs <= 1.05, rec["aggnet"]["cross_rack_bytes"]
