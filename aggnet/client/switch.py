@@ -57,16 +57,6 @@ FAST_RETRANSMIT = 3
 TIMER_CHECK = 0.002
 #: receive batches taken before the loop looks at timers and new requests
 RECEIVES_PER_TURN = 8
-#: a paced link delivers results a datagram or two at a time, and each
-#: wake of the I/O loop costs tens of microseconds of Python: on a
-#: 100 Mbit/s link that made a worker spend 5 CPU-seconds per GB where
-#: gloo spends under 1 (6 results per wake, 29 us of CPU per result). A
-#: wake that took fewer results than this, while at least as many are on
-#: the way, waits for more: as long as they take to arrive, at most
-#: COALESCE_MAX and a quarter of the time the window in flight takes, so
-#: the link never runs dry
-COALESCE_PACKETS = 32
-COALESCE_MAX = 0.010
 #: seconds a rack's switch may take to answer a JOIN before its workers go
 #: to the rack's fallback host aggregator (when the topology names one)
 FALLBACK_AFTER = 5.0
@@ -321,9 +311,6 @@ class SwitchClient(Client):
         self._last_progress = time.monotonic()
         self._probing: float | None = None
         self._next_check = 0.0
-        #: seconds between results while a link paces them (smoothed)
-        self._result_gap = 0.0
-        self._last_wake = 0.0
         sock = self.dsock.sock
         while True:
             new, closing = self._take_submitted()
@@ -348,29 +335,7 @@ class SwitchClient(Client):
                 except BlockingIOError:
                     pass
             if sock in r:
-                got = self._receive()
-                if 0 < got < COALESCE_PACKETS and self._reqs:
-                    self._coalesce(got)
-                else:
-                    self._last_wake = 0.0
-
-    def _coalesce(self, got: int) -> None:
-        """Wait for more results after a wake that took only ``got``, when
-        the link is pacing them and plenty are on the way."""
-        now = time.monotonic()
-        if self._last_wake:
-            gap = (now - self._last_wake) / got
-            self._result_gap = gap if not self._result_gap else 0.8 * self._result_gap + 0.2 * gap
-        self._last_wake = now
-        in_flight = int(np.count_nonzero(self.busy))
-        if in_flight < COALESCE_PACKETS or not self._result_gap:
-            return
-        pause = min(COALESCE_MAX, (COALESCE_PACKETS - got) * self._result_gap,
-                    0.25 * in_flight * self._result_gap)
-        if pause > 0.0002:
-            # results that come meanwhile count against the wake before the
-            # pause: the gap measured next is still one between results
-            time.sleep(pause)
+                self._receive()
 
     def _admit(self, req: SwitchRequest) -> None:
         k, s = self.elements, self.slots
