@@ -151,8 +151,11 @@ class ChunkClient(Client):
 
     def _unreachable_hint(self, conn, missing: list[str]) -> str:
         if conn is not self._conn:
+            curve = ("; if it runs with --curve-secret-file, this worker needs its public key (server_key=..., "
+                     "AGGNET_SERVER_KEY, printed by `aggnet job curve-keys`)"
+                     if parse(self.address).scheme == "zmq+tcp" and self.config.server_key is None else "")
             return (f"start one with `aggnet serve --listen {self.address}`, or leave the address unset to use an "
-                    f"embedded local aggregator")
+                    f"embedded local aggregator{curve}")
         # the control endpoint answered: its shards are where it said, or
         # where this worker cannot reach them
         said = sorted({a for a, r in zip(self._advertised, self.shards) if r in missing})

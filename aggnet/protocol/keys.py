@@ -164,14 +164,19 @@ class Keyring:
         return set()
 
 
-def write_job_key(path: str, name: str, key: str | None = None) -> str:
-    """Add (or replace) job ``name``'s key in the keys file at ``path``,
-    created 0600; returns the key."""
+def write_job_key(path: str, name: str, key: str | None = None, replace: bool = True) -> str:
+    """Add (or, with ``replace``, replace) job ``name``'s key in the keys
+    file at ``path``, created 0600; returns the key. Without ``replace`` a
+    job that has a key already raises ValueError: its running workers
+    hold that key, and a new one would lock them out."""
     data = {"jobs": {}}
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
         data.setdefault("jobs", {})
+    if not replace and name in data["jobs"]:
+        raise ValueError(f"job {name!r} has a key in {path} already (its workers hold it); give it to them again "
+                         f"with `aggnet job show {name} --keys {path}`, or make a new one with --replace")
     key = key or new_key()
     data["jobs"][name] = key
     fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

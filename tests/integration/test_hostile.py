@@ -299,7 +299,7 @@ def test_curve_protects_a_tcp_service():
         assert all(isinstance(b, np.ndarray) and (b == 3).all() for b in r), r
         from aggnet.errors import AggregatorUnreachable
 
-        with pytest.raises(AggregatorUnreachable):
+        with pytest.raises(AggregatorUnreachable, match="needs its public key .*AGGNET_SERVER_KEY"):
             Client(svc.address, job=_job(), rank=0, world_size=1, connect_timeout=2)
 
 
@@ -553,3 +553,35 @@ def test_a_chunk_size_over_the_message_bound_is_refused_in_one_line():
 
     with pytest.raises(ValueError, match=r"chunk_bytes must be between 64 B and 64 MiB"):
         Client("zmq+tcp://127.0.0.1:9", job=_job(), chunk_bytes=MAX_MESSAGE_BYTES + 4)
+
+
+def test_printed_keys_survive_a_paste_into_a_shell_and_a_job_key_is_not_replaced_by_accident(tmp_path):
+    """Z85 CURVE keys hold shell metacharacters: the printed export line,
+    run by a shell, sets exactly the key in the file. `job create` refuses a
+    job that has a key (its workers hold it) unless told --replace, and
+    `job show` prints the one there is."""
+    secret = tmp_path / "curve"
+    made = subprocess.run([sys.executable, "-m", "aggnet", "job", "curve-keys", str(secret)],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    from aggnet.transport.zmq import load_curve_secret
+
+    public = load_curve_secret(str(secret)).public.decode()
+    echoed = subprocess.run(["bash", "-c", made.stdout + 'printf %s "$AGGNET_SERVER_KEY"'], capture_output=True,
+                            text=True, timeout=30)
+    assert echoed.stdout == public
+    keyfile = str(tmp_path / "keys.json")
+
+    def job(*args):
+        return subprocess.run([sys.executable, "-m", "aggnet", "job", *args, "--keys", keyfile], capture_output=True,
+                              text=True, timeout=60)
+
+    first = job("create", "train")
+    assert first.returncode == 0, first.stderr
+    again = job("create", "train")
+    assert again.returncode == 1 and "has a key" in again.stderr and "Traceback" not in again.stderr
+    assert job("show", "train").stdout == first.stdout
+    replaced = job("create", "train", "--replace")
+    assert replaced.returncode == 0 and replaced.stdout != first.stdout
+    missing = job("show", "other")
+    assert missing.returncode == 1 and "aggnet job create other" in missing.stderr
