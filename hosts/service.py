@@ -386,6 +386,7 @@ def start(listen_address: str, shards: int | None = None, log_level: int = loggi
                          f"file permissions (the socket's directory)")
     if control_addr.scheme == "inproc":
         return _start_threads(control_addr, addrs, keyring, uplink, job_lease)
+    _refuse_a_second_service(control_addr)
     handles = [_ShardHandle(str(a)) for a in addrs]
     # a restarted shard binds the address its first process reported (the
     # port a ":0" address was given), with the same settings
@@ -393,18 +394,58 @@ def start(listen_address: str, shards: int | None = None, log_level: int = loggi
                                  lambda i: (handles[i].address, log_level, keyring, curve, uplink, n, job_lease))
     # fork before any socket exists in this process: children start fast and
     # inherit nothing they should not
-    for handle, address in zip(handles, supervisor.start()):
+    try:
+        started = supervisor.start()
+    except ShardStartError as exc:
+        raise ShardStartError(f"{exc}{_ports_hint(control_addr, n, str(exc))}") from None
+    for handle, address in zip(handles, started):
         handle.address = address
     try:
         control = listen(control_addr, **_curve_options(curve))
-    except BaseException:
+    except BaseException as exc:
         supervisor.stop()
+        if "in use" in str(exc):
+            raise ShardStartError(f"the control endpoint cannot listen: {exc}{_ports_hint(control_addr, n, str(exc))}"
+                                  ) from None
         raise
     svc = Service(control, handles, supervisor=supervisor, keyring=keyring, restart=restart, curve=curve,
                   uplink=uplink, advertise=advertise, until_idle=until_idle, parent_pid=parent_pid)
     log.info("aggnet service at %s with %d shard(s): %s%s", svc.address, n, ", ".join(svc.shard_map()["shards"]),
              f"; rack {uplink.rack_id} of {uplink.racks} under {uplink.parent}" if uplink else "")
     return svc
+
+
+def _refuse_a_second_service(control: Address) -> None:
+    """An aggnet service that answers at ``control`` already: say so, not
+    that some shard port is in use."""
+    if control.scheme != "zmq+tcp" or not control.port:
+        return
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in control.host else socket.AF_INET) as s:
+        try:
+            s.bind((control.host, control.port))
+            return  # the port is free
+        except OSError:
+            pass
+    try:
+        with connect([str(control)]) as conn:
+            conn.send(0, Header(MsgType.HELLO).pack())
+            msg = conn.recv(1.0)
+        answer = wire.parse_json(msg.payload) if msg is not None else None
+    except Exception:
+        answer = None
+    if isinstance(answer, dict) and answer.get("service") == "aggnet":
+        raise ShardStartError(f"an aggnet service already runs at {control} (its shards at "
+                              f"{', '.join(map(str, answer.get('shards', [])))}); stop it, or give this one another "
+                              f"--listen port")
+
+
+def _ports_hint(control: Address, n: int, text: str) -> str:
+    if "in use" not in text or control.scheme not in ("zmq+tcp", "ucx") or not control.port:
+        return ""
+    return (f"; a service takes its control port and the {n} after it ({control.port}..{control.port + n}, one per "
+            f"shard): pick a --listen port with {n} free ports after it, fewer --shards, or port 0 for any free ports")
 
 
 def _start_threads(control_addr: Address, addrs: list[Address], keyring: Keyring,

@@ -585,3 +585,22 @@ def test_printed_keys_survive_a_paste_into_a_shell_and_a_job_key_is_not_replaced
     assert replaced.returncode == 0 and replaced.stdout != first.stdout
     missing = job("show", "other")
     assert missing.returncode == 1 and "aggnet job create other" in missing.stderr
+
+
+def test_a_second_service_on_a_port_in_use_is_named_as_such():
+    """A second `aggnet serve` at a running service's address says a
+    service runs there; one whose shard ports collide says which ports a
+    service takes."""
+    with ServiceProcess("zmq+tcp://127.0.0.1:0", shards=1) as svc:
+        r = subprocess.run([sys.executable, "-m", "aggnet", "serve", "--listen", svc.address, "--shards", "1"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0
+        assert f"an aggnet service already runs at {svc.address}" in r.stderr and "Traceback" not in r.stderr
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "aggnet", "serve", "--listen", f"zmq+tcp://127.0.0.1:{port - 2}",
+                            "--shards", "4"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "a service takes its control port and the 4 after it" in r.stderr and "Traceback" not in r.stderr
