@@ -604,3 +604,30 @@ def test_a_second_service_on_a_port_in_use_is_named_as_such():
                             "--shards", "4"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "a service takes its control port and the 4 after it" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_stats_reads_as_a_summary_and_as_json_on_request(service):
+    job = _job()
+    clients = []
+    try:
+        def join(rank):
+            clients.append(Client(service.address, job=job, rank=rank, world_size=2))
+        ts = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        for f in [c.allreduce(np.ones(1 << 16, np.float32)) for c in clients]:
+            f.result(30)
+        text = subprocess.run([sys.executable, "-m", "aggnet", "stats", service.address], capture_output=True,
+                              text=True, timeout=60)
+        assert text.returncode == 0, text.stderr
+        assert text.stdout.startswith(f"aggnet service at {service.address}")
+        assert f"  {job}: world 2, members [0, 1]" in text.stdout and "{" not in text.stdout
+        assert len(text.stdout.splitlines()) < 20
+        raw = subprocess.run([sys.executable, "-m", "aggnet", "stats", service.address, "--json"],
+                             capture_output=True, text=True, timeout=60)
+        assert any(job in s["jobs"] for s in json.loads(raw.stdout)["shards"])
+    finally:
+        for c in clients:
+            c.close()
