@@ -2,19 +2,37 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import sys
 
 from aggnet.p4.control import Member, SwitchControl, SwitchControlError, Uplink, _one_line
 
 
+def _switch_options(p, defaults: bool = True) -> None:
+    """The options naming the switch; on each subcommand too (without
+    defaults, so one given before the subcommand stands), since people put
+    them after it as often as before."""
+    d = (lambda v: v) if defaults else (lambda v: argparse.SUPPRESS)
+    p.add_argument("--grpc", default=d("127.0.0.1:9559"), help="the switch's P4Runtime server (default 127.0.0.1:9559)")
+    p.add_argument("--device-id", type=int, default=d(0), help="the switch's P4Runtime device id (default 0)")
+    p.add_argument("--thrift-port", type=int, default=d(9090), help="BMv2 runtime CLI port, for register resets "
+                                                                     "(default 9090)")
+    p.add_argument("--switch-ip", default=d("10.77.0.253"), help="the address results come from")
+    p.add_argument("--switch-mac", default=d("02:a6:6e:00:00:fe"), help="the MAC results come from")
+
+
 def add_arguments(p) -> None:
-    p.add_argument("--grpc", default="127.0.0.1:9559", help="the switch's P4Runtime server (default %(default)s)")
-    p.add_argument("--device-id", type=int, default=0)
-    p.add_argument("--thrift-port", type=int, default=9090, help="BMv2 runtime CLI port (register resets)")
-    p.add_argument("--switch-ip", default="10.77.0.253", help="the address results come from")
-    p.add_argument("--switch-mac", default="02:a6:6e:00:00:fe")
+    _switch_options(p)
     sub = p.add_subparsers(dest="switch_command", required=True)
+    add = sub.add_parser
+
+    def add_parser(name, **kw):
+        sp = add(name, **kw)
+        _switch_options(sp, defaults=False)
+        return sp
+    sub.add_parser = add_parser
     sub.add_parser("load", help="load the aggnet pipeline (the committed BMv2 JSON and P4Info)")
     a = sub.add_parser("add-job", help="install a job: slice, admission, multicast group, uplink")
     a.add_argument("name")
@@ -56,7 +74,16 @@ def _uplink(text: str | None) -> Uplink | None:
         raise SystemExit(f"aggnet switch: --uplink wants PARENT_IP,PARENT_MAC,PORT,RACK_ID, got {text!r}") from None
 
 
+class _QuietShell(logging.Filter):
+    """p4runtime-shell logs its failures (CRITICAL, on the root logger)
+    before the one-line error this command prints about them."""
+
+    def filter(self, record) -> bool:
+        return "p4runtime_sh" not in record.pathname
+
+
 def main(args) -> int:
+    logging.getLogger().addFilter(_QuietShell())
     ctl = SwitchControl(args.grpc, args.device_id, switch_ip=args.switch_ip, switch_mac=args.switch_mac,
                         thrift_port=args.thrift_port)
     cmd = args.switch_command

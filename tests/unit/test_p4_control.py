@@ -30,3 +30,17 @@ def test_a_missing_bmv2_cli_is_named_in_one_line(monkeypatch, tmp_path):
     monkeypatch.setattr(tools, "TOOL_DIRS", ())
     with pytest.raises(SwitchControlError, match=r"simple_switch_CLI .* is not on PATH; install BMv2"):
         SwitchControl().reset_slice(0, 4)
+
+
+def test_switch_options_go_before_or_after_the_subcommand():
+    """`aggnet switch load --grpc ...` works as `aggnet switch --grpc ... load`
+    does (an unreachable switch is one line, with no logging of its own)."""
+    import subprocess
+    import sys
+
+    for argv in (["jobs", "--grpc", "127.0.0.1:1"], ["--grpc", "127.0.0.1:1", "jobs"]):
+        r = subprocess.run([sys.executable, "-m", "aggnet", "switch", *argv], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 1
+        assert r.stderr.strip() == ("aggnet switch jobs: could not connect to the switch at 127.0.0.1:1 "
+                                    "(is simple_switch_grpc running?)"), r.stderr
