@@ -13,7 +13,7 @@ import time
 from aggnet.client.config import format_size, parse_size
 
 from aggnet.emulation import rack_runs
-from aggnet.emulation.netns import EmulationError, Rack
+from aggnet.emulation.netns import EmulationError, Rack, free_prefix
 
 
 def add_arguments(p) -> None:
@@ -30,7 +30,9 @@ def add_arguments(p) -> None:
                    help="Mbit/s of every worker link (0: unshaped; default 100, or the topology's host_mbit)")
     p.add_argument("--uplink-rate", type=float, default=None,
                    help="with --topology: Mbit/s of every rack uplink, each way (0: unshaped; default: uplink_mbit)")
-    p.add_argument("--prefix", default="agf", help="with --topology: prefix of the namespaces' names")
+    p.add_argument("--prefix", default=None,
+                   help="prefix of the namespaces' names, owned by this run while it lasts (default: agn, or agf "
+                        "with --topology; agnb, agnc... while another run holds it)"),
     p.add_argument("--size", default=None, help="all-reduce size (allreduce, bench; default 16MiB, 32MiB with "
                                                 "--topology)")
     p.add_argument("--reps", type=int, default=1)
@@ -84,7 +86,8 @@ def main(args) -> int:
     bmv2 = args.switch == "bmv2"
     switch_stats = None
     try:
-        with Rack(args.workers, rate_mbit=args.rate or None, aggregator=not bmv2, bridge=not bmv2,
+        prefix = args.prefix or free_prefix("agn")
+        with Rack(args.workers, rate_mbit=args.rate or None, aggregator=not bmv2, bridge=not bmv2, prefix=prefix,
                   mtu=args.mtu) as rack:
             agg = rack_runs.RackSwitch(rack) if bmv2 else rack_runs.start_aggregator(rack, shards=args.shards)
             rack.wait_reachable()

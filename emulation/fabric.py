@@ -191,7 +191,7 @@ class Fabric(Emulated):
         if agg is None:
             raise EmulationError("this fabric has no root: one rack reduces by itself")
         ns = self.spine if rack is None else self.racks[rack].aggregator.name
-        r = sh(sys.executable, "-m", "aggnet", "stats", agg.address, ns=ns, timeout=60, check=False)
+        r = sh(sys.executable, "-m", "aggnet", "stats", agg.address, "--json", ns=ns, timeout=60, check=False)
         if r.returncode != 0:
             raise EmulationError(f"aggnet stats {agg.address} failed in {ns}: {r.stderr.strip()[-1000:]}")
         return json.loads(r.stdout)

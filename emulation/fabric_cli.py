@@ -15,7 +15,7 @@ from aggnet.protocol.topology import TopologyError
 from aggnet.emulation import fabric_runs
 from aggnet.emulation.fabric import Fabric
 from aggnet.emulation.fabric_plan import Plan, PlanError, plan
-from aggnet.emulation.netns import EmulationError
+from aggnet.emulation.netns import EmulationError, free_prefix
 
 DEFAULT_SIZE = "32MiB"
 #: what ``aggnet emulate`` can do across racks (bench-ddp and BMv2 are one-rack runs)
@@ -37,7 +37,7 @@ def main(args) -> int:
         return 2
     nbytes = parse_size(args.size or DEFAULT_SIZE)
     try:
-        with Fabric(pl, prefix=args.prefix) as fabric:
+        with Fabric(pl, prefix=args.prefix or free_prefix("agf")) as fabric:
             fabric.start_aggregators()
             fabric.wait_reachable()
             fabric.impair(args.drop)

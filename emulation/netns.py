@@ -11,9 +11,12 @@ and duplication of the aggregation protocol's datagrams come from iptables
 ``statistic`` (and ``TEE``) inside the worker namespaces; netem is absent
 from this kernel.
 
-Everything is torn down on exit, on error and on SIGTERM; a crashed run's
-leftovers (namespaces with this rack's prefix) are removed when the next
-one starts.
+Everything is torn down on exit, on error and on SIGTERM. Each run owns
+its prefix: it holds a lock on it (a file in LOCK_DIR, flock'ed for the
+run's life, so the kernel lets go of it when the run dies however it
+dies). A second run with the same prefix is refused, naming the first;
+namespaces under a prefix nobody holds were left by a run that died, and
+are removed when the next one starts.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import abc
 import atexit
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -35,6 +39,8 @@ log = logging.getLogger("aggnet.emulation")
 
 SUBNET = "10.77.0"
 AGG_HOST = 254
+#: where each running emulation's prefix lock lives
+LOCK_DIR = "/run/aggnet-emulation"
 
 
 class EmulationError(RuntimeError):
@@ -86,6 +92,44 @@ def remove_namespaces(names: list[str]) -> None:
         sh("ip", "netns", "del", n, check=False)
 
 
+def own_prefix(prefix: str) -> int:
+    """Take the lock on ``prefix`` for this run (its descriptor); raises
+    EmulationError naming the run that holds it."""
+    os.makedirs(LOCK_DIR, exist_ok=True)
+    fd = os.open(os.path.join(LOCK_DIR, f"{prefix}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise EmulationError(f"the namespaces named {prefix}-* belong to a running emulation (pid {holder}); give "
+                             f"this run another --prefix, or wait for that one") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def free_prefix(base: str) -> str:
+    """``base``, or ``base`` and a letter (``agnb``, ``agnc``...): the first
+    prefix no running emulation holds (the caller takes it with
+    own_prefix when it builds). Letters, not digits: a fabric's racks are
+    its prefix and a digit."""
+    for suffix in ("", *"bcdefghi"):
+        name = base + suffix
+        try:
+            fd = os.open(os.path.join(LOCK_DIR, f"{name}.lock"), os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return name
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return name
+        except BlockingIOError:
+            continue
+        finally:
+            os.close(fd)
+    raise EmulationError(f"9 emulations with prefixes {base}, {base}b .. {base}i are running; give --prefix")
+
+
 @dataclass
 class Host:
     name: str  #: namespace
@@ -103,6 +147,8 @@ class Emulated(abc.ABC):
 
     what = "a network"
     _old_term = None
+    _lock_fd: int | None = None
+    prefix: str
 
     @abc.abstractmethod
     def _clear_stale(self) -> None:
@@ -120,6 +166,7 @@ class Emulated(abc.ABC):
         ok, why = can_emulate()
         if not ok:
             raise EmulationError(f"cannot emulate {self.what} here: {why}")
+        self._lock_fd = own_prefix(self.prefix)
         self._clear_stale()
         atexit.register(self.teardown)
         self._old_term = signal.signal(signal.SIGTERM, self._on_term)
@@ -138,8 +185,12 @@ class Emulated(abc.ABC):
         raise SystemExit(143)
 
     def _released(self) -> None:
-        """The end of a teardown: the exit hook and SIGTERM handler go."""
+        """The end of a teardown: the exit hook, the SIGTERM handler and
+        the prefix's lock go."""
         atexit.unregister(self.teardown)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
         if self._old_term is not None:
             with contextlib.suppress(ValueError, TypeError):  # ValueError: not the main thread
                 signal.signal(signal.SIGTERM, self._old_term)

@@ -65,8 +65,9 @@ def summary(address: str, r: dict) -> str:
         jobs = r.get("jobs", {})
     else:
         shards = [s for s in r.get("shards", []) if s]
-        lines.append(f"aggnet service at {address}: {len(r.get('shards', []))} shard(s), "
-                     f"{r.get('restarts', 0)} restart(s)")
+        advertised = r.get("service", {}).get("shards") or []
+        lines.append(f"aggnet service at {address}: {len(r.get('shards', []))} shard(s) at "
+                     f"{', '.join(advertised) or '?'}; {r.get('restarts', 0)} restart(s)")
         jobs = {}
         for s in shards:
             for name, j in s.get("jobs", {}).items():

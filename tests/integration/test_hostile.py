@@ -622,7 +622,7 @@ def test_stats_reads_as_a_summary_and_as_json_on_request(service):
         text = subprocess.run([sys.executable, "-m", "aggnet", "stats", service.address], capture_output=True,
                               text=True, timeout=60)
         assert text.returncode == 0, text.stderr
-        assert text.stdout.startswith(f"aggnet service at {service.address}")
+        assert text.stdout.startswith(f"aggnet service at {service.address}: 2 shard(s) at zmq+")
         assert f"  {job}: world 2, members [0, 1]" in text.stdout and "{" not in text.stdout
         assert len(text.stdout.splitlines()) < 20
         raw = subprocess.run([sys.executable, "-m", "aggnet", "stats", service.address, "--json"],

@@ -146,3 +146,30 @@ def test_stale_gradient_ddp_steps_in_the_rack_beside_their_halves():
     stale = by["aggnet-int32-stale1-predict"]["client_stats"]
     assert all(s["allreduces"] >= 5 and s["packets"] > 0 for s in stale), stale
     assert by["compute"]["client_stats"] == [None, None]
+
+
+def test_each_run_owns_its_prefix_and_a_second_run_is_refused_or_moved_aside():
+    """Two emulations at once: one that asks for a prefix a live run holds
+    is refused naming it (the first keeps its namespaces), the default
+    picks the next free prefix, and namespaces no live run holds are
+    leftovers of a dead one, removed by the next run."""
+    import subprocess as sp
+    import sys
+
+    from aggnet.emulation.netns import free_prefix
+
+    sp.run(["ip", "netns", "add", "agt-w7"], check=True)  # a dead run's leftover
+    with Rack(1, prefix="agt") as first:
+        names = sp.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert "agt-w7" not in names and "agt-w0" in names
+        with pytest.raises(EmulationError, match=r"belong to a running emulation \(pid \d+\)"):
+            with Rack(1, prefix="agt"):
+                pass
+        assert "agt-w0" in sp.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert free_prefix("agt") == "agtb"
+        r = sp.run([sys.executable, "-m", "aggnet", "emulate", "bench", "--workers", "2", "--prefix", "agt"],
+                   capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and "give this run another --prefix" in r.stderr and "Traceback" not in r.stderr
+        assert first.run(first.workers[0], ["true"]).returncode == 0
+    assert free_prefix("agt") == "agt"
+    assert not [n for n in namespaces() if n.startswith("agt-")]
