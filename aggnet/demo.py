@@ -168,6 +168,9 @@ def main(args) -> int:
         return 2
     if "LOCAL_RANK" in os.environ and "RANK" in os.environ:
         return _torchrun(args)
+    if args.workers < 1:
+        print(f"aggnet demo: --workers must be at least 1, got {args.workers}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     results = [_run(args, "aggnet")]
     if args.compare == "gloo":

@@ -29,7 +29,10 @@ class Bmv2Switch:
                  cpu_port: int | None = None):
         binary = find_simple_switch_grpc()
         if binary is None:
-            raise FileNotFoundError("simple_switch_grpc is not installed (BMv2 with P4Runtime, from p4lang/behavioral-model)")
+            from aggnet.emulation.netns import EmulationError
+
+            raise EmulationError("simple_switch_grpc (BMv2 with P4Runtime, from p4lang/behavioral-model) is not on "
+                                 "PATH: build it, or install a prebuilt bundle, and put its bin/ on PATH (docs/p4.md)")
         self.grpc_addr = f"127.0.0.1:{grpc_port}"
         self.thrift_port = thrift_port
         self.netns = netns

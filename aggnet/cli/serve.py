@@ -81,8 +81,20 @@ def _serves_others(host: str) -> bool:
         return host != "localhost"
 
 
+def _in_a_namespace_of_its_own() -> bool:
+    """Whether this process runs in a named network namespace (`ip netns
+    add`, as `aggnet emulate` makes them): its hosts are namespaces that
+    only this machine reaches."""
+    try:
+        me = os.stat("/proc/self/ns/net").st_ino
+        return any(os.stat(os.path.join("/run/netns", n)).st_ino == me for n in os.listdir("/run/netns"))
+    except OSError:
+        return False
+
+
 def _warn_if_open(address, keyring, curve: bool) -> None:
-    if address.scheme in ("zmq+tcp", "udp", "ucx") and _serves_others(address.host) and not keyring.enforced:
+    if address.scheme in ("zmq+tcp", "udp", "ucx") and _serves_others(address.host) and not keyring.enforced \
+            and not _in_a_namespace_of_its_own():
         log.warning("serving other hosts at %s WITHOUT job keys: anyone who reaches this port can join any job, "
                     "replace its workers and read its counters. Start with --keys FILE (aggnet job create) "
                     "to require signed JOINs%s", address,

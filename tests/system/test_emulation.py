@@ -173,3 +173,36 @@ def test_each_run_owns_its_prefix_and_a_second_run_is_refused_or_moved_aside():
         assert first.run(first.workers[0], ["true"]).returncode == 0
     assert free_prefix("agt") == "agt"
     assert not [n for n in namespaces() if n.startswith("agt-")]
+
+
+def test_a_missing_bmv2_or_no_workers_is_one_line():
+    import os
+    import sys
+
+    path = ":".join(d for d in os.environ["PATH"].split(":") if not os.path.exists(os.path.join(d, "simple_switch_grpc")))
+    r = subprocess.run([sys.executable, "-m", "aggnet", "emulate", "bench", "--switch", "bmv2", "--workers", "2",
+                        "--prefix", "agm"], capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": path})
+    if "simple_switch_grpc" in r.stderr:
+        assert r.returncode == 1 and "is not on PATH" in r.stderr and "Traceback" not in r.stderr
+    else:  # found where a source build puts it (/opt/p4/bin, /usr/local/bin): nothing to hide
+        assert r.returncode == 0, r.stderr[-2000:]
+    d = subprocess.run([sys.executable, "-m", "aggnet", "demo", "--workers", "0"], capture_output=True, text=True,
+                       timeout=60)
+    assert d.returncode == 2 and d.stderr.strip() == "aggnet demo: --workers must be at least 1, got 0"
+
+
+def test_an_aggregator_in_an_emulated_namespace_does_not_warn_of_other_hosts():
+    """`aggnet emulate`'s aggregators serve namespaces only this machine
+    reaches: no warning about serving other hosts without keys (which an
+    aggregator on the machine's own network still gives, test_hostile)."""
+    import sys
+
+    with Rack(1, prefix="agk") as rack:
+        p = rack.popen(rack.aggregator, [sys.executable, "-m", "aggnet", "serve", "--listen", "zmq+tcp://0.0.0.0:0",
+                                         "--shards", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout.readline().startswith("aggnet serving"), p.stderr.read()
+        finally:
+            p.terminate()
+            _, err = p.communicate(timeout=30)
+    assert "WITHOUT job keys" not in err, err
