@@ -26,12 +26,12 @@ def add_arguments(p) -> None:
     p.add_argument("--epochs", type=int, default=25, help="training epochs (default %(default)s)")
     p.add_argument("--batch", type=int, default=32, help="batch size per worker (default %(default)s)")
     p.add_argument("--hidden", type=int, default=1024, help="hidden layer width (default %(default)s)")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default %(default)s)")
     p.add_argument("--codec", default="float32", choices=["float32", "int32", "fp16", "bf16"],
                    help="how gradients travel to the aggregator (default %(default)s)")
     p.add_argument("--address", default=None, help="aggregator service (default: embedded local aggregator)")
     p.add_argument("--compare", choices=["gloo"], default=None, help="also train with gloo and compare")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights (default %(default)s)")
     p.add_argument("--job", default=None, help="aggregator job name (default: one agreed over the process group)")
 
 

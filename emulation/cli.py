@@ -39,7 +39,9 @@ def add_arguments(p) -> None:
     p.add_argument("--drop", type=float, default=0.0, help="random drop probability of aggregation datagrams")
     p.add_argument("--duplicate", type=float, default=0.0, help="random duplication probability")
     p.add_argument("--epochs", type=int, default=3, help="demo epochs")
-    p.add_argument("--codec", default="float32", choices=["float32", "int32"], help="demo codec")
+    p.add_argument("--codec", default="float32", choices=["float32", "int32"],
+                   help="demo: how gradients travel (default %(default)s; a rack's switch protocol adds int32, so "
+                        "float32 is quantized on the way and fp16/bf16 cannot travel it)")
     p.add_argument("--json", default=None, help="bench: write the records here")
     p.add_argument("--switch", choices=["host", "bmv2"], default="host",
                    help="host: a Linux bridge ToR and an aggregator host in switch mode (link N x rate); "

@@ -34,9 +34,11 @@ def add_arguments(p) -> None:
     p.add_argument("--width", type=int, default=4096, help="hidden width; parameters ~ 2*width*1024 + width**2")
     p.add_argument("--batch", type=int, default=8, help="batch per worker (default %(default)s)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per system (default %(default)s)")
-    p.add_argument("--systems", default="gloo,aggnet-float32,aggnet-int32")
+    p.add_argument("--systems", default="gloo,aggnet-float32,aggnet-int32",
+                   help="what to time, comma-separated: gloo, aggnet-CODEC[-staleS[-predict]], compute, "
+                        "comm-CODEC[-buckets|-pipelined] (default %(default)s)")
     p.add_argument("--address", default=None, help="aggregator (default: embedded local aggregator)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, metavar="FILE", help="write the records here")
 
 
 _CODEC_NAMES = ("float32", "int32", "fp16", "bf16")

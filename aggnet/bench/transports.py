@@ -23,11 +23,14 @@ WINDOW = 4
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--transports", default="ucx,zmq+tcp,zmq+ipc")
-    p.add_argument("--sizes", default="32KiB,256KiB,1MiB,16MiB,100MiB")
-    p.add_argument("--volume", default="512MiB", help="bytes moved per point (at least 8 messages)")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--json", default=None)
+    p.add_argument("--transports", default="ucx,zmq+tcp,zmq+ipc",
+                   help="message transports to compare on loopback (default %(default)s)")
+    p.add_argument("--sizes", default="32KiB,256KiB,1MiB,16MiB,100MiB",
+                   help="message sizes (default %(default)s)")
+    p.add_argument("--volume", default="512MiB", help="bytes moved per point (at least 8 messages; default "
+                                                      "%(default)s)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions per point (default %(default)s)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the records here")
 
 
 def _receiver(listen_addr: str, report, plan) -> None:

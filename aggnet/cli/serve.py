@@ -22,9 +22,9 @@ DEFAULT_SERVICE_LISTEN = "zmq+tcp://127.0.0.1:5555"
 
 def add_arguments(s) -> None:
     s.add_argument("--listen", default=None,
-                   help="control address (zmq+tcp://host:port, zmq+ipc:///path, shm:///path; udp://host:port with "
-                        f"--mode switch); default {DEFAULT_SERVICE_LISTEN}, or udp://127.0.0.1:42606 in switch "
-                        "mode. Give 0.0.0.0 to serve other hosts (with --keys)")
+                   help="control address (zmq+tcp://host:port, zmq+ipc:///path, shm:///path, ucx://host:port; "
+                        f"udp://host:port with --mode switch); default {DEFAULT_SERVICE_LISTEN}, or "
+                        "udp://127.0.0.1:42606 in switch mode. Give 0.0.0.0 to serve other hosts (with --keys)")
     s.add_argument("--advertise", default=None, metavar="HOST",
                    help="the host name or IP the shard map gives workers (default: the --listen host; on 0.0.0.0 "
                         "or [::] each worker uses the host it reached the service at). Set it when workers reach "
