@@ -20,6 +20,8 @@ import socket
 import sys
 import time
 
+from aggnet.errors import AggnetError
+
 
 def add_arguments(p) -> None:
     p.add_argument("--workers", type=int, default=2, help="DDP worker processes (default %(default)s)")
@@ -140,8 +142,19 @@ def _spawned(rank: int, world: int, port: int, args, mode: str, report) -> None:
     try:
         train(rank, world, args, mode, report)
         dist.barrier()  # as in _torchrun: nobody tears down while others talk
+    except AggnetError as exc:
+        # one line, not a traceback from every process
+        print(f"aggnet demo, rank {rank}: {exc}{_hint(args, str(exc))}", file=sys.stderr, flush=True)
+        os._exit(1)  # the process group's other ranks are stopped by the parent
     finally:
         dist.destroy_process_group()
+
+
+def _hint(args, text: str) -> str:
+    if args.job is None and "has no key for job" in text:
+        return ("; the demo names its job itself: run it with --job NAME for a job the service has a key for, "
+                "with AGGNET_JOB_KEY set to that key")
+    return ""
 
 
 def _free_port() -> int:
@@ -155,8 +168,11 @@ def _run(args, mode: str) -> dict:
 
     ctx = mp.get_context("spawn")
     report = ctx.Queue()
-    mp.start_processes(_spawned, args=(args.workers, _free_port(), args, mode, report), nprocs=args.workers,
-                       start_method="spawn")
+    try:
+        mp.start_processes(_spawned, args=(args.workers, _free_port(), args, mode, report), nprocs=args.workers,
+                           start_method="spawn")
+    except (mp.ProcessExitedException, mp.ProcessRaisedException):
+        return None  # the worker said why, above
     return report.get(timeout=10)
 
 
@@ -173,8 +189,11 @@ def main(args) -> int:
         return 2
     t0 = time.perf_counter()
     results = [_run(args, "aggnet")]
-    if args.compare == "gloo":
+    if args.compare == "gloo" and results[0] is not None:
         results.append(_run(args, "gloo"))
+    if None in results:
+        print("aggnet demo: a worker failed; its error is above", file=sys.stderr)
+        return 1
     print()
     print(f"{'run':>7} {'test acc':>9} {'s/epoch (median)':>17}")
     for r in results:
@@ -194,6 +213,9 @@ def _torchrun(args) -> int:
         # rank 0 hosts the rendezvous store: no rank tears its groups down
         # while another still talks to it (an abort at exit otherwise)
         dist.barrier()
+    except AggnetError as exc:
+        print(f"aggnet demo, rank {dist.get_rank()}: {exc}{_hint(args, str(exc))}", file=sys.stderr, flush=True)
+        os._exit(1)  # torchrun stops the other ranks
     finally:
         dist.destroy_process_group()
     return 0

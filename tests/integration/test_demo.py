@@ -38,3 +38,20 @@ def test_demo_runs_under_torchrun():
                          capture_output=True, text=True, timeout=300, env=_env())
     assert out.returncode == 0, out.stdout + out.stderr
     assert "[aggnet] epoch   2" in out.stdout and "test accuracy" in out.stdout
+
+
+def test_demo_against_a_keyed_service_says_to_name_the_job_in_one_line(tmp_path):
+    """A keyed service refuses the demo's own job name: the demo says to
+    give --job (not to create a key for a name it made up), once per rank,
+    without a traceback."""
+    from aggnet.processes import ServiceProcess
+    from aggnet.protocol import keys
+
+    keyfile = str(tmp_path / "keys.json")
+    keys.write_job_key(keyfile, "digits")
+    with ServiceProcess("zmq+tcp://127.0.0.1:0", shards=1, args=["--keys", keyfile]) as svc:
+        r = subprocess.run([sys.executable, "-m", "aggnet", "demo", "--address", svc.address, "--epochs", "1"],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "AGGNET_TIMEOUT": "20"})
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "run it with --job NAME" in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().endswith("aggnet demo: a worker failed; its error is above")
