@@ -5,15 +5,13 @@ the faults may cost time but must not change one bit of the weights."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import pytest
 
-from aggnet.client import stats as stats_cli
 from harness import ddp_workers as W
-from harness.helpers import free_port, run_workers
+from harness.helpers import free_port, kill_shard, run_workers
 from harness.racks import Racks
 
 pytestmark = pytest.mark.timeout(300)
@@ -23,19 +21,6 @@ STEPS = 150
 
 def _root_results(r: Racks) -> int:
     return sum(s["counters"].get("results", 0) for s in r.stats(r.root)["shards"] if s is not None)
-
-
-def _kill(proc, shard: int, timeout: float = 60.0) -> None:
-    stats = stats_cli.query(proc.address)
-    pid, restarts = stats["shards"][shard]["pid"], stats["restarts"]
-    os.kill(pid, 9)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = stats_cli.query(proc.address)
-        if s["restarts"] > restarts and s["shards"][shard] is not None and s["shards"][shard]["pid"] != pid:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{proc.address} shard {shard} was not restarted within {timeout}s")
 
 
 def test_ddp_through_racks_survives_shard_kills_bit_for_bit():
@@ -57,7 +42,7 @@ def test_ddp_through_racks_survives_shard_kills_bit_for_bit():
                     while _root_results(r) < when:
                         assert time.monotonic() < deadline, f"training never reached the point to kill {what}"
                         time.sleep(0.01)
-                    _kill(proc, shard)
+                    kill_shard(proc.address, shard)
                     faults.append((what, time.monotonic()))
             except BaseException as exc:  # reported by the test thread
                 failure.append(exc)

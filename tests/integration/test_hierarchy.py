@@ -25,7 +25,7 @@ from aggnet.client import stats as stats_cli
 from aggnet.errors import AggregationError
 from aggnet.processes import ServiceProcess
 from aggnet.protocol.limits import SWITCH_PORT
-from harness.helpers import free_port, run_workers
+from harness.helpers import free_port, kill_shard, run_workers
 from harness.racks import Racks, topology_text
 
 N = 300_003  # not a multiple of any chunk or packet size
@@ -279,61 +279,50 @@ def test_ddp_through_two_racks_trains_like_one_process():
         r.stop()
 
 
+def _rack_clients(r: Racks, job: str) -> list:
+    """A client for each of the racks' 4 workers, joined at once (each
+    rack holds its members' JOIN answers until the root takes the job)."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        return list(pool.map(lambda rank: Client(topology=r.topology, rank=rank, job=job, timeout=20,
+                                                 connect_timeout=30), range(4)))
+
+
+def _results(futures) -> None:
+    for f in futures:
+        f.result(timeout=60)
+
+
 def test_a_restarted_root_shard_takes_the_racks_back_and_the_round_in_flight_finishes():
     """The root loses the job when a shard of it restarts: each rack joins
     it again and sends it what it lost (its open partials, the finals
     another rack may lack), and the round in flight completes exactly.
     Workers stay members of their racks and join nothing again."""
-    import threading
-    import time
-
     r = Racks("service", root_args=["--restart"])
+    clients = []
     try:
-        clients = [None] * 4
-
-        def connect(rank):
-            clients[rank] = Client(topology=r.topology, rank=rank, job=job, timeout=20, connect_timeout=30)
-
-        job = _job()
-        ts = [threading.Thread(target=connect, args=(k,)) for k in range(4)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(60)
-
-        def results(futures):
-            for f in futures:
-                f.result(timeout=60)
-
+        clients = _rack_clients(r, _job())
         bufs = [np.full(200_000, k + 1, np.int32) for k in range(4)]
-        results([c.allreduce(b) for c, b in zip(clients, bufs)])
+        _results([c.allreduce(b) for c, b in zip(clients, bufs)])
         assert all((b == 10).all() for b in bufs)
         # ranks 0..2 start the next round: rack 0's partials reach the root,
         # rack 1 waits for rank 3 when the root shard dies
         bufs = [np.full(200_000, 2 * k, np.int32) for k in range(4)]
         early = [c.allreduce(b) for c, b in zip(clients[:3], bufs[:3])]
-        stats = r.stats(r.root)
-        pid, restarts = stats["shards"][0]["pid"], stats["restarts"]
-        os.kill(pid, 9)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            s = r.stats(r.root)
-            if s["restarts"] > restarts and s["shards"][0] is not None and s["shards"][0]["pid"] != pid:
-                break
-            time.sleep(0.1)
+        kill_shard(r.root.address, 0)
         assert not any(f.done() for f in early)
-        results(early + [clients[3].allreduce(bufs[3])])
+        _results(early + [clients[3].allreduce(bufs[3])])
         assert all((b == 12).all() for b in bufs)
         bufs = [np.full(1000, k, np.int32) for k in range(4)]
-        results([c.allreduce(b) for c, b in zip(clients, bufs)])
+        _results([c.allreduce(b) for c, b in zip(clients, bufs)])
         assert all((b == 6).all() for b in bufs)
         assert [c.stats.rejoins for c in clients] == [0] * 4
         rack_shards = [sh for rack in r.racks for sh in r.stats(rack)["shards"]]
         assert sum(sh["counters"].get("uplink_rejoins", 0) for sh in rack_shards) >= 1
     finally:
         for c in clients:
-            if c is not None:
-                c.close()
+            c.close()
         r.stop()
 
 
@@ -342,47 +331,21 @@ def test_a_restarted_rack_shard_is_taken_back_by_the_root_and_the_round_in_fligh
     place (its open chunks wait), the rack's successor joins the root
     again, its workers join the successor and send what it lost, and the
     round completes exactly."""
-    import threading
-    import time
-
     r = Racks("service", rack_args=["--restart"])
+    clients = []
     try:
-        clients = [None] * 4
-        job = _job()
-
-        def connect(rank):
-            clients[rank] = Client(topology=r.topology, rank=rank, job=job, timeout=20, connect_timeout=30)
-
-        ts = [threading.Thread(target=connect, args=(k,)) for k in range(4)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(60)
-
-        def results(futures):
-            for f in futures:
-                f.result(timeout=60)
-
+        clients = _rack_clients(r, _job())
         bufs = [np.full(300_000, k + 1, np.int32) for k in range(4)]
-        results([c.allreduce(b) for c, b in zip(clients, bufs)])
+        _results([c.allreduce(b) for c, b in zip(clients, bufs)])
         # ranks 0..2 start a round; rack 1 waits for rank 3 when a shard of rack 0 dies
         bufs = [np.full(300_000, 3 * k, np.int32) for k in range(4)]
         early = [c.allreduce(b) for c, b in zip(clients[:3], bufs[:3])]
-        rack = r.racks[0]
-        stats = r.stats(rack)
-        pid, restarts = stats["shards"][1]["pid"], stats["restarts"]
-        os.kill(pid, 9)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            s = r.stats(rack)
-            if s["restarts"] > restarts and s["shards"][1] is not None and s["shards"][1]["pid"] != pid:
-                break
-            time.sleep(0.1)
+        kill_shard(r.racks[0].address, 1)
         assert not any(f.done() for f in early)
-        results(early + [clients[3].allreduce(bufs[3])])
+        _results(early + [clients[3].allreduce(bufs[3])])
         assert all((b == 18).all() for b in bufs)
         bufs = [np.full(1000, k, np.int32) for k in range(4)]
-        results([c.allreduce(b) for c, b in zip(clients, bufs)])
+        _results([c.allreduce(b) for c, b in zip(clients, bufs)])
         assert all((b == 6).all() for b in bufs)
         root = [sh["counters"] for sh in r.stats(r.root)["shards"]]
         assert sum(c.get("racks_disconnected", 0) for c in root) == 1, root
@@ -391,8 +354,7 @@ def test_a_restarted_rack_shard_is_taken_back_by_the_root_and_the_round_in_fligh
         assert [c.stats.rejoins >= 1 for c in clients] == [True, True, False, False]
     finally:
         for c in clients:
-            if c is not None:
-                c.close()
+            c.close()
         r.stop()
 
 

@@ -4,8 +4,6 @@ are killed with SIGKILL mid-round, over real sockets."""
 
 from __future__ import annotations
 
-import os
-import time
 import uuid
 
 import numpy as np
@@ -17,6 +15,7 @@ from aggnet.client.stats import query
 from aggnet.errors import AggregationError, AggregationTimeout
 from aggnet.processes import ServiceProcess
 from aggnet.protocol.wire import DType, Flag, Header, MsgType
+from harness.helpers import kill_shard
 from harness.raw_worker import RawWorker
 
 pytestmark = pytest.mark.timeout(180)
@@ -24,21 +23,6 @@ pytestmark = pytest.mark.timeout(180)
 
 def _job() -> str:
     return f"r-{uuid.uuid4().hex[:8]}"
-
-
-def _kill_and_await_restart(svc: ServiceProcess, shard: int, timeout: float = 60.0) -> None:
-    """SIGKILL one shard and return once its successor serves."""
-    stats = query(svc.address)
-    pid, restarts = stats["shards"][shard]["pid"], stats["restarts"]
-    os.kill(pid, 9)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = query(svc.address)
-        s = stats["shards"][shard]
-        if stats["restarts"] > restarts and s is not None and s["pid"] != pid:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"shard {shard} was not restarted within {timeout}s")
 
 
 @pytest.mark.parametrize("codec", [None, "int32"])
@@ -54,7 +38,7 @@ def test_an_allreduce_in_flight_finishes_on_the_restarted_shard(codec):
             inputs = [rng.standard_normal(1 << 18).astype(np.float32) for _ in range(2)]
             bufs = [x.copy() for x in inputs]
             first = clients[0].allreduce(bufs[0], codec=codec)
-            _kill_and_await_restart(svc, 1)
+            kill_shard(svc.address, 1)
             assert not first.done()
             second = clients[1].allreduce(bufs[1], codec=codec)
             first.result(timeout=60)
@@ -103,7 +87,7 @@ def test_a_worker_that_finished_a_round_replays_its_result_to_the_restarted_shar
             raw.push(0, 1, 0, 0, theirs)
             fut.result(timeout=30)
             raw.expect(MsgType.RESULT, index=0)  # it got it, and acts as if it had not
-            _kill_and_await_restart(svc, 0)
+            kill_shard(svc.address, 0)
             raw.join()
             raw.push(0, 1, 0, 0, theirs)
             h, payload = raw.expect(MsgType.RESULT, index=0)
@@ -131,7 +115,7 @@ def test_a_worker_keeps_only_what_another_may_lack():
                 bufs = [np.ones(10_240, np.float32) for _ in range(2)]
                 for f in [c.allreduce(b) for c, b in zip(clients, bufs)]:
                     f.result(timeout=30)
-            _kill_and_await_restart(svc, 0)
+            kill_shard(svc.address, 0)
             bufs = [np.ones(10_240, np.float32) for _ in range(2)]
             for f in [c.allreduce(b) for c, b in zip(clients, bufs)]:
                 f.result(timeout=30)
@@ -179,7 +163,7 @@ def test_without_resume_a_restart_fails_the_round_naming_the_shard():
             given = [np.full(400_000, r + 1, np.float32) for r in range(2)]
             bufs = [g.copy() for g in given]
             first = clients[0].allreduce(bufs[0])
-            _kill_and_await_restart(svc, 1)
+            kill_shard(svc.address, 1)
             second = clients[1].allreduce(bufs[1])
             errors = []
             for f in (first, second):
