@@ -85,12 +85,27 @@ def main(argv=None) -> int:
         return 1
     with tempfile.TemporaryDirectory() as tmp:
         json_path, p4info = compile_to(Path(tmp), p4c)
+        if _unchanged(json_path, p4info):
+            # another build of the same compiler may name itself otherwise:
+            # a clean tree stays clean when nothing it builds changed
+            print(f"{BUILD} is up to date: the same sources, and the artifacts byte for byte")
+            return 0
         BUILD.mkdir(exist_ok=True)
         shutil.copyfile(json_path, BMV2_JSON)
         shutil.copyfile(p4info, P4INFO)
     DIGEST.write_text(f"sha256 {sources_digest()}\ncompiler {p4c_version(p4c)}\n")
     print(f"wrote {BMV2_JSON}, {P4INFO} and {DIGEST}")
     return 0
+
+
+def _unchanged(json_path: Path, p4info: Path) -> bool:
+    """Whether the committed artifacts equal these and record these sources."""
+    try:
+        recorded = DIGEST.read_text().split()[1]
+        return (recorded == sources_digest() and json_path.read_bytes() == BMV2_JSON.read_bytes()
+                and p4info.read_bytes() == P4INFO.read_bytes())
+    except (OSError, IndexError):
+        return False
 
 
 if __name__ == "__main__":
