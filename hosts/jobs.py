@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from aggnet.hosts.parent import Standing
+from aggnet.protocol.replay import KeptResults
 from aggnet.transport.shm import Segment
 from aggnet.protocol.wire import DType
 
@@ -100,12 +101,9 @@ class Job:
     #: for the members that ask for it after
     finals: collections.OrderedDict = field(default_factory=collections.OrderedDict)
     finals_bytes: int = 0
-    #: a rack under a root: (round, index, op) -> (RESULT header, payload)
-    #: of the root's finals that another rack may still wait for, replayed
-    #: to a root that restarted; the workers' buffer-size agreement says
-    #: when every worker has them
-    kept_up: collections.OrderedDict = field(default_factory=collections.OrderedDict)
-    kept_up_chunks: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    #: a rack under a root: the root's finals that another rack may still
+    #: wait for, replayed to a root that restarted
+    kept_up: KeptResults = field(default_factory=lambda: KeptResults(KEEP_UP_CHUNKS))
     #: the root lost the job (it restarted): once it takes the rack back,
     #: the kept finals and the open partials go to it again
     replay_up: bool = False

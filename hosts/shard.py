@@ -31,6 +31,7 @@ from aggnet.buffers import BufferPool
 from aggnet.hosts.admission import Disagreement, PendingJoin, admit
 from aggnet.hosts.parent import refusal, whole_here
 from aggnet.hosts.jobs import ACC_DTYPE, KEEP_UP_CHUNKS, Job, Segment, Slot
+from aggnet.protocol.replay import final_of
 from aggnet.hosts.sparse import MESSAGES as SPARSE_MESSAGES, SparseTables
 from aggnet.hosts.uplink import Uplink
 
@@ -700,24 +701,12 @@ class Shard:
         self._complete(job, slot)
 
     def _keep_up(self, job: Job, h: Header, payload) -> None:
-        """Keep a final of the root's, by reference (a transport buffer is
-        not reused while held), for a root that restarts. Another rack
-        can lack only the finals of its open partials, which its workers'
-        windows bound: the last KEEP_UP_CHUNKS chunks are kept, and the
-        agreements until the workers' buffer-size agreement shows that
-        every worker has them."""
-        key = (h.round, h.index, bool(h.flags & Flag.OP_MAX))
-        if h.index in (wire.SCALE_INDEX, wire.PLAN_INDEX):
-            job.kept_up[key] = (h, payload)
-        else:
-            job.kept_up_chunks[key] = (h, payload)
-            if len(job.kept_up_chunks) > KEEP_UP_CHUNKS:
-                job.kept_up_chunks.popitem(last=False)
+        """Keep a final of the root's for a root that restarts (another
+        rack can lack only the finals of its open partials, which its
+        workers' windows bound), until the workers' agreement settles it."""
+        job.kept_up.keep(h, payload)
         if h.index == wire.PLAN_INDEX and h.count == PLAN_VALUES:
-            mark = settled_through(h.round, np.frombuffer(payload, np.int32, h.count))
-            for kept in (job.kept_up, job.kept_up_chunks):
-                while kept and round_at_or_before(next(iter(kept))[0], mark):
-                    kept.popitem(last=False)
+            job.kept_up.forget_through(settled_through(h.round, np.frombuffer(payload, np.int32, h.count)))
 
     def root_lost(self, job: Job) -> None:
         """The root forgot ``job`` (it restarted, or the connection to it
@@ -735,13 +724,9 @@ class Shard:
         """What a restarted root needs from this rack: each final that
         another rack may still wait for, and every partial still open."""
         up = self.uplink
-        finals = list(job.kept_up.values()) + list(job.kept_up_chunks.values())
+        finals = job.kept_up.results()
         for h, payload in finals:
-            final = Header(MsgType.PUSH, job_id=job.job_id, round=h.round, index=h.index, sender=up.config.rack_id,
-                           world=up.config.racks, flags=(h.flags & (Flag.LITTLE_ENDIAN | Flag.OP_MAX)) | Flag.FINAL,
-                           dtype=h.dtype, count=h.count, exponent=h.exponent, next_exponent=h.next_exponent,
-                           nsum=h.nsum, offset=h.offset)
-            up.send_final(final.pack(), payload)
+            up.send_final(final_of(h, up.config.rack_id, up.config.racks).pack(), payload)
         resent = [slot for slot in job.slots.values() if slot.sent_up]
         for slot in resent:
             self._send_up(job, slot)

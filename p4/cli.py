@@ -26,13 +26,6 @@ def _switch_options(p, defaults: bool = True) -> None:
 def add_arguments(p) -> None:
     _switch_options(p)
     sub = p.add_subparsers(dest="switch_command", required=True)
-    add = sub.add_parser
-
-    def add_parser(name, **kw):
-        sp = add(name, **kw)
-        _switch_options(sp, defaults=False)
-        return sp
-    sub.add_parser = add_parser
     sub.add_parser("load", help="load the aggnet pipeline (the committed BMv2 JSON and P4Info)")
     a = sub.add_parser("add-job", help="install a job: slice, admission, multicast group, uplink")
     a.add_argument("name")
@@ -54,6 +47,8 @@ def add_arguments(p) -> None:
     rs = sub.add_parser("reset", help="clear the slot registers of a slice")
     rs.add_argument("--base", type=int, required=True)
     rs.add_argument("--slots", type=int, required=True)
+    for command in sub.choices.values():
+        _switch_options(command, defaults=False)
 
 
 def _member(text: str) -> Member:

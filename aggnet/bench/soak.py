@@ -230,6 +230,24 @@ def _sample_groups(services: dict) -> dict:
     return out
 
 
+def kill_shard(address: str, shard: int, timeout: float = 60.0, stop=None) -> int:
+    """SIGKILL shard ``shard`` of the `aggnet serve --restart` service at
+    ``address`` and return its pid once a successor serves (the restart
+    count went up, the shard has a new pid); ``stop()`` true ends the wait."""
+    from aggnet.client.stats import query
+
+    stats = query(address)
+    pid, restarts = stats["shards"][shard]["pid"], stats["restarts"]
+    os.kill(pid, 9)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not (stop and stop()):
+        s = query(address)
+        if s["restarts"] > restarts and s["shards"][shard] is not None and s["shards"][shard]["pid"] != pid:
+            return pid
+        time.sleep(0.05)
+    raise SoakFailed(f"{address}: shard {shard} (pid {pid}) was killed and not restarted within {timeout:g}s")
+
+
 class Killer:
     """Kills a random shard of a random aggregator every ``every``
     seconds, each time once the last one's successor serves."""
@@ -261,17 +279,8 @@ class Killer:
             name = self.rng.choice(sorted(self.services))
             address = self.services[name].address
             try:
-                stats = query(address)
-                shard = self.rng.randrange(len(stats["shards"]))
-                pid, restarts = stats["shards"][shard]["pid"], stats["restarts"]
-                os.kill(pid, 9)
-                deadline = time.monotonic() + 60
-                while True:
-                    s = query(address)
-                    if s["restarts"] > restarts and s["shards"][shard] is not None:
-                        break
-                    if time.monotonic() > deadline or self._stop.wait(0.05):
-                        raise SoakFailed(f"{name} shard {shard} was not restarted within 60 s")
+                shard = self.rng.randrange(len(query(address)["shards"]))
+                pid = kill_shard(address, shard, stop=self._stop.is_set)
             except Exception as exc:  # reported by the driver
                 self.error = f"killing a shard of {name}: {exc}"
                 return

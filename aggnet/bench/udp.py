@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import socket
 import time
 
 import numpy as np
 
-from aggnet.bench.cpu import tree_cpu_seconds
+from aggnet.bench.cpu import own_cpu_seconds, tree_cpu_seconds
 
 from aggnet.client.config import format_size, parse_size
 
@@ -138,12 +137,12 @@ def aggnet_client(elements: int, nbytes: int, reps: int, io: str | None, shards:
             y = np.empty_like(x)  # one buffer, refilled: as DDP reuses its buckets
             for _ in range(reps):
                 np.copyto(y, x)  # neither timed nor counted
-                cpu0, agg0 = os.times(), tree_cpu_seconds([agg.pid])
+                cpu0, agg0 = own_cpu_seconds(), tree_cpu_seconds([agg.pid])
                 t0 = time.perf_counter()
                 c.allreduce(y).result(600)
                 times.append(time.perf_counter() - t0)
-                cpu1, agg1 = os.times(), tree_cpu_seconds([agg.pid])
-                client_cpu += cpu1.user + cpu1.system - cpu0.user - cpu0.system
+                cpu1, agg1 = own_cpu_seconds(), tree_cpu_seconds([agg.pid])
+                client_cpu += cpu1 - cpu0
                 aggregator_cpu += agg1 - agg0
             sent, recv = c.stats.chunks_sent - sent0, c.stats.results - recv0
             retrans = c.stats.retransmissions

@@ -38,8 +38,8 @@ from aggnet.client.base import STALL_FRACTION, Client, Request
 from aggnet.client.codec import Encoding
 from aggnet.errors import AggregationError, AggregationTimeout, AggregatorUnreachable, JobMismatch, NonFiniteError
 from aggnet.transport import TransportError, connect
-from aggnet.protocol.wire import (PLAN_VALUES, DType, Flag, Header, MsgType, round_at_or_before,
-                                  settled_through)
+from aggnet.protocol.replay import KeptResults, final_of
+from aggnet.protocol.wire import PLAN_VALUES, DType, Flag, Header, MsgType, settled_through
 
 log = logging.getLogger("aggnet.client")
 
@@ -266,13 +266,9 @@ class ChunkClient(Client):
         #: shard -> when its JOIN goes again: shards that restarted (or
         #: lost the connection) and have not taken this worker back yet
         self._rejoining: dict[int, float] = {}
-        #: per shard, (round, index, op) -> (RESULT header, payload) of the
-        #: results this worker has and another may still wait for: the
-        #: agreements of rounds not known finished everywhere, and the
-        #: last chunks (see _keep)
-        self._kept = [collections.OrderedDict() for _ in self.shards]
-        self._kept_chunks = [collections.OrderedDict() for _ in self.shards]
-        self._keep_chunks = max(2 * self.config.window, KEEP_CHUNKS)
+        #: per shard, the results this worker has and another may still
+        #: wait for (see KEEP_CHUNKS)
+        self._kept = [KeptResults(max(2 * self.config.window, KEEP_CHUNKS)) for _ in self.shards]
         #: the caller's elements a result overwrote, until its round is over
         self._saves = BufferPool(max_buffers=4096)
         while True:
@@ -339,15 +335,11 @@ class ChunkClient(Client):
         del self._rejoining[shard]
         self.stats.rejoins += 1
         self._last_progress = time.monotonic()
-        finals = list(self._kept[shard].values()) + list(self._kept_chunks[shard].values())
+        finals = self._kept[shard].results()
         log.info("%s: shard %d took this worker back; %d result(s) and the rounds in flight go to it again",
                  self._context(), shard, len(finals))
         for h, payload in finals:
-            final = Header(MsgType.PUSH, job_id=self.job_id, round=h.round, index=h.index, sender=self.member_rank,
-                           flags=(h.flags | Flag.FINAL) & ~Flag.SHM, dtype=h.dtype, count=h.count,
-                           exponent=h.exponent, next_exponent=h.next_exponent, nsum=h.nsum, world=self.members,
-                           ref=h.ref, offset=h.offset)
-            self._conn.send(shard, final.pack(), payload)
+            self._conn.send(shard, final_of(h, self.member_rank, self.members).pack(), payload)
         for req in list(self._active.values()):
             if req.failed:
                 continue
@@ -366,27 +358,6 @@ class ChunkClient(Client):
             for c in owed:
                 self._send_chunk(req, c, again=True)
 
-    def _keep(self, shard: int, h: Header, payload) -> None:
-        """Keep a result for a successor of ``shard``, by reference: ZeroMQ
-        frames and UCX's pooled buffers are not reused while referenced
-        (an owner's share is nobody else's, and is not kept)."""
-        key = (h.round, h.index, bool(h.flags & Flag.OP_MAX))
-        if h.index in (wire.SCALE_INDEX, wire.PLAN_INDEX):
-            self._kept[shard][key] = (h, payload)
-            return
-        chunks = self._kept_chunks[shard]
-        chunks[key] = (h, payload)
-        if len(chunks) > self._keep_chunks:
-            chunks.popitem(last=False)
-
-    def _forget_through(self, mark: int) -> None:
-        """Every worker has the results of rounds up to ``mark``."""
-        for kept in self._kept + self._kept_chunks:
-            while kept:
-                key = next(iter(kept))
-                if not round_at_or_before(key[0], mark):
-                    break
-                del kept[key]
 
     def _restore(self, req: ChunkRequest) -> None:
         dest = req.buf if req.out is None else req.out
@@ -443,7 +414,9 @@ class ChunkClient(Client):
             # every worker had finished the rounds more than the largest
             # lag back when it started this one: nobody waits for their
             # results any more
-            self._forget_through(settled_through(req.round, agreed))
+            mark = settled_through(req.round, agreed)
+            for kept in self._kept:
+                kept.forget_through(mark)
         if agreed is not None and (agreed[:3] == req.plan).all() and (-agreed[3:6] == req.plan).all():
             if req.held_error is not None:
                 self._settle_held(req)
@@ -591,8 +564,8 @@ class ChunkClient(Client):
         if req is None:
             return  # a late result of a failed round
         self._last_progress = time.monotonic()
-        if self._resume and not h.flags & Flag.TO_OWNER:
-            self._keep(shard, h, payload)
+        if self._resume and not h.flags & Flag.TO_OWNER:  # an owner's share is nobody else's
+            self._kept[shard].keep(h, payload)
         if h.index == wire.SCALE_INDEX:
             self._on_scale(req, shard, h, payload)
             return

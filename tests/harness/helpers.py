@@ -21,24 +21,6 @@ from aggnet.hosts import service as service_mod
 from aggnet.processes import ServiceProcess
 
 
-def kill_shard(address: str, shard: int, timeout: float = 60.0) -> None:
-    """SIGKILL shard ``shard`` of the `aggnet serve --restart` service at
-    ``address`` and return once its successor serves (the restart count
-    went up and the shard has a new pid)."""
-    from aggnet.client.stats import query
-
-    stats = query(address)
-    pid, restarts = stats["shards"][shard]["pid"], stats["restarts"]
-    os.kill(pid, 9)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = query(address)
-        if s["restarts"] > restarts and s["shards"][shard] is not None and s["shards"][shard]["pid"] != pid:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{address}: shard {shard} was not restarted within {timeout}s")
-
-
 def free_port() -> int:
     """A TCP port nobody holds now (a torch.distributed rendezvous)."""
     return free_ports(1)[0]

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from harness import ddp_workers as W
-from harness.helpers import free_port, kill_shard, run_workers
+from aggnet.bench.soak import kill_shard
+from harness.helpers import free_port, run_workers
 from harness.racks import Racks
 
 pytestmark = pytest.mark.timeout(300)

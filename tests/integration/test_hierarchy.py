@@ -25,7 +25,8 @@ from aggnet.client import stats as stats_cli
 from aggnet.errors import AggregationError
 from aggnet.processes import ServiceProcess
 from aggnet.protocol.limits import SWITCH_PORT
-from harness.helpers import free_port, kill_shard, run_workers
+from aggnet.bench.soak import kill_shard
+from harness.helpers import free_port, run_workers
 from harness.racks import Racks, topology_text
 
 N = 300_003  # not a multiple of any chunk or packet size

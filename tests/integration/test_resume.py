@@ -15,7 +15,7 @@ from aggnet.client.stats import query
 from aggnet.errors import AggregationError, AggregationTimeout
 from aggnet.processes import ServiceProcess
 from aggnet.protocol.wire import DType, Flag, Header, MsgType
-from harness.helpers import kill_shard
+from aggnet.bench.soak import kill_shard
 from harness.raw_worker import RawWorker
 
 pytestmark = pytest.mark.timeout(180)
