@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -168,6 +169,13 @@ def main() -> None:
             PartialState().destroy_process_group()
         else:
             dist.destroy_process_group()
+    if args.backend == "gloo":
+        # the peer's run: gloo's threads can still hold tensors when the
+        # interpreter finalizes, and then abort the process after its result
+        # is written (pytorch/pytorch#179291); the aggnet run exits normally
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
