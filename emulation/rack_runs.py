@@ -62,7 +62,7 @@ def collect(procs: list, timeout: float, what: str) -> list[dict]:
     return outs
 
 
-def run_system(rack: Rack, system: str, nbytes: int, reps: int, address: str | None = None,
+def run_system(rack: Rack, system: str, nbytes: int, reps: int, *, address: str | None = None,
                elements: int | None = None, slots: int | None = None, timeout: float = 1800,
                switch: "RackSwitch | None" = None, aggregator_pids: list | None = None) -> dict:
     """Run one all-reduce system on every worker of the rack; return the

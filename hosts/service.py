@@ -74,22 +74,33 @@ def _warm_up_kernels() -> None:
         k.to_half(f, h, fmt)
 
 
-def _shard_main(index: int, report, should_stop, address: str, log_level: int, keyring: Keyring | None = None,
-                curve=None, uplink: UplinkConfig | None = None, count: int = 1,
-                job_lease: float | None = JOB_LEASE) -> None:
-    """A shard process's work, run by the ShardSupervisor (picklable: a
-    restarted shard is spawned)."""
+@dataclass(frozen=True)
+class _ShardSettings:
+    """What every shard process of a service starts with (picklable: a
+    restarted shard is spawned with it)."""
+
+    log_level: int
+    keyring: Keyring | None
+    curve: object
+    uplink: UplinkConfig | None
+    count: int
+    job_lease: float | None
+
+
+def _shard_main(index: int, report, should_stop, address: str, settings: _ShardSettings) -> None:
+    """A shard process's work, run by the ShardSupervisor."""
     keep_large_buffers()
-    logging.basicConfig(level=log_level, format=f"%(asctime)s aggnet shard {index} %(levelname)s %(message)s")
+    logging.basicConfig(level=settings.log_level,
+                        format=f"%(asctime)s aggnet shard {index} %(levelname)s %(message)s")
     try:
         _warm_up_kernels()
-        listener = listen(address, **_curve_options(curve))
+        listener = listen(address, **_curve_options(settings.curve))
     except Exception as exc:
         report.failed(f"shard {index} cannot start on {address}: {exc}")
         return
     report.ready(str(listener.address))
-    shard = Shard(listener, index, keyring, Uplink(uplink, index, count) if uplink is not None else None,
-                  job_lease=job_lease)
+    uplink = Uplink(settings.uplink, index, settings.count) if settings.uplink is not None else None
+    shard = Shard(listener, index, settings.keyring, uplink, job_lease=settings.job_lease)
     try:
         shard.serve(should_stop)
     finally:
@@ -360,7 +371,7 @@ def _curve_options(curve) -> dict:
     return {} if curve is None else {"curve": curve}
 
 
-def start(listen_address: str, shards: int | None = None, log_level: int = logging.INFO,
+def start(listen_address: str, shards: int | None = None, *, log_level: int = logging.INFO,
           keyring: Keyring | None = None, restart: bool = False, curve=None,
           uplink: UplinkConfig | None = None, advertise: str | None = None,
           until_idle: float | None = None, parent_pid: int | None = None,
@@ -390,8 +401,8 @@ def start(listen_address: str, shards: int | None = None, log_level: int = loggi
     handles = [_ShardHandle(str(a)) for a in addrs]
     # a restarted shard binds the address its first process reported (the
     # port a ":0" address was given), with the same settings
-    supervisor = ShardSupervisor(_shard_main, n,
-                                 lambda i: (handles[i].address, log_level, keyring, curve, uplink, n, job_lease))
+    settings = _ShardSettings(log_level, keyring, curve, uplink, n, job_lease)
+    supervisor = ShardSupervisor(_shard_main, n, lambda i: (handles[i].address, settings))
     # fork before any socket exists in this process: children start fast and
     # inherit nothing they should not
     try:

@@ -197,38 +197,12 @@ class Shard:
         job = self.jobs.get(h.job_id)
         admit(self.keyring, h, name, info, peer, job)
         shm = info.get("shm")
-        if shm is not None:
-            if self.listener.address.scheme != "shm":
-                raise ControlError(ErrorCode.REFUSED, f"shared memory is offered to workers on the aggregator's "
-                                                      f"host only (shm:// addresses), not over "
-                                                      f"{self.listener.address.scheme}", "field_shm")
-            control.check_shm(h.world, shm)
-        whole = self.uplink is not None and whole_here(h, info)
-        if self.uplink is not None and self.uplink.error is not None and not whole:
-            # workers resend their JOIN until answered: the next one hears it
-            if job is not None and not job.parent.ready:
-                self._drop_job(job)
-            raise ControlError(ErrorCode.REFUSED, f"this rack cannot reach its root: {self.uplink.error}",
-                               "uplink_failed")
+        whole = self._check_join_path(h, info, job)
         created = job is None
         old = None if created else job.members.get(h.sender)
+        came_back = False
         if old is not None and old != peer:
-            # a restarted rack's JOIN can come before this loop heard
-            # that its predecessor's connection closed
-            closed = self.listener.gone()
-            if closed:
-                self.connections_closed(closed)
-        came_back = old is not None and old != peer and h.sender in job.away
-        if old is not None and old != peer and not self.keyring.enforced and not came_back:
-            quiet = job.live_member(h.sender, time.monotonic())
-            if quiet is not None:
-                # taking a live rank over would fail both runs; a job key
-                # holder may still take over (a signed JOIN is the job's own)
-                raise ControlError(
-                    ErrorCode.JOB_MISMATCH,
-                    f"rank {h.sender} of job {name!r} is running at another connection (heard {quiet:.1f}s ago): "
-                    f"two runs use the same job name; give each its own (job=... of AggnetState or Client), "
-                    f"or start this one after the other finishes", "rank_in_use")
+            came_back = self._check_takeover(job, h, name)
         if not created and job.whole != whole:
             raise Disagreement(f"job {name!r} completes {'here' if job.whole else 'at the root'}, but rank "
                                f"{h.sender} joined it as {'all' if whole else 'part'} of the job's workers; "
@@ -273,6 +247,48 @@ class Shard:
             # rack: before that, no chunk of theirs could complete
             job.parent.hold(PendingJoin(peer, ok, wire.json_payload(details)))
             self.uplink.join(job.job_id, job.name, job.stall_timeout)
+
+    def _check_join_path(self, h: Header, info: dict, job: Job | None) -> bool:
+        """Refuse a JOIN this shard cannot serve (shared memory over a
+        network, a rack cut off from its root); True when the job completes
+        here rather than at the root."""
+        shm = info.get("shm")
+        if shm is not None:
+            if self.listener.address.scheme != "shm":
+                raise ControlError(ErrorCode.REFUSED, f"shared memory is offered to workers on the aggregator's "
+                                                      f"host only (shm:// addresses), not over "
+                                                      f"{self.listener.address.scheme}", "field_shm")
+            control.check_shm(h.world, shm)
+        whole = self.uplink is not None and whole_here(h, info)
+        if self.uplink is not None and self.uplink.error is not None and not whole:
+            # workers resend their JOIN until answered: the next one hears it
+            if job is not None and not job.parent.ready:
+                self._drop_job(job)
+            raise ControlError(ErrorCode.REFUSED, f"this rack cannot reach its root: {self.uplink.error}",
+                               "uplink_failed")
+        return whole
+
+    def _check_takeover(self, job: Job, h: Header, name: str) -> bool:
+        """A rank joins again from a new connection: refuse it while the old
+        one is live (two runs under one job name); True when it is a rack
+        this shard counted as away."""
+        # a restarted rack's JOIN can come before this loop heard that its
+        # predecessor's connection closed
+        closed = self.listener.gone()
+        if closed:
+            self.connections_closed(closed)
+        came_back = h.sender in job.away
+        if not self.keyring.enforced and not came_back:
+            quiet = job.live_member(h.sender, time.monotonic())
+            if quiet is not None:
+                # taking a live rank over would fail both runs; a job key
+                # holder may still take over (a signed JOIN is the job's own)
+                raise ControlError(
+                    ErrorCode.JOB_MISMATCH,
+                    f"rank {h.sender} of job {name!r} is running at another connection (heard {quiet:.1f}s ago): "
+                    f"two runs use the same job name; give each its own (job=... of AggnetState or Client), "
+                    f"or start this one after the other finishes", "rank_in_use")
+        return came_back
 
     def _join_shm(self, h: Header, job: Job, want: dict) -> None:
         """Give a same-host worker the job's shared-memory rings."""
@@ -361,85 +377,19 @@ class Shard:
     # -- aggregation -----------------------------------------------------------------
 
     def _on_push(self, peer, h: Header, payload) -> None:
-        job = self.jobs.get(h.job_id)
-        if job is None:
-            self._drop(peer, "unknown_job", ErrorCode.NOT_JOINED,
-                       f"job id {h.job_id:08x} is not registered on this aggregator; JOIN first", h)
+        checked = self._admit_push(peer, h, payload)
+        if checked is None:
             return
-        if job.members.get(h.sender) != peer:
-            self._drop(peer, "not_member", ErrorCode.NOT_JOINED,
-                       f"rank {h.sender} has not joined job {job.name!r} from this connection", h)
-            return
-        if h.dtype not in ACC_DTYPE:
-            self._drop(peer, "bad_dtype", ErrorCode.REFUSED, f"cannot sum {h.dtype.name} payloads", h)
-            return
-        owner = h.nsum if h.flags & Flag.TO_OWNER else None  # a reduce-scatter's chunk: its one receiver
-        if owner is not None and owner >= job.world:
-            self._drop(peer, "bad_owner", ErrorCode.MALFORMED,
-                       f"the chunk's result is for rank {owner}, outside world size {job.world}", h)
-            return
-        seg = job.segment
-        if h.flags & Flag.SHM:
-            if seg is None or h.sender not in job.shm_members:
-                self._drop(peer, "shm_not_joined", ErrorCode.NOT_JOINED,
-                           f"rank {h.sender} sent a shared-memory payload without joining job {job.name!r} over shm", h)
-                return
-            if h.payload_bytes > seg.chunk_bytes:
-                self._drop(peer, "shm_too_large", ErrorCode.MALFORMED,
-                           f"{h.payload_bytes}-byte payload exceeds the {seg.chunk_bytes}-byte shared-memory slot", h)
-                return
-            payload = seg.input_slot(h.sender, h.ref)[: h.payload_bytes]
+        job, payload, owner = checked
         op_max = bool(h.flags & Flag.OP_MAX)
         key = (h.round, h.index, op_max)
         if h.flags & Flag.FINAL:
             self._on_final(job, peer, h, key, payload)
             return
-        final = job.finals.get(key)
-        if final is not None:
-            self._answer_final(job, peer, h.sender, key, final)
+        if self._answered_before(job, peer, h, key):
             return
-        recent = job.recent.get(key)
-        if recent is not None:
-            # a rack shard that restarted asks again for a result its
-            # predecessor got (and lost): this member's part is in it
-            self.counters["results_resent"] += 1
-            if not self.listener.send(peer, *recent):
-                self.counters["send_unreachable"] += 1
-            return
-        if key in job.done:
-            given_up = job.abandoned.get(key)
-            if given_up is not None:
-                self.counters["dropped_abandoned"] += 1
-                self._reply(peer, Header(MsgType.ERROR, job_id=job.job_id, round=h.round, index=h.index,
-                                         sender=h.sender), given_up)
-            else:
-                self.counters["dropped_late"] += 1
-            return
-        slot = job.slots.get(key)
-        if slot is None and job.departed:
-            gone = sorted(job.departed)
-            job.remember_done(key)
-            self.counters["dropped_member_left"] += 1
-            err = Header(MsgType.ERROR, job_id=job.job_id, round=h.round, index=h.index, sender=h.sender)
-            self._reply(peer, err, wire.error_payload(
-                ErrorCode.STALL, f"rank(s) {gone} left job {job.name!r} or lost their connection; round "
-                                 f"{h.round} cannot complete until they join again"))
-            return
+        slot = self._slot_for(job, h, key, owner)
         if slot is None:
-            acc_dtype = ACC_DTYPE[h.dtype]
-            nbytes = h.count * np.dtype(acc_dtype).itemsize
-            if seg is not None and not op_max and nbytes <= seg.chunk_bytes and acc_dtype in (np.float32, np.int32):
-                # sum straight into the shared result slot the workers read
-                buf, acc = None, seg.result_slot(h.ref)[:nbytes].view(acc_dtype)
-            else:
-                buf = self.pool.take(nbytes)
-                acc = buf[:nbytes].view(acc_dtype)
-            slot = Slot(key, h.dtype, h.count, h.offset, h.exponent, op_max, buf, acc, ref=h.ref, owner=owner)
-            job.slots[key] = slot
-        elif (h.dtype, h.count, h.offset, h.exponent, owner) != \
-                (slot.dtype, slot.count, slot.offset, slot.exponent, slot.owner) or \
-                (seg is not None and h.ref != slot.ref):  # ring positions matter only in shared memory
-            self._mismatch(job, slot, h)
             return
         bit = 1 << h.sender
         if slot.seen & bit:
@@ -463,6 +413,99 @@ class Shard:
                 self._send_up(job, slot)
             else:
                 self._complete(job, slot)
+
+    def _admit_push(self, peer, h: Header, payload):
+        """The PUSH's job, its payload (read from the shared-memory slot
+        where it lies there) and the rank its result is for, or None when
+        the PUSH was dropped and answered."""
+        job = self.jobs.get(h.job_id)
+        if job is None:
+            self._drop(peer, "unknown_job", ErrorCode.NOT_JOINED,
+                       f"job id {h.job_id:08x} is not registered on this aggregator; JOIN first", h)
+            return None
+        if job.members.get(h.sender) != peer:
+            self._drop(peer, "not_member", ErrorCode.NOT_JOINED,
+                       f"rank {h.sender} has not joined job {job.name!r} from this connection", h)
+            return None
+        if h.dtype not in ACC_DTYPE:
+            self._drop(peer, "bad_dtype", ErrorCode.REFUSED, f"cannot sum {h.dtype.name} payloads", h)
+            return None
+        owner = h.nsum if h.flags & Flag.TO_OWNER else None  # a reduce-scatter's chunk: its one receiver
+        if owner is not None and owner >= job.world:
+            self._drop(peer, "bad_owner", ErrorCode.MALFORMED,
+                       f"the chunk's result is for rank {owner}, outside world size {job.world}", h)
+            return None
+        if h.flags & Flag.SHM:
+            seg = job.segment
+            if seg is None or h.sender not in job.shm_members:
+                self._drop(peer, "shm_not_joined", ErrorCode.NOT_JOINED,
+                           f"rank {h.sender} sent a shared-memory payload without joining job {job.name!r} over shm", h)
+                return None
+            if h.payload_bytes > seg.chunk_bytes:
+                self._drop(peer, "shm_too_large", ErrorCode.MALFORMED,
+                           f"{h.payload_bytes}-byte payload exceeds the {seg.chunk_bytes}-byte shared-memory slot", h)
+                return None
+            payload = seg.input_slot(h.sender, h.ref)[: h.payload_bytes]
+        return job, payload, owner
+
+    def _answered_before(self, job: Job, peer, h: Header, key) -> bool:
+        """Answer a PUSH for a chunk this shard finished, gave up or cannot
+        finish (its result replayed, resent or refused): True when answered."""
+        final = job.finals.get(key)
+        if final is not None:
+            self._answer_final(job, peer, h.sender, key, final)
+            return True
+        recent = job.recent.get(key)
+        if recent is not None:
+            # a rack shard that restarted asks again for a result its
+            # predecessor got (and lost): this member's part is in it
+            self.counters["results_resent"] += 1
+            if not self.listener.send(peer, *recent):
+                self.counters["send_unreachable"] += 1
+            return True
+        if key in job.done:
+            given_up = job.abandoned.get(key)
+            if given_up is not None:
+                self.counters["dropped_abandoned"] += 1
+                self._reply(peer, Header(MsgType.ERROR, job_id=job.job_id, round=h.round, index=h.index,
+                                         sender=h.sender), given_up)
+            else:
+                self.counters["dropped_late"] += 1
+            return True
+        if key not in job.slots and job.departed:
+            gone = sorted(job.departed)
+            job.remember_done(key)
+            self.counters["dropped_member_left"] += 1
+            err = Header(MsgType.ERROR, job_id=job.job_id, round=h.round, index=h.index, sender=h.sender)
+            self._reply(peer, err, wire.error_payload(
+                ErrorCode.STALL, f"rank(s) {gone} left job {job.name!r} or lost their connection; round "
+                                 f"{h.round} cannot complete until they join again"))
+            return True
+        return False
+
+    def _slot_for(self, job: Job, h: Header, key, owner):
+        """The open chunk ``key`` sums into, opened by its first PUSH; None
+        when this PUSH disagrees with the first (and was answered so)."""
+        seg = job.segment
+        slot = job.slots.get(key)
+        op_max = key[2]
+        if slot is None:
+            acc_dtype = ACC_DTYPE[h.dtype]
+            nbytes = h.count * np.dtype(acc_dtype).itemsize
+            if seg is not None and not op_max and nbytes <= seg.chunk_bytes and acc_dtype in (np.float32, np.int32):
+                # sum straight into the shared result slot the workers read
+                buf, acc = None, seg.result_slot(h.ref)[:nbytes].view(acc_dtype)
+            else:
+                buf = self.pool.take(nbytes)
+                acc = buf[:nbytes].view(acc_dtype)
+            slot = Slot(key, h.dtype, h.count, h.offset, h.exponent, op_max, buf, acc, ref=h.ref, owner=owner)
+            job.slots[key] = slot
+        elif (h.dtype, h.count, h.offset, h.exponent, owner) != \
+                (slot.dtype, slot.count, slot.offset, slot.exponent, slot.owner) or \
+                (seg is not None and h.ref != slot.ref):  # ring positions matter only in shared memory
+            self._mismatch(job, slot, h)
+            return None
+        return slot
 
     def _on_final(self, job: Job, peer, h: Header, key, payload) -> None:
         """A member that has the result of ``key`` from before this shard

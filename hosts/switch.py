@@ -116,7 +116,7 @@ class SwitchService(Aggregator):
     kind = "switch"
     title = "aggnet switch-mode aggregator"
 
-    def __init__(self, listen: str | Address, pool: int = DEFAULT_POOL, elements: int = DEFAULT_HOST_ELEMENTS,
+    def __init__(self, listen: str | Address, *, pool: int = DEFAULT_POOL, elements: int = DEFAULT_HOST_ELEMENTS,
                  parent: str | None = None, rack_id: int = 0, racks: int = 1,
                  reclaim_idle: float = DEFAULT_RECLAIM_IDLE, shards: int = 1,
                  max_elements: int | None = None, io: str | None = None, keyring: Keyring | None = None,

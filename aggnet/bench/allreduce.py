@@ -82,7 +82,7 @@ def _fill(buf: np.ndarray, rank: int) -> None:
 
 
 def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_port: int | None, barrier, out,
-            aggregator: list | None = None) -> None:
+            *, aggregator: list | None = None) -> None:
     from aggnet import Client
 
     results = []
@@ -159,8 +159,8 @@ def _run_group(world: int, plan: list, services: dict, reps: int, gloo_port: int
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(world)
     out = ctx.Queue()
-    ps = [ctx.Process(target=_worker, args=(r, world, plan, services, reps, gloo_port, barrier, out, aggregator),
-                      daemon=True)
+    ps = [ctx.Process(target=_worker, args=(r, world, plan, services, reps, gloo_port, barrier, out),
+                      kwargs={"aggregator": aggregator}, daemon=True)
           for r in range(world)]
     for p in ps:
         p.start()
@@ -235,7 +235,6 @@ def _service_stats(address: str) -> dict:
 
 
 def main(args) -> int:
-    from aggnet.client.config import ClientConfig
     from aggnet.processes import ServiceProcess
 
     if getattr(args, "collective", "allreduce") == "reduce_scatter":
@@ -275,17 +274,7 @@ def main(args) -> int:
     groups = (["gloo"] if gloo else []) + transports
     for world in worlds:
         for group in groups:
-            plan = []
-            for nbytes in sizes:
-                if group == "gloo":
-                    plan += [{"system": "gloo", "transport": "tcp", "dtype": d, "bytes": nbytes, "chunk_bytes": None}
-                             for d in dtypes if d != "q-int32"]
-                else:
-                    # the transport's default chunk size where none is asked for
-                    scheme = listen[group].split("://", 1)[0]
-                    plan += [{"system": "aggnet", "transport": group, "dtype": d, "bytes": nbytes,
-                              "chunk_bytes": c or ClientConfig().chunk_bytes_for(scheme)}
-                             for d in dtypes for c in chunks]
+            plan = _plan(group, sizes, dtypes, chunks, listen)
             service = None if group == "gloo" else ServiceProcess(listen[group], args.shards)
             try:
                 services = {group: service.address} if service else {}
@@ -304,6 +293,35 @@ def main(args) -> int:
                 records.append(_record(point, world, slowest, [per_rank[r][i]["cpu_s"] for r in range(world)],
                                        per_rank[0][i]["aggregator_cpu_s"]))
     _print_table(records)
+    summary, memcpy_bw = _summation_summary(records, sums)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"system_info": _system_info(), "records": records,
+                       "aggregator_sum_bytes_per_s": summary, "memcpy_bytes_per_s": memcpy_bw}, f, indent=1)
+        print(f"wrote {len(records)} records to {args.json}")
+    return 0
+
+
+def _plan(group: str, sizes: list, dtypes: list, chunks: list, listen: dict) -> list[dict]:
+    """The points one system ("gloo" or a transport) is timed at."""
+    from aggnet.client.config import ClientConfig
+
+    plan = []
+    for nbytes in sizes:
+        if group == "gloo":
+            plan += [{"system": "gloo", "transport": "tcp", "dtype": d, "bytes": nbytes, "chunk_bytes": None}
+                     for d in dtypes if d != "q-int32"]
+        else:
+            # the transport's default chunk size where none is asked for
+            scheme = listen[group].split("://", 1)[0]
+            plan += [{"system": "aggnet", "transport": group, "dtype": d, "bytes": nbytes,
+                      "chunk_bytes": c or ClientConfig().chunk_bytes_for(scheme)}
+                     for d in dtypes for c in chunks]
+    return plan
+
+
+def _summation_summary(records: list[dict], sums: dict) -> tuple[dict, float]:
+    """Each service's summation rate, printed beside a memory copy's."""
     # the all-reduce streams whole buffers through memory: compare with the
     # copy of the largest one (the small ones copy within the caches)
     largest = max((r for r in records if r["system"] == "memcpy"), key=lambda r: r["bytes"])
@@ -316,13 +334,7 @@ def main(args) -> int:
             print(f"aggregator summation ({t} service): {bw / 1e9:.2f} GB/s of contributions per CPU-second of "
                   f"summing; memory copy of {format_size(largest['bytes'])} {memcpy_bw / 1e9:.2f} GB/s; "
                   f"ratio {bw / memcpy_bw:.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"system_info": _system_info(), "records": records,
-                       "aggregator_sum_bytes_per_s": summary, "memcpy_bytes_per_s": memcpy_bw}, f, indent=1)
-        print(f"wrote {len(records)} records to {args.json}")
-    return 0
-
+    return summary, memcpy_bw
 
 def _print_table(records: list[dict]) -> None:
     gloo = {(r["workers"], r["bytes"], r["dtype"]): r["median_s"] for r in records if r["system"] == "gloo"}

@@ -66,6 +66,107 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _CommOnly:
+    """The all-reduces of a DDP step without the model ("comm-..."
+    systems): one of all the gradients, or DDP's two buckets waited in the
+    step ("buckets") or a step later ("pipelined")."""
+
+    def __init__(self, client, parts: list, params: int):
+        import numpy as np
+
+        self.client, self.parts = client, parts
+        self.codec = None if parts[1] == "float32" else parts[1]
+        self.grad = np.zeros(params, dtype=np.float32)
+        first = min(params, (1 << 20) // 4)
+        self.buckets = [np.ones(first, np.float32), np.ones(params - first, np.float32)]
+        self.in_flight = None
+
+    def step(self) -> None:
+        if len(self.parts) == 2:  # one all-reduce of all the gradients
+            self.grad.fill(1.0)
+            self.client.allreduce(self.grad, op="avg", codec=self.codec).result()
+            return
+        futures = [self.client.allreduce(b, op="avg", codec=self.codec) for b in self.buckets]
+        # "buckets": waited in the step, as synchronous DDP does;
+        # "pipelined": the previous step's waited, as a stale step does
+        waited, self.in_flight = ((futures, None) if self.parts[2] == "buckets" else (self.in_flight, futures))
+        for f in waited or ():
+            f.result()
+
+    def finish(self) -> None:
+        for f in self.in_flight or ():
+            f.result()
+
+
+def _time_system(system: str, model, x, y, args, rank: int, world: int, port) -> tuple[list, float, dict | None]:
+    """Steps of one system after a warm-up: their times, this worker's
+    CPU-seconds over them, and the aggnet client's counters where one ran."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from aggnet.torch import AggnetState, StaleStep, allreduce_hook
+
+    parts = system.split("-")
+    state = stale = comm = None
+    if system == "compute":
+        ddp = model  # the same step without DDP: no communication at all
+    elif parts[0] == "comm":
+        from aggnet.client.base import Client
+
+        client = Client(args.address, job=f"bench-{system}-{port}", rank=rank, world_size=world)
+        comm = _CommOnly(client, parts, sum(p.numel() for p in model.parameters()))
+        ddp = None
+    else:
+        ddp = DDP(model)
+    if system.startswith("aggnet"):
+        staleness = int(parts[2][len("stale"):]) if len(parts) > 2 else 0
+        state = AggnetState(args.address, codec=parts[1], staleness=staleness, predict="predict" in parts)
+        ddp.register_comm_hook(state, allreduce_hook)
+    opt = torch.optim.SGD((ddp or model).parameters(), lr=1e-4, momentum=0.9)
+    if state is not None and state.staleness:
+        stale = StaleStep(ddp, opt, state)
+    times = []
+    # one barrier, then steps back to back as training runs them: a
+    # barrier per step would queue behind a stale all-reduce still on
+    # the link, and hide the overlap the stale systems are there for
+    dist.barrier()
+    t0 = time.perf_counter()
+    for step in range(args.steps + 3):
+        if comm is not None:
+            comm.step()
+        elif stale is not None:
+            with stale.step():
+                nn.functional.mse_loss(ddp(x), y).backward()
+        else:
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        t1 = time.perf_counter()
+        if step >= 3:  # warm-up: connections, first-touch, JIT
+            times.append(t1 - t0)
+        else:
+            cpu0 = own_cpu_seconds()
+        t0 = t1
+    if stale is not None:
+        stale.finish()
+    if comm is not None:
+        comm.finish()
+    cpu = own_cpu_seconds() - cpu0
+    used = comm.client if comm is not None else (state._client if state is not None else None)
+    stats = None
+    if used is not None:
+        cs = used.stats
+        stats = {"allreduces": cs.allreduces, "packets": cs.chunks_sent, "retransmissions": cs.retransmissions,
+                 "seconds": cs.seconds}
+    if state is not None:
+        state.close()
+    if comm is not None:
+        comm.client.close()
+    return times, cpu, stats
+
+
 def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
     """One DDP worker timing every system; ``port`` is a local port or a
     rendezvous ``host:port`` (one worker per namespace); ``out`` a queue,
@@ -73,11 +174,6 @@ def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import numpy as np
-
-    from aggnet.torch import AggnetState, StaleStep, allreduce_hook
 
     torch.set_num_threads(1)
     master = port if isinstance(port, str) else f"127.0.0.1:{port}"
@@ -88,81 +184,11 @@ def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
     params = sum(p.numel() for p in model.parameters())
     x = torch.randn(args.batch, 1024)
     y = torch.randn(args.batch, 1024)
-    results = {}
-    cpu = {}
-    client_stats = {}
+    results, cpu, client_stats = {}, {}, {}
     for system in systems:
-        parts = system.split("-")
-        state, stale, client = None, None, None
-        if system == "compute":
-            ddp = model  # the same step without DDP: no communication at all
-        elif parts[0] == "comm":
-            from aggnet.client.base import Client
-
-            client = Client(args.address, job=f"bench-{system}-{port}", rank=rank, world_size=world)
-            grad = np.zeros(params, dtype=np.float32)
-            first = min(params, (1 << 20) // 4)
-            buckets = [np.ones(first, np.float32), np.ones(params - first, np.float32)]
-            in_flight = None
-            ddp = None
-        else:
-            ddp = DDP(model)
-        if system.startswith("aggnet"):
-            codec = parts[1]
-            staleness = int(parts[2][len("stale"):]) if len(parts) > 2 else 0
-            state = AggnetState(args.address, codec=codec, staleness=staleness, predict="predict" in parts)
-            ddp.register_comm_hook(state, allreduce_hook)
-        opt = torch.optim.SGD((ddp or model).parameters(), lr=1e-4, momentum=0.9)
-        if state is not None and state.staleness:
-            stale = StaleStep(ddp, opt, state)
-        times = []
-        # one barrier, then steps back to back as training runs them: a
-        # barrier per step would queue behind a stale all-reduce still on
-        # the link, and hide the overlap the stale systems are there for
-        dist.barrier()
-        t0 = time.perf_counter()
-        for step in range(args.steps + 3):
-            if client is not None:
-                codec = None if parts[1] == "float32" else parts[1]
-                if len(parts) == 2:  # one all-reduce of all the gradients
-                    grad.fill(1.0)
-                    client.allreduce(grad, op="avg", codec=codec).result()
-                else:  # DDP's buckets: the first of 1 MiB, then the rest
-                    futures = [client.allreduce(b, op="avg", codec=codec) for b in buckets]
-                    # "buckets": waited in the step, as synchronous DDP does;
-                    # "pipelined": the previous step's waited, as a stale step does
-                    waited, in_flight = ((futures, None) if parts[2] == "buckets" else (in_flight, futures))
-                    for f in waited or ():
-                        f.result()
-            elif stale is not None:
-                with stale.step():
-                    nn.functional.mse_loss(ddp(x), y).backward()
-            else:
-                opt.zero_grad()
-                nn.functional.mse_loss(ddp(x), y).backward()
-                opt.step()
-            t1 = time.perf_counter()
-            if step >= 3:  # warm-up: connections, first-touch, JIT
-                times.append(t1 - t0)
-            else:
-                cpu0 = own_cpu_seconds()
-            t0 = t1
-        if stale is not None:
-            stale.finish()
-        for f in (in_flight or ()) if client is not None else ():
-            f.result()
-        cpu[system] = own_cpu_seconds() - cpu0
-        used = client if client is not None else (state._client if state is not None else None)
-        if used is not None:
-            cs = used.stats
-            client_stats[system] = {"allreduces": cs.allreduces, "packets": cs.chunks_sent,
-                                    "retransmissions": cs.retransmissions, "seconds": cs.seconds}
-        if state is not None:
-            state.close()
-        if client is not None:
-            client.close()
-        results[system] = times
-        del ddp
+        results[system], cpu[system], stats = _time_system(system, model, x, y, args, rank, world, port)
+        if stats is not None:
+            client_stats[system] = stats
     dist.destroy_process_group()
     if out is None:
         print(json.dumps({"rank": rank, "parameters": params, "times": results, "cpu": cpu, "client": client_stats}),

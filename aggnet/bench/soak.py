@@ -118,7 +118,7 @@ def _float_tolerance(floats: list, exact: np.ndarray, world: int, block: int | N
     return tol + np.abs(exact) * 2.0**-23
 
 
-def _worker(rank: int, world: int, address: str, job: str, n: int, elements: int, points: list, conn,
+def _worker(rank: int, world: int, address: str, job: str, elements: int, points: list, conn,
             topology: str | None = None) -> None:
     """N all-reduces, alternately int32 (even) and float32 (odd), each
     checked; at each point in ``points`` it reports and waits for the
@@ -314,30 +314,75 @@ def _racks(workers: int, restart: list, tmp: str):
     return services, path
 
 
+def _aggregators(kind: str, workers: int, restart: list, tmp: str) -> tuple[dict, str | None]:
+    """The soak's aggregators by name, and the racks' topology file."""
+    from aggnet.processes import ServiceProcess
+
+    if kind == "switch":
+        return {"aggregator": ServiceProcess("udp://127.0.0.1:0", shards=1, args=["--mode", "switch"])}, None
+    if kind == "service":
+        return {"aggregator": ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2, args=restart)}, None
+    return _racks(workers, restart, tmp)
+
+
+def _start_workers(addresses: list, elements: int, points: list, topology: str | None) -> tuple[list, list]:
+    """One process per rank, and the driver's end of each one's pipe."""
+    ctx = multiprocessing.get_context("spawn")
+    workers = len(addresses)
+    job = f"soak-{uuid.uuid4().hex[:8]}"
+    procs, conns = [], []
+    for r in range(workers):
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=_worker, args=(r, workers, addresses[r], job, elements, points, theirs, topology),
+                        daemon=True)
+        p.start()
+        theirs.close()
+        procs.append(p)
+        conns.append(mine)
+    return procs, conns
+
+
+def _stop_workers(conns: list, procs: list, failed: bool) -> None:
+    for conn in conns:
+        try:
+            conn.send("stop")  # to a worker still waiting at a sample point (after a failure)
+        except OSError:
+            pass
+    for p in procs:
+        p.join(1 if failed else 15)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def _roles(services: dict, procs: list, relay, kill_every: float | None) -> dict:
+    """What each sampled process is, by pid."""
+    roles = {}
+    for name, svc in services.items():
+        roles[svc.pid] = name
+        if not kill_every:  # a chaos run replaces the shards it kills: they are summed per aggregator
+            roles.update({pid: f"{name} child {pid}" for pid in descendants(svc.pid)})
+    roles.update({p.pid: f"worker {r}" for r, p in enumerate(procs)})
+    if relay is not None:
+        roles[os.getpid()] = "relay (driver)"
+    return roles
+
+
 def run_soak(kind: str, allreduces: int, loss: float, elements: int, workers: int, kill_every: float | None = None,
              seed: int = 1) -> dict:
     """One soak of ``kind`` ("switch", "service" or "racks"); returns its record."""
     import tempfile
 
     from aggnet.emulation.lossy_relay import LossyRelay
-    from aggnet.processes import ServiceProcess
 
     points = checkpoints(allreduces)
-    restart = ["--restart"] if kill_every else []
     tmp = tempfile.TemporaryDirectory(prefix="aggnet-soak-")
-    topology = None
-    if kind == "switch":
-        services = {"aggregator": ServiceProcess("udp://127.0.0.1:0", shards=1, args=["--mode", "switch"])}
-    elif kind == "service":
-        services = {"aggregator": ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2, args=restart)}
-    else:
-        services, topology = _racks(workers, restart, tmp.name)
+    services, topology = _aggregators(kind, workers, ["--restart"] if kill_every else [], tmp.name)
     service = next(iter(services.values()))
     relay = killer = None
     record = {"kind": kind, "allreduces": allreduces, "workers": workers, "elements": elements,
               "loss": loss if kind == "switch" else None, "warmup": points[0], "points": points,
               "kill_every": kill_every}
-    ctx = multiprocessing.get_context("spawn")
     procs, conns = [], []
     try:
         addresses = [service.address] * workers
@@ -345,23 +390,8 @@ def run_soak(kind: str, allreduces: int, loss: float, elements: int, workers: in
             host, port = service.address[len("udp://"):].rsplit(":", 1)
             relay = LossyRelay((host, int(port)), workers, drop=loss, seed=1).start()
             addresses = relay.addresses
-        job = f"soak-{uuid.uuid4().hex[:8]}"
-        for r in range(workers):
-            mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(r, workers, addresses[r], job, allreduces, elements, points, theirs,
-                                                  topology), daemon=True)
-            p.start()
-            theirs.close()
-            procs.append(p)
-            conns.append(mine)
-        roles = {}
-        for name, svc in services.items():
-            roles[svc.pid] = name
-            if not kill_every:  # a chaos run replaces the shards it kills: they are summed per aggregator
-                roles.update({pid: f"{name} child {pid}" for pid in descendants(svc.pid)})
-        roles.update({p.pid: f"worker {r}" for r, p in enumerate(procs)})
-        if relay is not None:
-            roles[os.getpid()] = "relay (driver)"
+        procs, conns = _start_workers(addresses, elements, points, topology)
+        roles = _roles(services, procs, relay, kill_every)
         samples, reports = [], []
         if kill_every:
             from aggnet.client.stats import query
@@ -395,28 +425,25 @@ def run_soak(kind: str, allreduces: int, loss: float, elements: int, workers: in
         if killer is not None:
             killer.stop()
             record["kills"] = killer.kills
-        for conn in conns:
-            try:
-                conn.send("stop")  # to a worker still waiting at a sample point (after a failure)
-            except OSError:
-                pass
-        for p in procs:
-            p.join(15 if "error" not in record else 1)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        _stop_workers(conns, procs, "error" in record)
         if relay is not None:
             relay.stop()
             record["relay"] = dict(relay.counters)
         for svc in services.values():
             svc.stop()
         tmp.cleanup()
+    _summarize_run(record, reports, samples, roles, services)
+    return record
+
+
+def _summarize_run(record: dict, reports: list, samples: list, roles: dict, services: dict) -> None:
+    """The run's rate, failures, agreement and resources, into ``record``."""
     final = reports[-1]
     # a segment takes as long as its slowest worker; the pauses to sample are left out
-    busy = [max(rep[r]["busy_s"] for r in range(workers)) for rep in reports]
+    busy = [max(rep[r]["busy_s"] for r in range(record["workers"])) for rep in reports]
     timed = busy[-1] - busy[0]
     record.update({
-        "allreduces_per_s": (allreduces - points[0]) / timed if timed > 0 else None,
+        "allreduces_per_s": (record["allreduces"] - record["warmup"]) / timed if timed > 0 else None,
         "failures": {k: sum(f["failures"][k] for f in final) for k in ("int32", "float32")},
         "first_failure": next((f["first_failure"] for f in final if f["first_failure"]), None),
         "results_agree": len({f["crc"] for f in final}) == 1,
@@ -425,12 +452,11 @@ def run_soak(kind: str, allreduces: int, loss: float, elements: int, workers: in
         "samples": samples,
         "processes": _summarize(roles, samples),
     })
-    if kill_every:
+    if record["kill_every"]:
         record["aggregators"] = {
             name: {k: {"start": samples[0]["aggregators"][name][k], "end": samples[-1]["aggregators"][name][k],
                        "max": max(x["aggregators"][name][k] for x in samples)} for k in ("rss_kb", "fds", "threads")}
             for name in services}
-    return record
 
 
 def _summarize(roles: dict, samples: list) -> list[dict]:

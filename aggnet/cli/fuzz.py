@@ -534,7 +534,7 @@ def _drain_udp(socks, tally: _Tally) -> None:
             tally.reply(data)
 
 
-def zmq_campaign(address: str, fuzzer: Fuzzer, done, tally: _Tally, rate: float | None = None,
+def zmq_campaign(address: str, fuzzer: Fuzzer, done, tally: _Tally, *, rate: float | None = None,
                  peers: int = 4, hijack: bool = False, deaf: bool = False) -> None:
     """Multipart messages at a service's control endpoint and shards, from
     ``peers`` DEALERs per endpoint, a short-lived one now and then (its
@@ -556,10 +556,7 @@ def zmq_campaign(address: str, fuzzer: Fuzzer, done, tally: _Tally, rate: float 
             socks.append((ep, _dealer(ctx, ep)))
     members = []  # (socket, job id, rank): the fuzzer's own jobs on shards
     deaf_socks = [_dealer(ctx, ep) for ep in endpoints] if deaf else []
-    kinds = fuzzer.MESSAGE_KINDS + ("member", "churn", "raw_tcp") + (("hijack",) if hijack else ()) + \
-        (("deaf",) if deaf else ())
-    weights = [6 if k in ("mutated", "forged", "member", "deaf") else 1 if k in ("churn", "raw_tcp") else 3
-               for k in kinds]
+    kinds, weights = _zmq_kinds(fuzzer, hijack, deaf)
     started = time.monotonic()
     n = 0
     r = fuzzer.rng
@@ -606,16 +603,21 @@ def zmq_campaign(address: str, fuzzer: Fuzzer, done, tally: _Tally, rate: float 
                 _drain_zmq([s for _, s in socks] + [m[0] for m in members], tally)
                 _pace(rate, n, started)
         deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline:  # the last replies, counted
             if not _drain_zmq([s for _, s in socks] + [m[0] for m in members], tally):
                 time.sleep(0.05)
     finally:
-        for _, s in socks:
+        for s in [s for _, s in socks] + [m[0] for m in members] + deaf_socks:
             s.close(linger=0)
-        for m in members:
-            m[0].close(linger=0)
-        for s in deaf_socks:
-            s.close(linger=0)
+
+
+def _zmq_kinds(fuzzer: Fuzzer, hijack: bool, deaf: bool) -> tuple[tuple, list]:
+    """The kinds of message the ZeroMQ campaign sends, and how often."""
+    kinds = fuzzer.MESSAGE_KINDS + ("member", "churn", "raw_tcp") + (("hijack",) if hijack else ()) + \
+        (("deaf",) if deaf else ())
+    weights = [6 if k in ("mutated", "forged", "member", "deaf") else 1 if k in ("churn", "raw_tcp") else 3
+               for k in kinds]
+    return kinds, weights
 
 
 def _split(data: bytes) -> list[bytes]:
@@ -729,7 +731,8 @@ def run_campaign(address: str, seconds: float | None = None, datagrams: int | No
     if udp:
         udp_campaign(address, fuzzer, _budget(seconds, datagrams, 10000), tally, rate, hijack=hijack)
     else:
-        zmq_campaign(address, fuzzer, _budget(seconds, messages, 10000), tally, rate, hijack=hijack, deaf=deaf)
+        zmq_campaign(address, fuzzer, _budget(seconds, messages, 10000), tally, rate=rate, hijack=hijack,
+                     deaf=deaf)
     return tally.result(started)
 
 

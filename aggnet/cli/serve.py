@@ -179,7 +179,7 @@ def _service(args, keyring):
             uplink = UplinkConfig(args.parent, args.rack_id, args.racks)
         except ValueError as exc:
             raise _BadSetting(exc) from None
-    return service.start(args.listen, args.shards, getattr(logging, args.log_level), keyring=keyring,
+    return service.start(args.listen, args.shards, log_level=getattr(logging, args.log_level), keyring=keyring,
                          restart=args.restart, curve=curve, uplink=uplink, advertise=args.advertise,
                          until_idle=args.until_idle, parent_pid=args.parent_pid,
                          **({"job_lease": args.job_lease} if args.job_lease is not None else {}))

@@ -137,6 +137,22 @@ def _client_class(address, config: ClientConfig | None, topology=None, rank=0):
     return getattr(importlib.import_module(module), name)
 
 
+def _check_identity(job, rank, world_size, member_rank, members) -> None:
+    """One line naming the argument that is out of range."""
+    if not isinstance(world_size, int) or world_size < 1 or world_size > 65535:
+        raise ValueError(f"world_size must be an integer from 1 to 65535, got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+    if not job or not isinstance(job, str):
+        raise ValueError(f"job must be a non-empty name, got {job!r}")
+    members = world_size if members is None else members
+    member_rank = rank if member_rank is None else member_rank
+    if not isinstance(members, int) or not 1 <= members <= world_size:
+        raise ValueError(f"members must be an integer from 1 to world_size={world_size}, got {members!r}")
+    if not isinstance(member_rank, int) or not 0 <= member_rank < members:
+        raise ValueError(f"member_rank must be an integer in [0, {members}), got {member_rank!r}")
+
+
 class Client(ABC):
     """A worker's connection to aggregators for one job.
 
@@ -177,39 +193,18 @@ class Client(ABC):
         #: a rack's host aggregator, used when its P4 switch has no room or is dead
         self.fallback_address: str | None = None
         if topology is not None:
-            from aggnet.protocol import topology as topo
-
             if address is not None:
                 raise ValueError("give address or topology, not both: the topology names each rack's aggregator")
             if member_rank is not None or members is not None:
                 raise ValueError("member_rank and members come from the topology; leave them out")
-            t = topo.load(topology)
-            if world_size is not None and world_size != t.world:
-                raise ValueError(f"world_size={world_size} but topology {t.source} holds {t.world} workers; "
-                                 f"leave world_size out or fix the topology")
-            self.placement = t.place(rank)
-            world_size, address = t.world, self.placement.address
-            member_rank, members = self.placement.member_rank, self.placement.members
-            if job is None:
-                job = t.job
-            if self.placement.rack.fallback is not None:
-                self.fallback_address = self.placement.rack.fallback.address
+            address, job, world_size, member_rank, members = self._place(topology, rank, job, world_size)
         job = "default" if job is None else job
         world_size = 1 if world_size is None else world_size
-        if not isinstance(world_size, int) or world_size < 1 or world_size > 65535:
-            raise ValueError(f"world_size must be an integer from 1 to 65535, got {world_size!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
-        if not job or not isinstance(job, str):
-            raise ValueError(f"job must be a non-empty name, got {job!r}")
+        _check_identity(job, rank, world_size, member_rank, members)
         #: this worker's place among the workers of its own aggregator (a
         #: rack of a hierarchy); the whole job by default
         self.members = world_size if members is None else members
         self.member_rank = rank if member_rank is None else member_rank
-        if not isinstance(self.members, int) or not 1 <= self.members <= world_size:
-            raise ValueError(f"members must be an integer from 1 to world_size={world_size}, got {members!r}")
-        if not isinstance(self.member_rank, int) or not 0 <= self.member_rank < self.members:
-            raise ValueError(f"member_rank must be an integer in [0, {self.members}), got {member_rank!r}")
         if address is None:
             address = self.config.address
         self.job = job
@@ -246,6 +241,21 @@ class Client(ABC):
             raise
         self._thread = threading.Thread(target=self._run, name=f"aggnet-io-{job}-{rank}", daemon=True)
         self._thread.start()
+
+    def _place(self, topology, rank: int, job: str | None, world_size: int | None) -> tuple:
+        """Address, job, world and place among its rack's members of
+        ``rank`` in ``topology`` (a file or a loaded one)."""
+        from aggnet.protocol import topology as topo
+
+        t = topo.load(topology)
+        if world_size is not None and world_size != t.world:
+            raise ValueError(f"world_size={world_size} but topology {t.source} holds {t.world} workers; "
+                             f"leave world_size out or fix the topology")
+        self.placement = t.place(rank)
+        if self.placement.rack.fallback is not None:
+            self.fallback_address = self.placement.rack.fallback.address
+        return (self.placement.address, t.job if job is None else job, t.world, self.placement.member_rank,
+                self.placement.members)
 
     def _context(self) -> str:
         return f"job {self.job!r} rank {self.rank} at {self.address}"

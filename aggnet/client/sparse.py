@@ -136,8 +136,8 @@ class SparseClient:
             raise ValueError(f"partitions must be in [1, {min(rows, sparse_layout.MAX_PARTITIONS)}], got {partitions}")
         if name in self.tables:
             raise ValueError(f"table {name!r} is already open on this client")
-        t = SparseTable(self, name, int(rows), int(width), mode, optimizer, op, partitions, init,
-                        {k: float(v) for k, v in hyper.items()})
+        t = SparseTable(self, name, int(rows), int(width), mode=mode, optimizer=optimizer, op=op,
+                        partitions=partitions, init=init, hyper={k: float(v) for k, v in hyper.items()})
         t._open()
         self.tables[name] = t
         return t
@@ -227,7 +227,7 @@ class SparseClient:
 class SparseTable:
     """One table as a worker sees it (made by :meth:`SparseClient.table`)."""
 
-    def __init__(self, client: SparseClient, name: str, rows: int, width: int, mode: str, optimizer: str,
+    def __init__(self, client: SparseClient, name: str, rows: int, width: int, *, mode: str, optimizer: str,
                  op: str, partitions: int, init: dict | None, hyper: dict):
         self.client = client
         self.name, self.rows, self.width = name, rows, width

@@ -55,6 +55,30 @@ class BucketStats:
     seconds: float = 0.0  #: hook call to aggregated bucket, summed
 
 
+
+def _check_options(*, codec, op, sparse_op, sparse, alpha_threshold, alpha_steps, on_nonfinite, job, staleness,
+                   predict) -> None:
+    """One line naming the AggnetState argument that is out of range."""
+    if codec not in _CODECS:
+        raise ValueError(f"codec must be one of {list(_CODECS)}, got {codec!r}")
+    for name, value in (("op", op), ("sparse_op", sparse_op)):
+        if value not in _OPS:
+            raise ValueError(f"{name} must be one of {_OPS}, got {value!r}")
+    if sparse not in ("aggnet", "torch"):
+        raise ValueError(f"sparse must be 'aggnet' or 'torch', got {sparse!r}")
+    if alpha_threshold is not None and not 0 < alpha_threshold <= 1:
+        raise ValueError(f"alpha_threshold must be in (0, 1] (or None: no routing by α), got {alpha_threshold!r}")
+    if not isinstance(alpha_steps, int) or alpha_steps < 1:
+        raise ValueError(f"alpha_steps must be an integer >= 1, got {alpha_steps!r}")
+    if on_nonfinite not in _ON_NONFINITE:
+        raise ValueError(f"on_nonfinite must be one of {_ON_NONFINITE}, got {on_nonfinite!r}")
+    if job is not None and (not isinstance(job, str) or not job):
+        raise ValueError(f"job must be a non-empty name, got {job!r}")
+    if not isinstance(staleness, int) or staleness < 0:
+        raise ValueError(f"staleness must be an integer >= 0 (steps a gradient is applied late), got {staleness!r}")
+    if predict and not staleness:
+        raise ValueError("predict=True needs staleness >= 1: with no delay there is nothing to predict")
+
 class AggnetState:
     """Settings and connection of the aggnet DDP hook.
 
@@ -118,26 +142,13 @@ class AggnetState:
         staleness: int = 0,
         predict: bool = False,
     ):
-        if codec not in _CODECS:
-            raise ValueError(f"codec must be one of {list(_CODECS)}, got {codec!r}")
-        if op not in _OPS:
-            raise ValueError(f"op must be one of {_OPS}, got {op!r}")
-        if sparse_op not in _OPS:
-            raise ValueError(f"sparse_op must be one of {_OPS}, got {sparse_op!r}")
-        if sparse not in ("aggnet", "torch"):
-            raise ValueError(f"sparse must be 'aggnet' or 'torch', got {sparse!r}")
+        _check_options(codec=codec, op=op, sparse_op=sparse_op, sparse=sparse, alpha_threshold=alpha_threshold,
+                       alpha_steps=alpha_steps, on_nonfinite=on_nonfinite, job=job, staleness=staleness,
+                       predict=predict)
         self.sparse = sparse
-        if alpha_threshold is not None and not 0 < alpha_threshold <= 1:
-            raise ValueError(f"alpha_threshold must be in (0, 1] (or None: no routing by α), got {alpha_threshold!r}")
-        if not isinstance(alpha_steps, int) or alpha_steps < 1:
-            raise ValueError(f"alpha_steps must be an integer >= 1, got {alpha_steps!r}")
         self.alpha_threshold, self.alpha_steps = alpha_threshold, alpha_steps
         self.routes: dict = {}  #: bucket index -> routing.RouteStats
         self._route_buckets: dict = {}
-        if on_nonfinite not in _ON_NONFINITE:
-            raise ValueError(f"on_nonfinite must be one of {_ON_NONFINITE}, got {on_nonfinite!r}")
-        if job is not None and (not isinstance(job, str) or not job):
-            raise ValueError(f"job must be a non-empty name, got {job!r}")
         self.process_group = process_group
         self._job_arg = job
         self._member_arg = member
@@ -162,10 +173,6 @@ class AggnetState:
             self.config.topology if self.address is None else None)
         if member is not None and address is None:
             raise ValueError("member goes with an address: the aggregator this rank's part of the group joins")
-        if not isinstance(staleness, int) or staleness < 0:
-            raise ValueError(f"staleness must be an integer >= 0 (steps a gradient is applied late), got {staleness!r}")
-        if predict and not staleness:
-            raise ValueError("predict=True needs staleness >= 1: with no delay there is nothing to predict")
         self.staleness, self.predict = staleness, predict
         self.stale_queue = None
         if staleness:
