@@ -34,10 +34,16 @@ from typing import Sequence
 
 import numpy as np
 
+_USER_SET_MEMTYPE_CACHE = "UCX_MEMTYPE_CACHE" in os.environ
 try:
     import ucxx
 except ImportError as exc:  # pragma: no cover - depends on the machine
     raise ImportError("the ucx:// transport needs ucxx: pip install 'aggnet[rdma]'") from exc
+if not _USER_SET_MEMTYPE_CACHE:
+    # ucxx sets it for UCX releases that had the option; the UCX it ships
+    # has none and warns of an unused variable at every context a user
+    # cannot act on. A value the user set stays, and so does UCX's warning.
+    os.environ.pop("UCX_MEMTYPE_CACHE", None)
 
 from aggnet.protocol import wire
 from aggnet.protocol.limits import MAX_MESSAGE_BYTES
@@ -272,6 +278,11 @@ class UcxListener(Listener):
         async def shutdown():
             for p in list(self._peers.values()):
                 await p.close()
+            # each accept handler ends once its peer's tasks did: a listener
+            # closed before them warns of handlers still alive
+            deadline = self._loop.loop.time() + 1.0
+            while self._peers and self._loop.loop.time() < deadline:
+                await asyncio.sleep(0.001)
             self._listener.close()
 
         try:
