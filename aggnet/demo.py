@@ -90,6 +90,30 @@ def train(rank: int, world: int, args, mode: str, report=None) -> dict:
         how = f"aggnet ({args.codec}) through {where}" if state else "torch.distributed gloo"
         print(f"[{mode}] {world} DDP workers, MLP 64-{args.hidden}-{args.hidden}-10 ({params:,} parameters, "
               f"{params * 4 / 2**20:.1f} MiB of gradients per step), gradients via {how}", flush=True)
+    try:
+        epoch_times = _epochs(rank, world, args, mode, ddp, opt, state, (xtr, ytr))
+    finally:
+        if state:
+            state.close()  # a LEAVE, also when Ctrl-C stops the run: the aggregator forgets the job quietly
+    model.eval()
+    with torch.no_grad():
+        acc = float((model(xte).argmax(1) == yte).float().mean())
+    result = {"mode": mode, "test_accuracy": acc, "epoch_seconds": epoch_times}
+    if rank == 0:
+        print(f"[{mode}] test accuracy {100 * acc:.2f}% on {len(yte)} held-out digits", flush=True)
+        if report is not None:
+            report.put(result)
+    return result
+
+
+def _epochs(rank: int, world: int, args, mode: str, ddp, opt, state, data) -> list[float]:
+    """The training epochs; rank 0 prints one line each. Returns their seconds."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    xtr, ytr = data
+    model = ddp.module
     g = torch.Generator().manual_seed(args.seed)
     epoch_times = []
     for epoch in range(1, args.epochs + 1):
@@ -121,17 +145,7 @@ def train(rank: int, world: int, args, mode: str, report=None) -> dict:
                 line += (f"  aggregated {moved / 2**20:7.1f} MiB in {after.calls - before.calls} buckets, "
                          f"{moved / max(secs, 1e-9) / 1e6:7.1f} MB/s while in flight")
             print(line, flush=True)
-    model.eval()
-    with torch.no_grad():
-        acc = float((model(xte).argmax(1) == yte).float().mean())
-    if state:
-        state.close()
-    result = {"mode": mode, "test_accuracy": acc, "epoch_seconds": epoch_times}
-    if rank == 0:
-        print(f"[{mode}] test accuracy {100 * acc:.2f}% on {len(yte)} held-out digits", flush=True)
-        if report is not None:
-            report.put(result)
-    return result
+    return epoch_times
 
 
 def _spawned(rank: int, world: int, port: int, args, mode: str, report) -> None:
@@ -146,6 +160,8 @@ def _spawned(rank: int, world: int, port: int, args, mode: str, report) -> None:
         # one line, not a traceback from every process
         print(f"aggnet demo, rank {rank}: {exc}{_hint(args, str(exc))}", file=sys.stderr, flush=True)
         os._exit(1)  # the process group's other ranks are stopped by the parent
+    except KeyboardInterrupt:
+        os._exit(130)  # Ctrl-C reached every worker: the parent says so once
     finally:
         dist.destroy_process_group()
 
@@ -216,6 +232,8 @@ def _torchrun(args) -> int:
     except AggnetError as exc:
         print(f"aggnet demo, rank {dist.get_rank()}: {exc}{_hint(args, str(exc))}", file=sys.stderr, flush=True)
         os._exit(1)  # torchrun stops the other ranks
+    except KeyboardInterrupt:
+        os._exit(130)  # Ctrl-C: torchrun says what stopped
     finally:
         dist.destroy_process_group()
     return 0

@@ -105,8 +105,9 @@ def main(args) -> int:
                     return 0
                 if args.what == "demo":
                     more = ["--hidden", str(args.hidden)] if args.hidden else []
-                    for line in rack_runs.run_demo(rack, args.epochs, args.codec, switch=switch, extra=more):
-                        print(line)
+                    # rank 0's lines as it prints them: an epoch at a time
+                    rack_runs.run_demo(rack, args.epochs, args.codec, switch=switch, extra=more,
+                                       on_line=lambda line: print(line, flush=True))
                     return 0
                 systems = ["aggnet"] + (["gloo"] if args.what == "bench" else [])
                 pids = None if bmv2 else [agg.pid]

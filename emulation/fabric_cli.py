@@ -45,8 +45,8 @@ def main(args) -> int:
                 return _bench_hybrid(args, pl, fabric)
             if args.what == "demo":
                 more = ["--hidden", str(args.hidden)] if args.hidden else []
-                for line in fabric_runs.run_demo(fabric, args.epochs, args.codec, extra=more):
-                    print(line)
+                fabric_runs.run_demo(fabric, args.epochs, args.codec, extra=more,
+                                     on_line=lambda line: print(line, flush=True))
                 return 0
             if args.what == "allreduce":
                 result = fabric_runs.run_system(fabric, "aggnet", nbytes, args.reps, dtype="int32")

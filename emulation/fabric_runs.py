@@ -17,7 +17,7 @@ import uuid
 
 from aggnet.emulation.fabric import Fabric
 from aggnet.emulation.netns import EmulationError
-from aggnet.emulation.rack_runs import collect
+from aggnet.emulation.rack_runs import collect, follow_demo
 
 GLOO_PORT = 29500
 DEMO_PORT = 29501
@@ -61,10 +61,12 @@ def run_system(fabric: Fabric, system: str, nbytes: int, reps: int = 1, *, dtype
             "worker_cpu_s_per_gb": per_gb(sum(o["cpu_s"] for o in outs) / world, nbytes, reps)}
 
 
-def run_demo(fabric: Fabric, epochs: int, codec: str, timeout: float = 1800, extra: list[str] = ()) -> list[str]:
+def run_demo(fabric: Fabric, epochs: int, codec: str, timeout: float = 1800, extra: list[str] = (),
+             on_line=None) -> list[str]:
     """The DDP demo, one worker per namespace across the racks (torchrun's
     environment, gloo rendezvous at rank 0, the aggnet hook placed by the
-    topology file); returns rank 0's output lines."""
+    topology file); returns rank 0's output lines, each handed to
+    ``on_line`` as it is printed."""
     workers = fabric.workers
     world = len(workers)
     procs = []
@@ -74,18 +76,4 @@ def run_demo(fabric: Fabric, epochs: int, codec: str, timeout: float = 1800, ext
                     "MASTER_ADDR": workers[0][2].ip, "MASTER_PORT": str(DEMO_PORT)})
         cmd = [sys.executable, "-m", "aggnet.demo", "--epochs", str(epochs), "--codec", codec, *extra]
         procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    for rank, p in enumerate(procs):
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise EmulationError(f"the DDP demo across the racks did not finish within {timeout:g}s; rerun with "
-                                 f"fewer --epochs or a larger timeout") from None
-        if p.returncode != 0:
-            for q in procs:
-                q.kill()
-            raise EmulationError(f"DDP demo worker of rank {rank} failed ({p.returncode}):\n{out[-3000:]}")
-        outputs.append(out)
-    return outputs[0].splitlines()
+    return follow_demo(procs, timeout, on_line, "across the racks")

@@ -9,6 +9,7 @@ import logging
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -139,9 +140,10 @@ def run_ddp_bench(rack: Rack, steps: int, width: int, systems: str = "gloo,aggne
 
 
 def run_demo(rack: Rack, epochs: int, codec: str, address: str | None = None, timeout: float = 1800,
-             switch: "RackSwitch | None" = None, extra: list[str] = ()) -> list[str]:
+             switch: "RackSwitch | None" = None, extra: list[str] = (), on_line=None) -> list[str]:
     """The DDP demo with one worker per namespace (torchrun's environment,
-    gloo rendezvous at worker 0); returns rank 0's output lines."""
+    gloo rendezvous at worker 0); returns rank 0's output lines, each
+    handed to ``on_line`` as it is printed (an epoch at a time)."""
     world = len(rack.workers)
     if switch is not None:
         address = switch.address
@@ -158,20 +160,46 @@ def run_demo(rack: Rack, epochs: int, codec: str, address: str | None = None, ti
             env["AGGNET_SLOTS"] = str(RACK_SLOTS)
         cmd = [sys.executable, "-m", "aggnet.demo", "--epochs", str(epochs), "--codec", codec, *extra]
         procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    for p in procs:
+    lines = follow_demo(procs, timeout, on_line, "in the rack")
+    if switch is not None:
+        switch.remove("rack-demo")
+    return lines
+
+
+def follow_demo(procs: list, timeout: float, on_line, where: str) -> list[str]:
+    """Wait for the demo's workers (rank 0 first in ``procs``), handing
+    rank 0's lines to ``on_line`` as they come; returns them. A worker that
+    fails or a run past ``timeout`` stops them all, with the worker's
+    output in the error."""
+    lines: list[str] = []
+
+    def pump() -> None:
+        for line in procs[0].stdout:
+            lines.append(line.rstrip("\n"))
+            if on_line is not None:
+                on_line(lines[-1])
+
+    reader = threading.Thread(target=pump, name="demo-rank0-output", daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    for rank, p in enumerate(procs):
         try:
-            out, _ = p.communicate(timeout=timeout)
+            if rank == 0:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                reader.join(10)
+                out = "\n".join(lines)
+            else:
+                out, _ = p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise EmulationError(f"the DDP demo in the rack did not finish within {timeout:g}s")
+            raise EmulationError(f"the DDP demo {where} did not finish within {timeout:g}s; rerun with fewer "
+                                 f"--epochs or a larger timeout") from None
         if p.returncode != 0:
-            raise EmulationError(f"a DDP demo worker failed ({p.returncode}):\n{out[-3000:]}")
-        outputs.append(out)
-    if switch is not None:
-        switch.remove("rack-demo")
-    return outputs[0].splitlines()
+            for q in procs:
+                q.kill()
+            raise EmulationError(f"DDP demo worker of rank {rank} failed ({p.returncode}):\n{out[-3000:]}")
+    return lines
 
 
 # -- BMv2 in the ToR's place ----------------------------------------------------------

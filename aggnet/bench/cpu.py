@@ -19,14 +19,56 @@ def own_cpu_seconds() -> float:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU-seconds of process ``pid`` so far (0 once gone)."""
+    """User + system CPU-seconds of process ``pid`` so far, in clock ticks
+    (0 once gone)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        return _stat_ticks(f"/proc/{pid}/stat") / _TICK
     except (FileNotFoundError, ProcessLookupError):
         return 0.0
+
+
+def _stat_ticks(path: str) -> int:
+    """utime + stime, in clock ticks, of a /proc stat file."""
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
     # after the command: state is field 3, utime and stime fields 14 and 15
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    return int(fields[11]) + int(fields[12])
+
+
+def _thread_seconds(pid: int) -> dict[int, float]:
+    """Each live thread's time on a CPU, to the nanosecond (schedstat)."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that just ended; a kernel without schedstat
+    return out
+
+
+class CpuReading:
+    """CPU time of some processes at one moment; one reading minus an
+    earlier one is the CPU-seconds between them. Per process, the larger of
+    two measures: the clock ticks of /proc/PID/stat, which keep the time of
+    threads that ended but round a few fast all-reduces to 0, and the
+    nanoseconds of the threads alive at both readings."""
+
+    def __init__(self, pids):
+        self.ticks = {pid: cpu_seconds(pid) for pid in pids}
+        self.threads = {pid: _thread_seconds(pid) for pid in pids}
+
+    def __sub__(self, earlier: "CpuReading") -> float:
+        total = 0.0
+        for pid, ticks in self.ticks.items():
+            before = earlier.threads.get(pid, {})
+            precise = sum(t - before.get(tid, 0.0) for tid, t in self.threads[pid].items())
+            total += max(ticks - earlier.ticks.get(pid, 0.0), precise)
+        return total
 
 
 def descendants(pid: int) -> list[int]:
@@ -49,14 +91,15 @@ def descendants(pid: int) -> list[int]:
     return sorted(out)
 
 
-def tree_cpu_seconds(pids: list[int]) -> float:
-    """CPU-seconds of ``pids`` and every process under them (an aggregator
-    service: its supervisor and its shards)."""
+def tree_cpu_seconds(pids: list[int]) -> CpuReading:
+    """The CPU time of ``pids`` and every process under them (an aggregator
+    service: its supervisor and its shards); subtract an earlier reading
+    for the CPU-seconds in between."""
     seen = set()
     for pid in pids:
         seen.add(pid)
         seen.update(descendants(pid))
-    return sum(cpu_seconds(p) for p in seen)
+    return CpuReading(sorted(seen))
 
 
 def per_gb(seconds: float, nbytes: int, times: int = 1) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 
 #: commands whose module provides add_arguments(parser) and main(args):
@@ -48,4 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        # Ctrl-C is the user's own doing: what was stopped, not a traceback
+        print(f"aggnet {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -97,7 +97,8 @@ from aggnet.errors import AggnetError, AggregatorUnreachable
 from aggnet.torch.futures import torch_future, when_all
 from aggnet.torch.hook import _CODECS, _numpy_view
 
-__all__ = ["BACKEND_NAME", "AggnetProcessGroup", "AggnetWork", "UnsupportedCollective", "register"]
+__all__ = ["BACKEND_NAME", "AggnetProcessGroup", "AggnetWork", "UnsupportedCollective", "monitored_barrier",
+           "register"]
 
 BACKEND_NAME = "aggnet"
 
@@ -532,6 +533,37 @@ def register() -> None:
     if not dist.is_available():
         return
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+    global _torch_monitored_barrier
+    if _torch_monitored_barrier is None:
+        _torch_monitored_barrier = dist.monitored_barrier
+        dist.monitored_barrier = _c10d_module().monitored_barrier = monitored_barrier
+
+
+_torch_monitored_barrier = None
+
+
+def _c10d_module():
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False):
+    """``dist.monitored_barrier`` on aggnet groups as on gloo's: torch
+    serves it only to groups whose backend is named gloo, and an aggnet
+    group's barrier is its gloo group's, so this one hands it there. It
+    takes the place of ``torch.distributed.monitored_barrier`` when
+    aggnet.torch is imported (code that imported the function by name
+    before that keeps torch's); every other group goes to torch's own."""
+    c10d = _c10d_module()
+    pg = c10d._get_default_group() if group is None and dist.is_initialized() else group
+    if not isinstance(pg, AggnetProcessGroup):
+        return _torch_monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+    if timeout is None:
+        timeout = c10d._get_default_timeout(dist.Backend.GLOO)
+    elif isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=timeout)
+    return pg._gloo.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
 
 
 def init_process_group(**kwargs) -> None:

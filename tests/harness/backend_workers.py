@@ -288,7 +288,28 @@ def _stall_part(rank: int, world: int, gloo) -> dict:
     return {"error": text, "seconds": seconds}
 
 
-PARTS = {"collectives": _collectives_part, "ddp": _ddp_part, "fsdp": _fsdp_part, "stall": _stall_part}
+def _monitored_part(rank: int, world: int, gloo) -> dict:
+    """dist.monitored_barrier on aggnet groups (torch serves it to groups
+    named gloo only): it passes when every rank comes, and names the rank
+    that does not."""
+    t0 = time.monotonic()
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=30), wait_all_ranks=True)
+    passed = time.monotonic() - t0
+    group = dist.new_group(backend="aggnet")
+    text = "no error"
+    t0 = time.monotonic()
+    if rank == 0:
+        try:
+            dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=2))
+        except Exception as exc:
+            text = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - t0
+    dist.barrier(group=gloo)
+    return {"passed_s": passed, "error": text, "seconds": seconds}
+
+
+PARTS = {"collectives": _collectives_part, "ddp": _ddp_part, "fsdp": _fsdp_part, "stall": _stall_part,
+         "monitored": _monitored_part}
 
 
 def suite_run(rank: int, world: int, init_method: str, address: str | None, chunk_bytes: int | None,

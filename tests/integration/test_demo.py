@@ -55,3 +55,25 @@ def test_demo_against_a_keyed_service_says_to_name_the_job_in_one_line(tmp_path)
     assert r.returncode == 1, r.stderr[-2000:]
     assert "run it with --job NAME" in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.strip().endswith("aggnet demo: a worker failed; its error is above")
+
+
+def test_ctrl_c_stops_the_demo_with_one_line_and_no_traceback():
+    """A terminal's Ctrl-C reaches every process of the foreground group:
+    the parent and its workers."""
+    import signal
+
+    p = subprocess.Popen([sys.executable, "-m", "aggnet", "demo", "--epochs", "200"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
+    try:
+        for line in p.stdout:  # training is under way once an epoch is printed
+            if line.startswith("[aggnet] epoch"):
+                break
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "aggnet demo: interrupted" in err and len(err.strip().splitlines()) <= 2, err

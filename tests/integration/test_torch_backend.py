@@ -122,7 +122,7 @@ def test_reduce_scatter_beside_an_allreduce_is_a_mismatch_not_a_hang(service):
 #: per world size: the backend string and the parts one set of spawned
 #: workers runs (each spawn of torch processes costs seconds on a small
 #: machine, so the tests share them)
-PLANS = {2: ("aggnet", ["collectives", "ddp", "fsdp", "stall"]),
+PLANS = {2: ("aggnet", ["collectives", "ddp", "fsdp", "stall", "monitored"]),
          3: ("cpu:aggnet", ["collectives", "ddp"]),
          4: ("aggnet", ["collectives"])}
 
@@ -218,6 +218,15 @@ def test_a_rank_that_never_joins_the_collective_is_named_not_waited_for(suite):
     stall = suite(2)[0]["stall"]
     assert "rank(s) [1]" in stall["error"] and "aggnet backend: all_reduce on rank 0" in stall["error"], stall
     assert stall["seconds"] < 10  # the group's aggnet timeout is 2 s
+
+
+def test_monitored_barrier_serves_aggnet_groups_and_names_a_missing_rank(suite):
+    res = suite(2)
+    assert res[1]["monitored"]["passed_s"] < 30
+    missing = res[0]["monitored"]
+    # gloo's own words, as on a gloo group: rank 1 never came
+    assert "Rank 1" in missing["error"] and "monitoredBarrier" in missing["error"], missing
+    assert missing["seconds"] < 10
 
 
 TORCHRUN_SCRIPT = textwrap.dedent("""
