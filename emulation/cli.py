@@ -14,6 +14,7 @@ from aggnet.client.config import format_size, parse_size
 
 from aggnet.emulation import rack_runs
 from aggnet.emulation.netns import EmulationError, Rack, free_prefix
+from aggnet.progress import Progress
 
 
 def add_arguments(p) -> None:
@@ -111,8 +112,12 @@ def main(args) -> int:
                     return 0
                 systems = ["aggnet"] + (["gloo"] if args.what == "bench" else [])
                 pids = None if bmv2 else [agg.pid]
-                results = [rack_runs.run_system(rack, s, nbytes, args.reps, switch=switch, aggregator_pids=pids,
-                                                **extra) for s in systems]
+                results = []
+                with Progress(f"aggnet emulate {args.what}", len(systems)) as progress:
+                    for s in systems:
+                        results.append(rack_runs.run_system(rack, s, nbytes, args.reps, switch=switch,
+                                                            aggregator_pids=pids, **extra))
+                        progress.step(f"{s}: {args.reps} x {format_size(nbytes)}")
                 impaired = rack.impairment_counts() if (args.drop or args.duplicate) else None
                 if bmv2:
                     switch_stats = agg.counters()

@@ -15,6 +15,7 @@ from aggnet.protocol.topology import TopologyError
 from aggnet.emulation import fabric_runs
 from aggnet.emulation.fabric import Fabric
 from aggnet.emulation.fabric_plan import Plan, PlanError, plan
+from aggnet.progress import Progress
 from aggnet.emulation.netns import EmulationError, free_prefix
 
 DEFAULT_SIZE = "32MiB"
@@ -52,7 +53,11 @@ def main(args) -> int:
                 result = fabric_runs.run_system(fabric, "aggnet", nbytes, args.reps, dtype="int32")
                 drops = fabric.impairment_counts() if args.drop else None
                 return _report_allreduce(pl, nbytes, args.reps, result, drops)
-            results = [fabric_runs.run_system(fabric, s, nbytes, args.reps) for s in ("aggnet", "gloo")]
+            results = []
+            with Progress("aggnet emulate bench", 2) as progress:
+                for s in ("aggnet", "gloo"):
+                    results.append(fabric_runs.run_system(fabric, s, nbytes, args.reps))
+                    progress.step(f"{s}: {args.reps} x {format_size(nbytes)}")
             drops = fabric.impairment_counts() if args.drop else None
     except EmulationError as exc:
         print(f"aggnet emulate: {exc}", file=sys.stderr)

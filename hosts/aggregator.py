@@ -36,6 +36,11 @@ from __future__ import annotations
 import abc
 from typing import Callable, ClassVar
 
+#: seconds an idle aggregator loop (a shard, a control endpoint) waits for a
+#: message before it looks whether to stop: a stop takes at most this, and
+#: an idle loop wakes 20 times a second
+STOP_POLL = 0.05
+
 
 class Aggregator(abc.ABC):
     """One aggregator of any kind, as ``aggnet serve`` runs it."""

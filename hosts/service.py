@@ -33,7 +33,7 @@ from aggnet.protocol.address import Address, advertised_as, parse
 from aggnet.transport import Listener, connect, listen
 from aggnet.protocol.wire import ErrorCode, Header, MsgType
 
-from aggnet.hosts.aggregator import Aggregator
+from aggnet.hosts.aggregator import STOP_POLL, Aggregator
 from aggnet.hosts.shard import JOB_LEASE, Shard
 from aggnet.hosts.supervisor import STOP_TIMEOUT, RestartLimit, ShardStartError, ShardSupervisor, alive
 from aggnet.hosts.uplink import Uplink, UplinkConfig
@@ -265,7 +265,7 @@ class Service(Aggregator):
             began = time.monotonic()
             self._seen_jobs = False
             while not self.stop_event.is_set() and not should_stop():
-                msg = self.control.recv(0.2)
+                msg = self.control.recv(STOP_POLL)
                 if msg is not None:
                     self.handle_control(msg.peer, msg.header, msg.payload)
                 now = time.monotonic()
@@ -404,7 +404,9 @@ def start(listen_address: str, shards: int | None = None, *, log_level: int = lo
     settings = _ShardSettings(log_level, keyring, curve, uplink, n, job_lease)
     supervisor = ShardSupervisor(_shard_main, n, lambda i: (handles[i].address, settings))
     # fork before any socket exists in this process: children start fast and
-    # inherit nothing they should not
+    # inherit nothing they should not; the kernels loaded once here, not in
+    # every shard (a restarted shard is spawned and loads its own)
+    _warm_up_kernels()
     try:
         started = supervisor.start()
     except ShardStartError as exc:

@@ -33,6 +33,7 @@ from aggnet.hosts.parent import refusal, whole_here
 from aggnet.hosts.jobs import ACC_DTYPE, KEEP_UP_CHUNKS, Job, Segment, Slot
 from aggnet.protocol.replay import final_of
 from aggnet.hosts.sparse import MESSAGES as SPARSE_MESSAGES, SparseTables
+from aggnet.hosts.aggregator import STOP_POLL
 from aggnet.hosts.uplink import Uplink
 
 log = logging.getLogger("aggnet.hosts.shard")
@@ -91,12 +92,13 @@ class Shard:
     # -- the loop ----------------------------------------------------------------
 
     def serve(self, should_stop) -> None:
-        """Serve until ``should_stop()`` is true (checked at least every 0.2 s)."""
+        """Serve until ``should_stop()`` is true (checked at least every
+        STOP_POLL seconds: a stop is that quick)."""
         while not should_stop():
             if self.uplink is None:
-                msg = self.listener.recv(0.2)
+                msg = self.listener.recv(STOP_POLL)
             else:
-                self.listener.wait(0.2, self.uplink.connections)
+                self.listener.wait(STOP_POLL, self.uplink.connections)
                 self.from_root()
                 if self.uplink.lost():
                     for job in list(self.jobs.values()):

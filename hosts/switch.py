@@ -44,7 +44,7 @@ from aggnet.protocol.wire import HEADER_SIZE, ErrorCode, Header, MsgType
 from aggnet.hosts.admission import Disagreement, PendingJoin, admit
 from aggnet.hosts.parent import Joins, Standing, refusal, whole_here
 from aggnet.hosts.switch_datapath import A_CONTROL, COUNTERS, SendPlan, SwitchRegisters, verdicts_for
-from aggnet.hosts.aggregator import Aggregator
+from aggnet.hosts.aggregator import STOP_POLL, Aggregator
 from aggnet.hosts.supervisor import ShardSupervisor
 
 log = logging.getLogger("aggnet.hosts.switch")
@@ -63,7 +63,7 @@ ACTIVITY_CHECK_INTERVAL = 1.0
 #: datagrams one receive takes at most (a few MiB of packets)
 MAX_BATCH = 8192
 #: seconds a shard waits for datagrams before looking at its stop flag
-POLL_SECONDS = 0.2
+POLL_SECONDS = STOP_POLL
 
 
 @dataclass

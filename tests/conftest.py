@@ -1,8 +1,30 @@
+import os
+import tempfile
 import threading
 
 import pytest
 
-from harness.helpers import RunningService
+# Under pytest-xdist each worker process gets a temporary directory of its
+# own, before anything aggnet's is imported: embedded aggregators, job keys
+# and benchmark run directories live there, keyed by job name, and two
+# tests on two workers may use the same name. Children inherit it.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    os.environ["TMPDIR"] = f"/tmp/agt-{_WORKER}"
+    os.makedirs(os.environ["TMPDIR"], exist_ok=True)
+    tempfile.tempdir = None
+
+from harness.helpers import RunningService  # noqa: E402
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    """The system tests (namespaces with fixed names, BMv2 on fixed ports,
+    Mininet, which cleans up every Mininet run on the machine) run one at a
+    time, on one xdist worker; the rest spread over the others."""
+    for item in items:
+        if f"{os.sep}system{os.sep}" in str(item.fspath):
+            item.add_marker(pytest.mark.xdist_group("system"))
 
 def _ucxx_available() -> bool:
     try:

@@ -30,6 +30,7 @@ import uuid
 import numpy as np
 
 from aggnet.bench.cpu import own_cpu_seconds, per_gb, tree_cpu_seconds
+from aggnet.progress import Progress
 from aggnet.client.config import format_size, parse_size
 
 DEFAULT_SIZES = "1MiB,16MiB,100MiB"
@@ -235,8 +236,6 @@ def _service_stats(address: str) -> dict:
 
 
 def main(args) -> int:
-    from aggnet.processes import ServiceProcess
-
     if getattr(args, "collective", "allreduce") == "reduce_scatter":
         from aggnet.bench.collectives import main as collectives_main
 
@@ -272,26 +271,12 @@ def main(args) -> int:
     # one system at a time, each with its own service and workers: nothing of
     # one (UCX's progress engines poll) runs while another is timed
     groups = (["gloo"] if gloo else []) + transports
-    for world in worlds:
-        for group in groups:
-            plan = _plan(group, sizes, dtypes, chunks, listen)
-            service = None if group == "gloo" else ServiceProcess(listen[group], args.shards)
-            try:
-                services = {group: service.address} if service else {}
-                per_rank = _run_group(world, plan, services, args.reps, _free_port() if group == "gloo" else None,
-                                      [service.pid] if service else None)
-                if service is not None:
-                    totals = _service_stats(service.address).get("totals", {})
-                    acc = sums.setdefault(group, {})
-                    for k in ("sum_bytes", "sum_seconds"):
-                        acc[k] = acc.get(k, 0) + totals.get(k, 0)
-            finally:
-                if service is not None:
-                    service.stop()
-            for i, point in enumerate(plan):
-                slowest = [max(per_rank[r][i]["times"][k] for r in range(world)) for k in range(args.reps)]
-                records.append(_record(point, world, slowest, [per_rank[r][i]["cpu_s"] for r in range(world)],
-                                       per_rank[0][i]["aggregator_cpu_s"]))
+    with Progress("aggnet bench", len(worlds) * len(groups)) as progress:
+        for world in worlds:
+            for group in groups:
+                records += _time_group(group, world, _plan(group, sizes, dtypes, chunks, listen), listen.get(group),
+                                       args, sums)
+                progress.step(f"{group}, {world} workers")
     _print_table(records)
     summary, memcpy_bw = _summation_summary(records, sums)
     if args.json:
@@ -301,6 +286,33 @@ def main(args) -> int:
         print(f"wrote {len(records)} records to {args.json}")
     return 0
 
+
+
+def _time_group(group: str, world: int, plan: list[dict], listen: str | None, args, sums: dict) -> list[dict]:
+    """The records of one system ("gloo" or a transport, with a service of
+    its own) at ``world`` workers; a service's summation totals go into
+    ``sums``."""
+    from aggnet.processes import ServiceProcess
+
+    service = None if group == "gloo" else ServiceProcess(listen, args.shards)
+    try:
+        services = {group: service.address} if service else {}
+        per_rank = _run_group(world, plan, services, args.reps, _free_port() if group == "gloo" else None,
+                              [service.pid] if service else None)
+        if service is not None:
+            totals = _service_stats(service.address).get("totals", {})
+            acc = sums.setdefault(group, {})
+            for k in ("sum_bytes", "sum_seconds"):
+                acc[k] = acc.get(k, 0) + totals.get(k, 0)
+    finally:
+        if service is not None:
+            service.stop()
+    records = []
+    for i, point in enumerate(plan):
+        slowest = [max(per_rank[r][i]["times"][k] for r in range(world)) for k in range(args.reps)]
+        records.append(_record(point, world, slowest, [per_rank[r][i]["cpu_s"] for r in range(world)],
+                               per_rank[0][i]["aggregator_cpu_s"]))
+    return records
 
 def _plan(group: str, sizes: list, dtypes: list, chunks: list, listen: dict) -> list[dict]:
     """The points one system ("gloo" or a transport) is timed at."""

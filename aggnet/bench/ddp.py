@@ -25,8 +25,10 @@ import os
 import socket
 import statistics
 import time
+from contextlib import nullcontext
 
 from aggnet.bench.cpu import own_cpu_seconds
+from aggnet.progress import Progress
 
 
 def add_arguments(p) -> None:
@@ -185,10 +187,14 @@ def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
     x = torch.randn(args.batch, 1024)
     y = torch.randn(args.batch, 1024)
     results, cpu, client_stats = {}, {}, {}
-    for system in systems:
-        results[system], cpu[system], stats = _time_system(system, model, x, y, args, rank, world, port)
-        if stats is not None:
-            client_stats[system] = stats
+    # rank 0 of a local run shows it (a rack's workers print JSON only)
+    with Progress("aggnet bench-ddp", len(systems)) if rank == 0 and out is not None else nullcontext() as progress:
+        for system in systems:
+            results[system], cpu[system], stats = _time_system(system, model, x, y, args, rank, world, port)
+            if stats is not None:
+                client_stats[system] = stats
+            if progress is not None:
+                progress.step(f"{system}: {args.steps} steps")
     dist.destroy_process_group()
     if out is None:
         print(json.dumps({"rank": rank, "parameters": params, "times": results, "cpu": cpu, "client": client_stats}),

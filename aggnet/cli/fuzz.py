@@ -399,11 +399,27 @@ class _Tally:
 
 
 def _budget(seconds, count, default):
-    """A predicate that says when a campaign has sent enough."""
+    """A predicate that says when a campaign has sent enough, and shows
+    how far it is, a tenth at a time."""
+    from aggnet.progress import Progress
+
     if seconds is None and count is None:
         count = default
-    deadline = None if seconds is None else time.monotonic() + seconds
-    return lambda n: (count is not None and n >= count) or (deadline is not None and time.monotonic() >= deadline)
+    start = time.monotonic()
+    deadline = None if seconds is None else start + seconds
+    progress = Progress("aggnet fuzz", 10)
+
+    def done(n: int) -> bool:
+        now = time.monotonic()
+        share = max(n / count if count else 0.0, (now - start) / seconds if seconds else 0.0)
+        while progress.done < min(int(share * 10), 10):
+            progress.step(f"{n:,} messages")
+        finished = (count is not None and n >= count) or (deadline is not None and now >= deadline)
+        if finished:
+            progress.close()
+        return finished
+
+    return done
 
 
 def _pace(rate, n: int, started: float) -> None:
