@@ -10,9 +10,10 @@ shard processes (default: one per core), each bound to its own address:
 
 SIGTERM or SIGINT to ``aggnet serve`` stops the shards and then the
 supervisor; hosts/supervisor.py runs the shard processes. With
-``until_idle`` the service stops once its jobs are done, or once the
-process that started it is gone and its jobs fell silent (the embedded
-default must not outlive its use).
+``until_idle`` the service stops once its jobs are done and the process
+that started it (if given) is gone, or once that process is gone and its
+jobs fell silent (the embedded default must not outlive its use, and
+serves every job of the process that started it).
 """
 
 from __future__ import annotations
@@ -139,8 +140,9 @@ class Service(Aggregator):
     advertise: str | None = None
     #: ``aggnet serve --until-idle``: see _idle
     until_idle: float | None = None
-    #: the process that started the service: with until_idle, its exit
-    #: ends the service once the jobs fell silent
+    #: the process that started the service: with until_idle, the service
+    #: waits for more jobs while it runs, and its exit ends the service once
+    #: the jobs are done or fell silent
     parent_pid: int | None = None
     _closed: bool = field(default=False, init=False, repr=False)
     _closing: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
@@ -296,6 +298,8 @@ class Service(Aggregator):
                 log.info("parent process %d is gone and the job(s) sent nothing for %gs; stopping", parent_pid, limit)
                 return True
             return False
+        if parent_pid is not None and alive(parent_pid):
+            return False  # the process that started it may give it another job (an embedded service)
         if self._seen_jobs:
             log.info("the last member of the last job left; stopping")
             return True

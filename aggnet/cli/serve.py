@@ -68,7 +68,8 @@ def add_arguments(s) -> None:
     s.add_argument("--parent-pid", type=int, default=None, help="stop when this process is gone")
     s.add_argument("--until-idle", type=float, default=None, metavar="SECONDS",
                    help="service mode: stop once the last job's last member has left, or when no job came for "
-                        "this long (the embedded default's lifetime)")
+                        "this long; with --parent-pid, only after that process is gone (the embedded default's "
+                        "lifetime)")
     s.add_argument("--lock-file", default=None, metavar="PATH",
                    help="hold an exclusive lock on PATH while serving, and remove it (and --keys) at exit")
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -134,12 +135,22 @@ def main(args) -> int:
         return _serve(args, keyring)
     finally:
         if lock is not None:
-            for path in (args.lock_file, args.keys):
-                try:
-                    os.unlink(path)
-                except (OSError, TypeError):
-                    pass
+            _remove_embedded_files(args)
             lock.close()
+
+
+def _remove_embedded_files(args) -> None:
+    """An embedded service (one with a lock file) leaves nothing behind:
+    its lock, its keys file and the job files that name it."""
+    if args.keys:
+        from aggnet.client.embedded import remove_pointers
+
+        remove_pointers(args.keys, os.getpid())
+    for path in (args.lock_file, args.keys):
+        try:
+            os.unlink(path)
+        except (OSError, TypeError):
+            pass
 
 
 def _take_lock(path: str):
@@ -246,11 +257,7 @@ def _serve(args, keyring) -> int:
     logging.shutdown()
     sys.stdout.flush()
     if args.lock_file:
-        for path in (args.lock_file, args.keys):
-            try:
-                os.unlink(path)
-            except (OSError, TypeError):
-                pass
+        _remove_embedded_files(args)
     # nothing is left to do: skip interpreter teardown, where transport
     # libraries' finalizers (UCX's) can block
     os._exit(0)

@@ -215,12 +215,11 @@ class Client(ABC):
         self._embedded = None
         self._key = keys.parse_key(self.config.job_key) if self.config.job_key else None
         if address is None:
-            from aggnet.client.embedded import local_aggregator, read_job_key
+            from aggnet.client.embedded import local_aggregator
 
-            self._embedded, address = local_aggregator(job, rank, self.config)
+            self._embedded, address, key = local_aggregator(job, rank, self.config)
             if self._key is None:
-                self._key = (keys.parse_key(self._embedded.key) if self._embedded is not None
-                             else read_job_key(job, self.config.connect_timeout))
+                self._key = key
         self.address = str(parse(address))
         self._lock = threading.Lock()
         self._submitted: collections.deque[Request] = collections.deque()
@@ -237,7 +236,7 @@ class Client(ABC):
         except BaseException:
             self._disconnect(leave=False)
             if self._embedded is not None:
-                self._embedded.stop()
+                self._embedded.release(job)
             raise
         self._thread = threading.Thread(target=self._run, name=f"aggnet-io-{job}-{rank}", daemon=True)
         self._thread.start()
@@ -390,7 +389,7 @@ class Client(ABC):
             thread.join(timeout=5.0)
         self._disconnect(leave=True)
         if self._embedded is not None:
-            self._embedded.stop()
+            self._embedded.release(self.job)
             self._embedded = None
 
     def __enter__(self):

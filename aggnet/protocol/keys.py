@@ -83,6 +83,8 @@ class Keyring:
         #: nonce -> who first used it: the same message again from the same
         #: peer is a resend and is answered; from anywhere else, a replay
         self._nonces: collections.OrderedDict = collections.OrderedDict()
+        #: (keys file, what its stat said when read): read again on a miss
+        self._source: tuple | None = None
 
     @classmethod
     def load(cls, path: str) -> "Keyring":
@@ -101,7 +103,35 @@ class Keyring:
             raise ValueError(f"keys file {path} must hold {{\"jobs\": {{NAME: KEY}}, \"admin\": KEY}}")
         jobs = {str(name): parse_key(k, f"key of job {name!r} in {path}") for name, k in data.get("jobs", {}).items()}
         admin = parse_key(data["admin"], f"admin key in {path}") if data.get("admin") else None
-        return cls(jobs, admin)
+        ring = cls(jobs, admin)
+        ring._source = (path, (st.st_ino, st.st_mtime_ns, st.st_size))
+        return ring
+
+    def _reload(self) -> bool:
+        """Read the keys file again if it changed since it was read (``aggnet
+        job create`` on a running service; the embedded aggregator's next
+        job); True when it did. A file that cannot be read keeps the keys
+        already known."""
+        source = self._source
+        if source is None:
+            return False
+        path, seen = source
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        if (st.st_ino, st.st_mtime_ns, st.st_size) == seen:
+            return False
+        try:
+            fresh = type(self).load(path)
+        except ValueError:
+            return False
+        # an admin key the file does not hold is the supervisor's own
+        # (hosts/service.py), given to its shards in memory: it stays
+        self.jobs, self._source = fresh.jobs, fresh._source
+        if fresh.admin is not None:
+            self.admin = fresh.admin
+        return True
 
     def verify(self, kind: str, job_id: int, sender: int, world: int, name: str | None, fields, peer,
                admin: bool = False) -> bool:
@@ -115,6 +145,8 @@ class Keyring:
             key, whose = self.admin, "the admin key"
         else:
             key, whose = self.jobs.get(name or ""), f"job {name!r}'s key"
+            if key is None and self._reload():
+                key = self.jobs.get(name or "")
         if key is None:
             if admin:
                 raise ControlError(ErrorCode.REFUSED, "this aggregator has no admin key (add \"admin\" to its "

@@ -335,20 +335,34 @@ time.sleep(60)
 # -- the embedded default ---------------------------------------------------------------------
 
 
+RANK0 = """
+import sys
+import numpy as np
+from aggnet import Client
+c = Client(job=sys.argv[1], rank=0, world_size=2)
+print(c.address, flush=True)
+buf = np.full(1000, 1, np.int32)
+c.allreduce(buf).result(timeout=30)
+print(int(buf[0]), flush=True)
+c.close()
+"""
+
+
 def test_the_embedded_aggregator_outlives_rank_0_and_leaves_no_files():
-    from aggnet.client.embedded import embedded_address, key_path
+    from aggnet.client.embedded import key_path
 
     job = _job()
-    sock = embedded_address(job).split("://", 1)[1]
-    c0 = Client(job=job, rank=0, world_size=2)
-    c1 = Client(job=job, rank=1, world_size=2)
+    rank0 = subprocess.Popen([sys.executable, "-c", RANK0, job], stdout=subprocess.PIPE, text=True)
+    c1 = None
     try:
-        bufs = [np.full(1000, r + 1, np.int32) for r in range(2)]
-        for f in [c.allreduce(b) for c, b in zip((c0, c1), bufs)]:
-            f.result(timeout=30)
-        c0.close()  # rank 0 finishes first
-        time.sleep(1.5)
-        assert os.path.exists(sock), "rank 0 leaving stopped the aggregator under rank 1"
+        address = rank0.stdout.readline().strip()
+        sock = address.split("://", 1)[1]
+        c1 = Client(job=job, rank=1, world_size=2)
+        assert c1.address == address  # rank 1 found rank 0's process's service
+        c1.allreduce(np.full(1000, 2, np.int32)).result(timeout=30)
+        assert rank0.stdout.readline().strip() == "3"
+        assert rank0.wait(30) == 0  # rank 0's process finished first
+        assert os.path.exists(sock), "rank 0's exit stopped the aggregator under rank 1"
         # rank 1 alone cannot complete a world-2 all-reduce, but the
         # service is there to tell it who is missing
         c1.config = c1.config.replace(timeout=2.0)
@@ -356,13 +370,51 @@ def test_the_embedded_aggregator_outlives_rank_0_and_leaves_no_files():
             c1.allreduce(np.ones(10, np.int32)).result(timeout=30)
         assert "0" in str(err.value)
     finally:
-        c0.close()
-        c1.close()
+        if c1 is not None:
+            c1.close()
+        if rank0.poll() is None:
+            rank0.kill()
+            rank0.wait()
     deadline = time.monotonic() + 15
-    left = [sock, sock + ".lock", key_path(job)]
+    left = [sock, sock + ".lock", key_path(job), sock[:-len(".sock")] + ".keys"]
     while time.monotonic() < deadline and any(os.path.exists(p) for p in left):
         time.sleep(0.1)
     assert not [p for p in left if os.path.exists(p)]
+
+
+def test_jobs_of_one_process_share_its_embedded_aggregator():
+    """Each process group of a run is a job: torch builds several, and each
+    used to start a service of its own (about a second each)."""
+    jobs = [_job() for _ in range(3)]
+    clients = []
+    try:
+        t0 = time.monotonic()
+        clients.append(Client(job=jobs[0], rank=0, world_size=1))
+        first = time.monotonic() - t0
+        t0 = time.monotonic()
+        clients += [Client(job=j, rank=0, world_size=1) for j in jobs[1:]]
+        later = (time.monotonic() - t0) / 2
+        assert len({c.address for c in clients}) == 1
+        # the service learned the later jobs' keys as they came: each sums
+        for c in clients:
+            buf = np.arange(100, dtype=np.int32)
+            c.allreduce(buf).result(timeout=30)
+            assert (buf == np.arange(100)).all()
+        assert later < first, (first, later)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_job_created_on_a_running_keyed_service_needs_no_restart(tmp_path):
+    path = str(tmp_path / "keys.json")
+    keys.write_job_key(path, "first")
+    with ServiceProcess("zmq+tcp://127.0.0.1:0", shards=1, args=["--keys", path]) as svc:
+        later = keys.write_job_key(path, "later")  # aggnet job create later --keys FILE
+        with Client(svc.address, job="later", rank=0, world_size=1, job_key=later, connect_timeout=10) as c:
+            buf = np.ones(10, np.int32)
+            c.allreduce(buf).result(timeout=30)
+            assert (buf == 1).all()
 
 
 # -- the switch path ----------------------------------------------------------------------------
