@@ -37,7 +37,7 @@ from aggnet.protocol.address import parse
 from aggnet.processes import ServiceProcess
 
 from aggnet.emulation.fabric_plan import GATEWAY_HOST, ROOT_IP, Names, Plan
-from aggnet.emulation.netns import Emulated, EmulationError, Host, Rack, remove_namespaces, sh, shape
+from aggnet.emulation.netns import Emulated, EmulationError, Host, Rack, name_hosts, remove_namespaces, sh, shape
 
 log = logging.getLogger("aggnet.emulation")
 
@@ -92,6 +92,8 @@ class Fabric(Emulated):
             self.racks.append(rack)
             rack.__enter__()
             self._cable_uplink(rp.index, rack, rp.gateway_ip)
+        # every host named in every namespace, across the racks
+        name_hosts([h for rack in self.racks for h in rack.hosts])
         signal.signal(signal.SIGTERM, self._on_term)
         self._dir = tempfile.mkdtemp(prefix=f"aggnet-{self.prefix}-")
         self.topology_path = os.path.join(self._dir, "topology.toml")

@@ -79,9 +79,29 @@ def shape(ns: str, dev: str, rate_mbit: float, mtu: int = 9000, queue_bytes: int
        "limit", str(queue_bytes), ns=ns)
 
 
+#: ``ip netns exec NS`` mounts the files of /etc/netns/NS over /etc's
+NETNS_ETC = "/etc/netns"
+
+
+def name_hosts(hosts: list) -> None:
+    """Give every namespace of ``hosts`` an /etc/hosts that names them all:
+    torch's rendezvous looks up the name of each peer's address and warns
+    that it cannot ("The hostname of the client socket cannot be
+    retrieved") where nothing names the emulation's addresses."""
+    # torch's store listens on IPv6 too, so a peer's address arrives
+    # IPv4-mapped (::ffff:a.b.c.d), which glibc looks up as written
+    lines = ["127.0.0.1 localhost", "::1 localhost"] + [f"{h.ip} {h.name}" for h in hosts] + \
+        [f"::ffff:{h.ip} {h.name}" for h in hosts]
+    for h in hosts:
+        os.makedirs(os.path.join(NETNS_ETC, h.name), exist_ok=True)
+        with open(os.path.join(NETNS_ETC, h.name, "hosts"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
 def remove_namespaces(names: list[str]) -> None:
     """Kill whatever runs in the namespaces, then delete them (which
-    deletes their interfaces and the veth ends cabled to them)."""
+    deletes their interfaces and the veth ends cabled to them) and the
+    files aggnet left for them in /etc/netns."""
     for n in names:
         for pid in sh("ip", "netns", "pids", n, check=False).stdout.split():
             try:
@@ -90,6 +110,7 @@ def remove_namespaces(names: list[str]) -> None:
                 pass
     for n in names:
         sh("ip", "netns", "del", n, check=False)
+        shutil.rmtree(os.path.join(NETNS_ETC, n), ignore_errors=True)
 
 
 def own_prefix(prefix: str) -> int:
@@ -274,6 +295,7 @@ class Rack(Emulated):
                 self._shape(self.tor, h.port, rate)
         if self.bridge:
             sh("ip", "link", "set", "br0", "up", ns=self.tor)
+        name_hosts(self.hosts)
         log.info("rack %s: %d workers%s, links %s", self.prefix, len(self.workers),
                  " + aggregator host" if self.aggregator else "",
                  f"{self.rate_mbit:g} Mbit/s" if self.rate_mbit else "unshaped")

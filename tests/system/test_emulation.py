@@ -4,6 +4,7 @@ and the DDP demo with one worker per namespace."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -123,10 +124,18 @@ def test_ddp_demo_runs_with_one_worker_per_namespace():
     with Rack(2, prefix="agm") as rack:
         agg = rack_runs.start_aggregator(rack)
         try:
-            lines = rack_runs.run_demo(rack, epochs=2, codec="float32", timeout=600)
+            seen = []  # rank 0's lines as it prints them, not at the end
+            lines = rack_runs.run_demo(rack, epochs=2, codec="float32", timeout=600,
+                                       on_line=lambda line: seen.append((line, agg.alive())))
+            names = [h.name for h in rack.hosts]
         finally:
             agg.stop()
     assert any("epoch   2" in line for line in lines), lines
+    assert [line for line, _ in seen] == lines and all(running for _, running in seen)
+    # the namespaces name each other's addresses: torch's rendezvous has
+    # nothing to warn about, and the names go with the namespaces
+    assert not [line for line in lines if "hostname of the client socket" in line], lines
+    assert not [n for n in names if os.path.exists(f"/etc/netns/{n}")]
     acc = [line for line in lines if "test accuracy" in line]
     assert acc and float(acc[0].split("test accuracy")[1].split("%")[0]) > 85, lines
 
