@@ -89,7 +89,7 @@ def train(rank: int, world: int, args, mode: str, report=None) -> dict:
             f"the racks of {topology}" if topology else "an embedded local aggregator")
         how = f"aggnet ({args.codec}) through {where}" if state else "torch.distributed gloo"
         print(f"[{mode}] {world} DDP workers, MLP 64-{args.hidden}-{args.hidden}-10 ({params:,} parameters, "
-              f"{params * 4 / 2**20:.1f} MiB of gradients per step), gradients via {how}", flush=True)
+              f"{_amount(params * 4)} of gradients per step), gradients via {how}", flush=True)
     try:
         epoch_times = _epochs(rank, world, args, mode, ddp, opt, state, (xtr, ytr))
     finally:
@@ -142,8 +142,8 @@ def _epochs(rank: int, world: int, args, mode: str, ddp, opt, state, data) -> li
                 after = state.stats()["total"]
                 moved = after.wire_bytes - before.wire_bytes
                 secs = after.seconds - before.seconds
-                line += (f"  aggregated {moved / 2**20:7.1f} MiB in {after.calls - before.calls} buckets, "
-                         f"{moved / max(secs, 1e-9) / 1e6:7.1f} MB/s while in flight")
+                line += (f"  aggregated {_amount(moved):>9} in {after.calls - before.calls} buckets, "
+                         f"{_amount(moved / max(secs, 1e-9)):>9}/s while in flight")
             print(line, flush=True)
     return epoch_times
 
@@ -164,6 +164,15 @@ def _spawned(rank: int, world: int, port: int, args, mode: str, report) -> None:
         os._exit(130)  # Ctrl-C reached every worker: the parent says so once
     finally:
         dist.destroy_process_group()
+
+
+def _amount(nbytes: float) -> str:
+    """Bytes in binary units, one kind throughout the demo's lines (a small
+    model's gradients are KiB, not "0.0 MiB")."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def _hint(args, text: str) -> str:

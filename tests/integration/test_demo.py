@@ -25,11 +25,19 @@ def test_demo_trains_through_aggnet_and_compares_with_gloo():
     agg = [line for line in lines if line.startswith("[aggnet] epoch")]
     gloo = [line for line in lines if line.startswith("[gloo] epoch")]
     assert len(agg) == 3 and len(gloo) == 3
-    assert all("aggregated" in line and "MB/s" in line for line in agg)
+    assert all("aggregated" in line and "MiB in" in line and "iB/s while in flight" in line for line in agg), agg
     # the same training, whichever all-reduce: identical loss to 4 digits
     assert [line.split("loss")[1].split()[0] for line in agg] == [line.split("loss")[1].split()[0] for line in gloo]
     acc = [float(line.split()[1].rstrip("%")) for line in lines if line.strip().startswith(("aggnet ", "gloo "))]
     assert len(acc) == 2 and min(acc) > 90
+
+
+def test_a_small_model_s_gradients_are_counted_in_kib():
+    out = subprocess.run([sys.executable, "-m", "aggnet", "demo", "--epochs", "1", "--hidden", "4"],
+                         capture_output=True, text=True, timeout=300, env=_env())
+    assert out.returncode == 0, out.stdout + out.stderr
+    head = out.stdout.splitlines()[0]
+    assert "0.0 MiB" not in head and "KiB of gradients per step" in head, head
 
 
 def test_demo_runs_under_torchrun():
