@@ -26,6 +26,7 @@ def pytest_collection_modifyitems(config, items):
         if f"{os.sep}system{os.sep}" in str(item.fspath):
             item.add_marker(pytest.mark.xdist_group("system"))
 
+
 def _ucxx_available() -> bool:
     try:
         import ucxx  # noqa: F401
