@@ -76,6 +76,10 @@ def profile(model, sample, *, reps: int = 3, optimizer_states: int = 1) -> Profi
     named = layers_of(model)
     batch = int(sample.shape[0])
     x = sample.detach()
+    # on the CPU, this process's CPU time: what a layer costs a core, which
+    # other processes on a busy machine (another job, a test beside it) do
+    # not add to; elsewhere the wall clock
+    clock = time.process_time if sample.device.type == "cpu" else time.perf_counter
     layers = []
     for name, layer in named:
         x_in = x.detach().requires_grad_(x.is_floating_point())
@@ -83,11 +87,11 @@ def profile(model, sample, *, reps: int = 3, optimizer_states: int = 1) -> Profi
         for _ in range(max(1, reps) + 1):  # the first run warms caches and is not counted
             layer.zero_grad(set_to_none=True)
             x_use = x_in.detach().requires_grad_(x_in.is_floating_point())
-            t0 = time.perf_counter()
+            t0 = clock()
             out = layer(x_use)
             if out.requires_grad:
                 out.backward(torch.ones_like(out))
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
         layer.zero_grad(set_to_none=True)
         params = sum(p.numel() * p.element_size() for p in layer.parameters())
         out_bytes = out.numel() * out.element_size()
