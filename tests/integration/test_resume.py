@@ -4,6 +4,7 @@ are killed with SIGKILL mid-round, over real sockets."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import numpy as np
@@ -192,6 +193,12 @@ def test_a_final_that_disagrees_with_the_open_chunk_is_refused_and_the_shard_goe
             a.join()
             b.join()
             a.push(0, 5, 0, 0, np.ones(100, np.float32))
+            # two connections: the chunk is open only once the shard has
+            # a's PUSH, which may come after b's FINAL if sent at once
+            deadline = time.monotonic() + 10
+            while query(svc.address)["shards"][0]["counters"].get("pushes", 0) < 1:
+                assert time.monotonic() < deadline, "the shard never counted rank 0's PUSH"
+                time.sleep(0.02)
             bad = Header(MsgType.PUSH, job_id=b.job_id, round=5, index=0, sender=1,
                          flags=Flag.LITTLE_ENDIAN | Flag.FINAL, dtype=DType.FLOAT32, count=50,
                          world=2)
