@@ -143,10 +143,12 @@ class EmbeddedService:
             raise AggregatorUnreachable(
                 f"a client of this process is already rank 0 of job {job!r} on the embedded aggregator; "
                 f"close it first or give this job another name")
-        key = keys.new_key()
         path = key_path(job)
         with open(self.keys_path) as f:
             known = json.load(f)
+        # a job this service served before keeps its key: the shards hold
+        # it, and they read the file again only for jobs they do not know
+        key = known["jobs"].get(job) or keys.new_key()
         known["jobs"][job] = key
         # the service removes these files as it stops: late ranks find them
         # until then, even after this process ended

@@ -683,3 +683,12 @@ def test_stats_reads_as_a_summary_and_as_json_on_request(service):
     finally:
         for c in clients:
             c.close()
+
+
+def test_a_job_name_used_again_in_one_process_joins_its_embedded_aggregator_again():
+    job = _job()
+    for value in (1, 2):
+        with Client(job=job, rank=0, world_size=1, connect_timeout=10) as c:
+            buf = np.full(10, value, np.int32)
+            c.allreduce(buf).result(timeout=30)
+            assert (buf == value).all()
