@@ -101,7 +101,9 @@ def test_a_malformed_join_is_refused_naming_the_field_and_the_service_goes_on(se
 def test_a_huge_shared_memory_join_leaves_no_file_and_no_crash():
     with ServiceProcess(f"shm://{os.path.join(_tmpdir(), 'h.sock')}", shards=1) as svc:
         shard = _shards(svc.address)[0]
-        before = set(os.listdir("/dev/shm"))
+        # this shard's segments only (named after its pid): other tests'
+        # processes come and go in /dev/shm meanwhile
+        mine = f"aggnet-{query(svc.address)['shards'][0]['pid']}-"
         with connect([shard]) as conn:
             def ask(h, payload=b""):
                 conn.send(0, h.pack_for(payload) if payload else h.pack(), payload or None)
@@ -117,8 +119,10 @@ def test_a_huge_shared_memory_join_leaves_no_file_and_no_crash():
             assert svc.alive()
             # the small one joined; leaving removes its rings too
             ask(Header(MsgType.LEAVE, job_id=5, sender=0, world=32))
-        time.sleep(0.2)
-        assert set(os.listdir("/dev/shm")) - before == set()
+        deadline = time.monotonic() + 5
+        while [f for f in os.listdir("/dev/shm") if f.startswith(mine)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [f for f in os.listdir("/dev/shm") if f.startswith(mine)] == []
 
 
 def _tmpdir() -> str:
