@@ -93,10 +93,7 @@ def test_bench_writes_cross_rack_bytes_near_R_times_S_for_aggnet(tmp_path):
     assert "cpu s/GB" in r.stdout
     rs = 2 * size
     for way in ("up", "down"):
-        # R·S plus headers, and resends on a loaded machine (up to 14%
-        # more seen with another test beside it); well short of the
-        # ring's 1.5 R·S
-        assert 1.0 <= rec["aggnet"]["cross_rack_bytes"][way] / rs <= 1.25, rec["aggnet"]["cross_rack_bytes"]
+        assert 1.0 <= rec["aggnet"]["cross_rack_bytes"][way] / rs <= 1.05, rec["aggnet"]["cross_rack_bytes"]
         # the ring crosses the 2 racks twice, each time with 2S(N-1)/N = 1.5 S
         assert rec["gloo"]["cross_rack_bytes"][way] / rs > 1.4, rec["gloo"]["cross_rack_bytes"]
     assert not namespaces("agw")
