@@ -79,12 +79,17 @@ def add_arguments(p) -> None:
 
 
 def proc_sample(pid: int) -> dict | None:
-    """RSS (kB), open fds and threads of ``pid``; None once it is gone."""
+    """RSS (kB), open fds and threads of ``pid``; None once it is gone.
+
+    A process killed but not yet reaped (a zombie) has no memory lines in its
+    status: it is gone too, though its pid is still listed."""
     try:
         with open(f"/proc/{pid}/status") as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
         fds = len(os.listdir(f"/proc/{pid}/fd"))
     except (FileNotFoundError, ProcessLookupError):
+        return None
+    if "VmRSS" not in fields:
         return None
     return {"rss_kb": int(fields["VmRSS"].split()[0]), "fds": fds, "threads": int(fields["Threads"])}
 

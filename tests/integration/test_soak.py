@@ -4,9 +4,13 @@ descriptors between warm-up and the end."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 
-from aggnet.bench.soak import problems, run_soak
+from aggnet.bench.soak import problems, proc_sample, run_soak
 
 
 @pytest.mark.slow
@@ -53,3 +57,25 @@ def test_a_chaos_soak_of_racks_kills_shards_and_every_result_is_right():
     assert sum(s["rejoins"] for s in r["client_stats"]) >= 1 or any(k["aggregator"] == "root" for k in r["kills"])
     assert set(r["aggregators"]) == {"root", "rack0", "rack1"}
     assert [p for p in problems(r) if "descriptors" in p] == []
+
+
+def test_a_killed_process_not_yet_reaped_samples_as_gone():
+    """A shard just killed by the chaos soak is a zombie until its supervisor
+    reaps it: its status lists no memory, and the sampler treats it as gone."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert proc_sample(child.pid)["rss_kb"] > 0
+        child.kill()
+        deadline = time.monotonic() + 10
+        while _state(child.pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _state(child.pid) == "Z"
+        assert proc_sample(child.pid) is None
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
