@@ -27,11 +27,21 @@ BASE_PORT = 29610
 
 def predict(model: str, fabric: Fabric, batch: int, micro_batches: int) -> tuple[Profile, cost.PlanResult]:
     """The cost model's view of this fabric and model, from a profile
-    taken here (outside the namespaces, on the same machine)."""
+    taken here (outside the namespaces, on the same machine) on one
+    thread, as each worker computes: with torch's default of a thread per
+    core, a busy machine's waiting threads spin and their CPU time
+    inflated the profile until the plan picked data parallelism."""
+    import torch
+
     from aggnet.emulation.hybrid_worker import MODELS
 
     m, sample = MODELS[model]()
-    prof = profile(m, sample)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prof = profile(m, sample)
+    finally:
+        torch.set_num_threads(threads)
     p = fabric.plan
     links = cost.Links(p.host_mbit or 1e5, p.uplink_mbit or 1e5, p.mtu)
     return prof, cost.plan(prof, fabric.topology_path, batch=batch, micro_batches=micro_batches, links=links)
