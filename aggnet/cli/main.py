@@ -17,6 +17,7 @@ MODULE_COMMANDS = (
     ("job", "aggnet.cli.jobs", "job keys: aggnet job create NAME --keys FILE"),
     ("bench", "aggnet.bench.allreduce", "all-reduce benchmark: aggnet beside gloo and memory copy"),
     ("bench-ddp", "aggnet.bench.ddp", "DDP step time with the aggnet hook beside gloo"),
+    ("bench-gpu", "aggnet.bench.gpu", "the device codec's kernels beside a device-to-device copy (needs a CUDA GPU)"),
     ("bench-udp", "aggnet.bench.udp", "switch-protocol client datagram rate beside a raw Python UDP loop"),
     ("bench-sparse", "aggnet.bench.sparse",
      "an embedding table's step time and bytes per worker: aggnet PS and all-reduce tables beside gloo"),
