@@ -36,6 +36,7 @@ from aggnet.client.config import ClientConfig
 from aggnet.errors import AggnetError, AggregatorUnreachable, NonFiniteError
 from aggnet.protocol.wire import DType
 from aggnet.torch.futures import torch_future
+from aggnet.torch.staging import Stager, result_nonfinite
 
 __all__ = ["AggnetState", "allreduce_hook"]
 
@@ -120,6 +121,11 @@ class AggnetState:
       behind compute; with ``predict`` the step computes at the weights
       predicted for when its gradient lands (drive the steps with
       :class:`aggnet.torch.StaleStep`). 0: synchronous, DDP's own semantics.
+    * ``staging``: buckets on a GPU are encoded on the device and staged
+      through pinned host memory on a side stream
+      (:mod:`aggnet.torch.staging`), so the backward pass never waits for
+      them; False copies each to the CPU and back on the training stream
+      (slower: kept to compare with).
     """
 
     def __init__(
@@ -141,6 +147,7 @@ class AggnetState:
         member: tuple[int, int] | None = None,
         staleness: int = 0,
         predict: bool = False,
+        staging: bool = True,
     ):
         _check_options(codec=codec, op=op, sparse_op=sparse_op, sparse=sparse, alpha_threshold=alpha_threshold,
                        alpha_steps=alpha_steps, on_nonfinite=on_nonfinite, job=job, staleness=staleness,
@@ -180,6 +187,8 @@ class AggnetState:
 
             self.stale_queue = StaleQueue(staleness)
         self.buckets: dict[int, BucketStats] = {}
+        self.staging = staging
+        self._stagers: dict[torch.device, Stager] = {}
         self._client: Client | None = None
         self._lock = threading.Lock()
         self._resolve_lock = threading.Lock()
@@ -231,6 +240,20 @@ class AggnetState:
             store.set(key, uuid.uuid4().hex[:10])
         store.wait([key], datetime.timedelta(seconds=self.config.connect_timeout))
         return f"ddp-{store.get(key).decode()}-{self._serial}"
+
+    def stager(self, device: torch.device) -> Stager:
+        """The stager of ``device``'s buckets (one side stream and buffer
+        pools per device, made on its first bucket)."""
+        with self._lock:
+            stager = self._stagers.get(device)
+            if stager is None:
+                stager = self._stagers[device] = Stager(device)
+            return stager
+
+    def staging_stats(self) -> dict:
+        """Per device, the stager's buffer allocations (constant after the
+        first step: the buckets reuse their pinned and device buffers)."""
+        return {str(d): s.stats() for d, s in self._stagers.items()}
 
     @property
     def resolved(self) -> bool:
@@ -328,15 +351,24 @@ def allreduce_hook(state: AggnetState, bucket: dist.GradBucket) -> torch.futures
 
 
 def _dense_allreduce(state: "AggnetState", index: int, buf: torch.Tensor, bucket) -> torch.futures.Future:
+    """One dense bucket through the state's :class:`~aggnet.torch.staging.Stager`
+    for its device: on the CPU sent from where it is, on a GPU encoded on
+    the device and staged through pinned memory off the training stream."""
+    if buf.device.type != "cpu" and not state.staging:
+        return _synchronous_allreduce(state, index, buf, bucket)
     t0 = time.perf_counter()
-    host = buf if buf.device.type == "cpu" else buf.detach().to("cpu")
-    host = host.detach()
-    arr, hint = _numpy_view(host)
-    local_bad = _count_nonfinite(host, arr) if state.check_finite else 0
-    codec = state.codec if host.dtype == torch.float32 else None
-    fut = state.client.allreduce(arr, op=state.op, codec=codec, key=index, _wire_hint=hint)
+    stager = state.stager(buf.device)
+    codec = state.codec if buf.dtype == torch.float32 else None
+    multiplier = 1.0 / state.world_size if state.op == "avg" else 1.0
+    staged = stager.stage(buf.detach(), codec=codec, multiplier=multiplier, check_finite=state.check_finite)
+    # halves narrowed on the device were divided there (avg): the client sums
+    narrowed = staged.wire != buf.dtype and staged.wire in (torch.float16, torch.bfloat16)
+    op = "sum" if narrowed else state.op
+    client_codec = "int32" if codec == "int32" else None
+    fut = stager.submit(staged, lambda arr, hint: state.client.allreduce(
+        arr, op=op, codec=client_codec, key=index, _wire_hint=hint))
     stats = state.buckets.setdefault(index, BucketStats())
-    wire_bytes = host.numel() * _wire_itemsize(host, codec)
+    wire_bytes = buf.numel() * _wire_itemsize(buf, codec)
     # a chunk client's chunks, or a switch client's packets of K values
     per_chunk = getattr(state.client, "chunk_bytes", None) or 4 * getattr(state.client, "elements", 1)
     chunks = -(-wire_bytes // per_chunk)
@@ -344,37 +376,67 @@ def _dense_allreduce(state: "AggnetState", index: int, buf: torch.Tensor, bucket
     def value(f) -> torch.Tensor:
         try:
             try:
-                f.result()
-            except AggnetError as exc:
-                # say which bucket of which rank the client's error is about
-                raise type(exc)(f"aggnet DDP hook, bucket {index} on rank {state.rank}: {exc}") from None
-            if state.check_finite and state.on_nonfinite == "raise":
-                if local_bad:
-                    shapes = [tuple(p.shape) for p in bucket.parameters()]
-                    raise NonFiniteError(
-                        f"aggnet DDP hook: rank {state.rank}'s gradients in bucket {index} hold {local_bad} "
-                        f"NaN/Inf value(s) (parameters of shapes {shapes}); check the loss and inputs, or "
-                        f"use AggnetState(on_nonfinite='propagate') with AMP's GradScaler"
-                    )
-                if _count_nonfinite(host, arr):
-                    raise NonFiniteError(
-                        f"aggnet DDP hook: bucket {index} aggregated to NaN/Inf on rank {state.rank}: another "
-                        f"rank's gradients were not finite (that rank's error names it)"
-                    )
-        except NonFiniteError:
-            if state.on_nonfinite != "propagate":
-                raise
-            # the int32 codec cannot carry NaN: mark the whole bucket so
-            # the optimizer (or GradScaler) sees it was not finite
-            buf.fill_(float("nan"))
-            return buf
-        if host is not buf:
-            buf.copy_(host)
+                try:
+                    f.result()
+                except AggnetError as exc:
+                    # say which bucket of which rank the client's error is about
+                    raise type(exc)(f"aggnet DDP hook, bucket {index} on rank {state.rank}: {exc}") from None
+                if state.check_finite and state.on_nonfinite == "raise":
+                    _raise_nonfinite(state, index, bucket, staged.local_nonfinite(), result_nonfinite(staged))
+            except NonFiniteError:
+                if state.on_nonfinite != "propagate":
+                    raise
+                # the int32 codec cannot carry NaN: mark the whole bucket so
+                # the optimizer (or GradScaler) sees it was not finite
+                stager.release(staged)
+                buf.fill_(float("nan"))
+                return buf
+            stager.unstage(staged)
+        except BaseException:
+            stager.release(staged)
+            raise
         stats.calls += 1
-        stats.elements += host.numel()
+        stats.elements += buf.numel()
         stats.wire_bytes += wire_bytes
         stats.chunks += chunks
         stats.seconds += time.perf_counter() - t0
+        return buf
+
+    return torch_future(fut, value)
+
+
+def _raise_nonfinite(state: "AggnetState", index: int, bucket, local_bad: int, result_bad: int) -> None:
+    if local_bad:
+        shapes = [tuple(p.shape) for p in bucket.parameters()]
+        raise NonFiniteError(
+            f"aggnet DDP hook: rank {state.rank}'s gradients in bucket {index} hold {local_bad} "
+            f"NaN/Inf value(s) (parameters of shapes {shapes}); check the loss and inputs, or "
+            f"use AggnetState(on_nonfinite='propagate') with AMP's GradScaler"
+        )
+    if result_bad:
+        raise NonFiniteError(
+            f"aggnet DDP hook: bucket {index} aggregated to NaN/Inf on rank {state.rank}: another "
+            f"rank's gradients were not finite (that rank's error names it)"
+        )
+
+
+def _synchronous_allreduce(state: "AggnetState", index: int, buf: torch.Tensor, bucket) -> torch.futures.Future:
+    """``AggnetState(staging=False)``: a device bucket copied to the CPU and
+    back on the training stream, which waits for it; kept to compare with."""
+    host = buf.detach().to("cpu")
+    arr, hint = _numpy_view(host)
+    local_bad = _count_nonfinite(host, arr) if state.check_finite else 0
+    codec = state.codec if host.dtype == torch.float32 else None
+    fut = state.client.allreduce(arr, op=state.op, codec=codec, key=index, _wire_hint=hint)
+
+    def value(f) -> torch.Tensor:
+        try:
+            f.result()
+        except AggnetError as exc:
+            raise type(exc)(f"aggnet DDP hook, bucket {index} on rank {state.rank}: {exc}") from None
+        if state.check_finite and state.on_nonfinite == "raise":
+            _raise_nonfinite(state, index, bucket, local_bad, _count_nonfinite(host, arr))
+        buf.copy_(host)
         return buf
 
     return torch_future(fut, value)

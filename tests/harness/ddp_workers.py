@@ -48,26 +48,30 @@ def optimizer(model, sparse: bool):
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0 if sparse else 0.9)
 
 
-def train(model, steps: int, world: int, rank: int, sparse: bool, clip: float | None, ddp=None):
+def train(model, steps: int, world: int, rank: int, sparse: bool, clip: float | None, ddp=None, device="cpu",
+          on_step=None):
     opt = optimizer(model, sparse)
     net = ddp or model
     for step in range(steps):
         x, y = batch(step, PER_RANK * world, sparse)
         if ddp is not None:
             x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+        x, y = x.to(device), y.to(device)
         opt.zero_grad()
         loss = nn.functional.cross_entropy(net(x), y)
         loss.backward()
         if clip is not None:
             nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
-    return [p.detach().numpy().copy() for p in model.parameters()]
+        if on_step is not None:
+            on_step(step)
+    return [p.detach().cpu().numpy().copy() for p in model.parameters()]
 
 
-def single_process(world: int, steps: int, sparse=False, unused=False, clip=None):
+def single_process(world: int, steps: int, sparse=False, unused=False, clip=None, device="cpu"):
     torch.set_num_threads(1)
-    model = make_model(0, sparse, unused)
-    return train(model, steps, world, 0, sparse, clip)
+    model = make_model(0, sparse, unused).to(device)
+    return train(model, steps, world, 0, sparse, clip, device=device)
 
 
 def ddp_run(rank: int, world: int, port: int, mode: str, options: dict):
@@ -87,23 +91,35 @@ def ddp_run(rank: int, world: int, port: int, mode: str, options: dict):
     try:
         out = []
         states = []
+        device = options.get("device", "cpu")
+        allocations = []
         for m in range(options.get("models", 1)):
-            model = make_model(m, options.get("sparse", False), options.get("unused", False))
+            model = make_model(m, options.get("sparse", False), options.get("unused", False)).to(device)
             ddp = DDP(model, gradient_as_bucket_view=options.get("bucket_view", False),
                       static_graph=options.get("static_graph", False),
                       find_unused_parameters=options.get("unused", False), bucket_cap_mb=options.get("bucket_mb", 25))
             if mode == "aggnet":
                 state = early[m] if early else AggnetState(options.get("address"), codec=options.get("codec"),
-                                                           topology=options.get("topology"))
+                                                           topology=options.get("topology"),
+                                                           staging=options.get("staging", True))
                 states.append(state)
                 ddp.register_comm_hook(state, allreduce_hook)
+
+            def count(step, states=states):  # buffer allocations so far: pools, and CUDA's allocator
+                # after step 1: DDP rebuilds its buckets once, after the first backward
+                if step in (1, options.get("steps", 20) - 1):
+                    pools = {d: {k: v.allocations for k, v in p.items()} for s in states
+                             for d, p in s.staging_stats().items()}
+                    segments = (torch.cuda.memory_stats().get("segment.all.allocated", 0)
+                                if torch.device(device).type == "cuda" else 0)
+                    allocations.append({"pools": pools, "cuda_segments": segments})
             out.append(train(model, options.get("steps", 20), world, rank, options.get("sparse", False),
-                             options.get("clip"), ddp=ddp))
+                             options.get("clip"), ddp=ddp, device=device, on_step=count))
         jobs = [s.job for s in states]
         stats = [s.stats()["total"].calls for s in states]
         for s in states:
             s.close()
-        return {"params": out, "jobs": jobs, "calls": stats}
+        return {"params": out, "jobs": jobs, "calls": stats, "allocations": allocations}
     finally:
         dist.destroy_process_group()
 
