@@ -35,7 +35,10 @@ gloo's ring), ``broadcast``, ``barrier``, ``send``/``recv``, ``gather``,
 once with :class:`UnsupportedCollective`, naming the collective and what
 to use instead: ``AVG`` of bool or sparse tensors, or of integers mixed
 with floats in one call, ``PREMUL_SUM``, tensors on other devices than
-the CPU. Over a switch, or for a rank in a rack of a
+the CPU and CUDA GPUs. A CUDA tensor's all-reduce goes through the DDP
+hook's staging (:mod:`aggnet.torch.staging`: encoded on the device, sent
+from pinned memory), its reduce-scatter through host copies; gloo takes
+CUDA tensors for what it carries. Over a switch, or for a rank in a rack of a
 hierarchy, where an aggregator cannot send one rank its share alone, a
 reduce-scatter is an all-reduce of which each rank keeps its share.
 
@@ -43,7 +46,7 @@ How it plugs into torch (2.13), and why this way
 ------------------------------------------------
 
 ``dist.Backend.register_backend("aggnet", create, extended_api=True,
-devices=["cpu"])`` names the backend and its device. ``create`` returns a
+devices=["cpu", "cuda"])`` names the backend and its devices. ``create`` returns a
 Python subclass of ``dist.ProcessGroup``; torch then uses that object as
 the group itself (it registers no per-device backend on it). A group with
 no backend for the CPU breaks every C++ path that asks for one: the group
@@ -51,8 +54,8 @@ name that ``DeviceMesh`` (and so FSDP2) reads ("ProcessGroup name not
 set"), and the collectives that a Python subclass cannot override
 (``all_gather_single``, ``gather``, ``scatter``, ...: "No backend type
 associated with device type cpu"). So the group registers its internal
-gloo backend for the CPU (``ProcessGroup._register_backend(cpu, GLOO,
-gloo)``): the collectives aggnet carries are Python overrides (reached
+gloo backend for the CPU, and for CUDA where torch has it
+(``ProcessGroup._register_backend(cpu, GLOO, gloo)``): the collectives aggnet carries are Python overrides (reached
 through torch's ``PyProcessGroup`` trampoline by DDP's C++ reducer too),
 and everything else falls through to gloo, as the list above says.
 
@@ -96,6 +99,7 @@ from aggnet.client.config import ClientConfig
 from aggnet.errors import AggnetError, AggregatorUnreachable
 from aggnet.torch.futures import torch_future, when_all
 from aggnet.torch.hook import _CODECS, _numpy_view
+from aggnet.torch.staging import Stager
 
 __all__ = ["BACKEND_NAME", "AggnetProcessGroup", "AggnetWork", "UnsupportedCollective", "monitored_barrier",
            "register"]
@@ -175,7 +179,7 @@ def _integer_avg(tensors, op) -> bool:
     """An ``AVG`` whose tensors are all dense integers NCCL averages."""
     name = op.op.name if hasattr(op, "op") else str(op)
     return name == "AVG" and bool(tensors) and all(
-        not t.is_sparse and t.dtype in _INTEGERS and t.device.type == "cpu" for t in tensors)
+        not t.is_sparse and t.dtype in _INTEGERS for t in tensors)
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -195,12 +199,17 @@ class AggnetProcessGroup(dist.ProcessGroup):
         self.codec = _CODECS[self.config.codec]
         cpu = torch.device("cpu")
         gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout)
-        # the CPU backend of this group: what it does not override runs there
-        self._register_backend(cpu, dist.ProcessGroup.BackendType.GLOO, gloo)
+        # the CPU (and CUDA) backend of this group: what it does not
+        # override runs there (gloo takes CUDA tensors for its collectives)
+        devices = [cpu] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+        for device in devices:
+            self._register_backend(device, dist.ProcessGroup.BackendType.GLOO, gloo)
         # the same gloo backend behind a plain group, for the overrides
         # that hand an op on (this object's own methods would recurse)
         self._gloo = dist.ProcessGroup(store, rank, world_size)
-        self._gloo._register_backend(cpu, dist.ProcessGroup.BackendType.GLOO, gloo)
+        for device in devices:
+            self._gloo._register_backend(device, dist.ProcessGroup.BackendType.GLOO, gloo)
+        self._stagers: dict = {}
         self._gloo._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         self.job = self._agree_job(store, group_name)
         self._client: Client | None = None
@@ -271,11 +280,10 @@ class AggnetProcessGroup(dist.ProcessGroup):
         """True: aggnet carries it; False: gloo does; raises what neither can."""
         name = op.op.name if hasattr(op, "op") else str(op)
         for t in tensors:
-            if t.device.type != "cpu":
+            if t.device.type not in ("cpu", "cuda"):
                 raise UnsupportedCollective(
-                    f"aggnet backend: {what} of a {t.device.type} tensor; the aggnet backend serves CPU tensors "
-                    f"(copy the tensor to the CPU, or train on GPUs with the nccl backend and aggnet's DDP hook, "
-                    f"aggnet.torch.allreduce_hook)")
+                    f"aggnet backend: {what} of a {t.device.type} tensor; the aggnet backend serves CPU and CUDA "
+                    f"tensors (copy the tensor to one of them)")
         if name == "PREMUL_SUM":
             raise UnsupportedCollective(
                 f"aggnet backend: {what} with ReduceOp.PREMUL_SUM; neither aggnet nor gloo supports it: multiply "
@@ -333,14 +341,44 @@ class AggnetProcessGroup(dist.ProcessGroup):
         return self._submit("all_reduce_coalesced", tensors,
                             [(t, lambda t=t: self._allreduce_one(t, op)) for t in tensors])
 
+    def _stager(self, device: torch.device) -> Stager:
+        with self._lock:
+            stager = self._stagers.get(device)
+            if stager is None:
+                stager = self._stagers[device] = Stager(device)
+            return stager
+
     def _allreduce_one(self, t: torch.Tensor, op: str):
         """(aggnet future, what to do once it is done) for one tensor."""
+        if t.device.type != "cpu":
+            return self._allreduce_staged(t, op)
         work = _contiguous(t.detach())
         arr, hint = _numpy_view(work)
         fut = self.client.allreduce(arr, op=op, codec=self.codec if t.dtype == torch.float32 else None,
                                     _wire_hint=hint)
 
         def finish():
+            if not t.is_contiguous():  # the result went to a contiguous copy
+                t.detach().copy_(work)
+        return fut, finish
+
+    def _allreduce_staged(self, t: torch.Tensor, op: str):
+        """A device tensor through the DDP hook's staging
+        (:mod:`aggnet.torch.staging`): encoded on the device, sent from
+        pinned memory, decoded back on the device off the caller's stream."""
+        stager = self._stager(t.device)
+        work = _contiguous(t.detach())
+        codec = self.codec if t.dtype == torch.float32 else None
+        staged = stager.stage(work, codec=codec, multiplier=1.0 / self._world if op == "avg" else 1.0,
+                              check_finite=False)
+        narrowed = staged.wire != work.dtype  # halves divided on the device: the client sums
+        client = self.client
+        fut = stager.submit(staged, lambda arr, hint: client.allreduce(
+            arr, op="sum" if narrowed else op, codec="int32" if codec == "int32" else None, _wire_hint=hint))
+        fut.add_done_callback(lambda f: f.exception() is not None and stager.release(staged))
+
+        def finish():
+            stager.unstage(staged)
             if not t.is_contiguous():  # the result went to a contiguous copy
                 t.detach().copy_(work)
         return fut, finish
@@ -408,6 +446,15 @@ class AggnetProcessGroup(dist.ProcessGroup):
 
     def _reduce_scatter_one(self, input: torch.Tensor, output: torch.Tensor, bounds: list[int], op: str):
         client = self.client
+        if input.device.type != "cpu":
+            # through host copies: the client reads and writes host memory
+            host_out = torch.empty(output.shape, dtype=output.dtype)
+            fut, finish = self._reduce_scatter_one(input.detach().to("cpu"), host_out, bounds, op)
+
+            def back():
+                finish()
+                output.detach().copy_(host_out)
+            return fut, back
         src = _contiguous(input.detach())
         dst = _contiguous(output.detach())
         src_arr, hint = _numpy_view(src)
@@ -467,7 +514,10 @@ class AggnetProcessGroup(dist.ProcessGroup):
         return self._gloo.allgather(output_tensors, input_tensors, self._options(opts, _c10d.AllgatherOptions))
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        return self._gloo.all_gather_single_coalesced(outputs, inputs, self._options(opts, _c10d.AllgatherOptions))
+        # torch 2.11 binds it under its older name only
+        gather = getattr(self._gloo, "all_gather_single_coalesced", None) or \
+            self._gloo.allgather_into_tensor_coalesced
+        return gather(outputs, inputs, self._options(opts, _c10d.AllgatherOptions))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -532,7 +582,7 @@ def register() -> None:
     """Make ``"aggnet"`` a torch.distributed backend (done on ``import aggnet.torch``)."""
     if not dist.is_available():
         return
-    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
     global _torch_monitored_barrier
     if _torch_monitored_barrier is None:
         _torch_monitored_barrier = dist.monitored_barrier
