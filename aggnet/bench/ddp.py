@@ -40,6 +40,9 @@ def add_arguments(p) -> None:
                    help="what to time, comma-separated: gloo, aggnet-CODEC[-staleS[-predict]], compute, "
                         "comm-CODEC[-buckets|-pipelined] (default %(default)s)")
     p.add_argument("--address", default=None, help="aggregator (default: embedded local aggregator)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the model trains (cuda: every worker on GPU 0 unless CUDA_VISIBLE_DEVICES "
+                        "differs; aggnet-CODEC-sync is the hook without staging)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the records here")
 
 
@@ -51,13 +54,13 @@ def check_system(name: str) -> str:
     parts = name.split("-")
     ok = (name in ("gloo", "compute")
           or (parts[0] == "aggnet" and len(parts) >= 2 and parts[1] in _CODEC_NAMES
-              and (len(parts) == 2 or (parts[2].startswith("stale") and parts[2][5:].isdigit() and int(parts[2][5:]) > 0
+              and (len(parts) == 2 or parts[2:] == ["sync"] or (parts[2].startswith("stale") and parts[2][5:].isdigit() and int(parts[2][5:]) > 0
                                        and parts[3:] in ([], ["predict"]))))
           or (parts[0] == "comm" and len(parts) in (2, 3) and parts[1] in _CODEC_NAMES
               and parts[2:] in ([], ["buckets"], ["pipelined"])))
     if not ok:
         raise SystemExit(f"aggnet bench-ddp: unknown system {name!r}; use gloo, compute, aggnet-CODEC, "
-                         f"aggnet-CODEC-staleS[-predict], comm-CODEC[-buckets|-pipelined] with CODEC one of "
+                         f"aggnet-CODEC-sync, aggnet-CODEC-staleS[-predict], comm-CODEC[-buckets|-pipelined] with CODEC one of "
                          f"{', '.join(_CODEC_NAMES)}")
     return name
 
@@ -123,8 +126,9 @@ def _time_system(system: str, model, x, y, args, rank: int, world: int, port) ->
     else:
         ddp = DDP(model)
     if system.startswith("aggnet"):
-        staleness = int(parts[2][len("stale"):]) if len(parts) > 2 else 0
-        state = AggnetState(args.address, codec=parts[1], staleness=staleness, predict="predict" in parts)
+        staleness = int(parts[2][len("stale"):]) if len(parts) > 2 and parts[2] != "sync" else 0
+        state = AggnetState(args.address, codec=parts[1], staleness=staleness, predict="predict" in parts,
+                            staging="sync" not in parts)
         ddp.register_comm_hook(state, allreduce_hook)
     opt = torch.optim.SGD((ddp or model).parameters(), lr=1e-4, momentum=0.9)
     if state is not None and state.staleness:
@@ -145,6 +149,8 @@ def _time_system(system: str, model, x, y, args, rank: int, world: int, port) ->
             opt.zero_grad()
             nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
+        if x.is_cuda:  # the step is done when the device is
+            torch.cuda.synchronize()
         t1 = time.perf_counter()
         if step >= 3:  # warm-up: connections, first-touch, JIT
             times.append(t1 - t0)
@@ -184,8 +190,10 @@ def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
     w = args.width
     model = nn.Sequential(nn.Linear(1024, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, 1024))
     params = sum(p.numel() for p in model.parameters())
-    x = torch.randn(args.batch, 1024)
-    y = torch.randn(args.batch, 1024)
+    device = getattr(args, "device", "cpu")
+    model = model.to(device)
+    x = torch.randn(args.batch, 1024, device=device)
+    y = torch.randn(args.batch, 1024, device=device)
     results, cpu, client_stats = {}, {}, {}
     # rank 0 of a local run shows it (a rack's workers print JSON only)
     with Progress("aggnet bench-ddp", len(systems)) if rank == 0 and out is not None else nullcontext() as progress:
@@ -238,9 +246,13 @@ def summarize(got: list, systems: list, steps: int, world: int, batch: int) -> l
 
 
 def main(args) -> int:
+    import torch
     import torch.multiprocessing as mp
 
     systems = [check_system(s.strip()) for s in args.systems.split(",") if s.strip()]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("aggnet bench-ddp: --device cuda needs a CUDA GPU and torch's CUDA build; this machine "
+                         "has neither (use --device cpu)")
     records = []
     for world in [int(w) for w in args.workers.split(",")]:
         ctx = mp.get_context("spawn")
