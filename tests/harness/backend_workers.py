@@ -191,25 +191,27 @@ class TinyTransformer(nn.Module):
         return self.head(h)
 
 
-def _fsdp_train(rank: int, world: int, mesh) -> list[np.ndarray]:
+def _fsdp_train(rank: int, world: int, mesh, device: str = "cpu", gather: bool = True) -> list[np.ndarray]:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = TinyTransformer()
+    model = TinyTransformer().to(device)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 * step + rank)
-        x = torch.randint(0, model.VOCAB, (4, model.SEQ), generator=g)
-        y = torch.randint(0, model.VOCAB, (4, model.SEQ), generator=g)
+        x = torch.randint(0, model.VOCAB, (4, model.SEQ), generator=g).to(device)
+        y = torch.randint(0, model.VOCAB, (4, model.SEQ), generator=g).to(device)
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x).reshape(-1, model.VOCAB), y.reshape(-1))
         loss.backward()
         opt.step()
     # the full parameters, gathered (by gloo, on either group)
-    return [p.full_tensor().detach().numpy().copy() for p in model.parameters()]
+    if not gather:  # this rank's shards
+        return [p.to_local().detach().cpu().numpy().copy() for p in model.parameters()]
+    return [p.full_tensor().detach().cpu().numpy().copy() for p in model.parameters()]
 
 
 def _collectives_part(rank: int, world: int, gloo) -> dict:

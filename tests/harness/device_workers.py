@@ -1,0 +1,134 @@
+"""Workers of the device staging tests (imported by spawned processes)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from harness.ddp_workers import PER_RANK, batch, make_model, train
+
+
+def client_encoded_ddp(rank: int, world: int, port: int, address: str, codec: str, steps: int):
+    """DDP on the CPU whose hook hands each float32 bucket to an aggnet
+    client that encodes it itself: what the staged path must equal."""
+    torch.set_num_threads(1)
+    from aggnet import Client
+    from aggnet.torch.futures import torch_future
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    client = Client(address, job=f"client-encoded-{port}", rank=rank, world_size=world)
+    try:
+        def hook(_, bucket):
+            buf = bucket.buffer()
+            fut = client.allreduce(buf.numpy(), op="avg", codec=codec, key=bucket.index())
+            return torch_future(fut, lambda f: (f.result(), buf)[1])
+
+        model = make_model(0)
+        ddp = DDP(model)
+        ddp.register_comm_hook(None, hook)
+        return {"params": [train(model, steps, world, rank, False, None, ddp=ddp)]}
+    finally:
+        client.close()
+        dist.destroy_process_group()
+
+
+def _inputs(rank: int, device: str) -> dict:
+    g = torch.Generator().manual_seed(rank)
+    return {
+        "f32 sum": (torch.randn(300_001, generator=g), "SUM"),
+        "f32 avg": (torch.randn(4097, generator=g), "AVG"),
+        "f16 sum": (torch.randn(5000, generator=g).half(), "SUM"),
+        "bf16 sum": (torch.randn(5000, generator=g).bfloat16(), "SUM"),
+        "i32 sum": (torch.randint(-1000, 1000, (999,), generator=g, dtype=torch.int32), "SUM"),
+        "i64 avg": (torch.randint(-1000, 1000, (999,), generator=g), "AVG"),
+        "strided": (torch.randn(64, 32, generator=g).t(), "SUM"),
+    }
+
+
+def backend_collectives(rank: int, world: int, port: int, address: str, device: str) -> dict:
+    """Each collective through the aggnet backend and through a gloo group,
+    on ``device`` tensors; {name: (aggnet's result, gloo's)} as NumPy."""
+    os.environ["AGGNET_ADDRESS"] = address
+    os.environ.pop("AGGNET_CODEC", None)
+    torch.set_num_threads(1)
+    import aggnet.torch  # noqa: F401  (registers the backend)
+
+    dist.init_process_group("aggnet", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        gloo = dist.new_group(backend="gloo")
+        out = {}
+        for name, (t, op) in _inputs(rank, device).items():
+            mine = t.clone().to(device)
+            dist.all_reduce(mine, op=getattr(dist.ReduceOp, op))
+            ref = t.clone()
+            dist.all_reduce(ref, op=dist.ReduceOp.SUM, group=gloo)
+            if op == "AVG":
+                ref = ref / world if ref.is_floating_point() else torch.div(ref, world, rounding_mode="trunc")
+            out[name] = (_numpy(mine), _numpy(ref))
+        g = torch.Generator().manual_seed(10 + rank)
+        whole = torch.randn(world * 1000, generator=g)
+        share = torch.empty(1000, device=device)
+        dist.reduce_scatter_tensor(share, whole.clone().to(device))
+        ref = whole.clone()
+        dist.all_reduce(ref, group=gloo)
+        out["reduce_scatter_tensor"] = (_numpy(share), _numpy(ref[rank * 1000:(rank + 1) * 1000]))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def _numpy(t: torch.Tensor):
+    t = t.detach().cpu()
+    return (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t).numpy()
+
+
+def nan_on_device(rank: int, world: int, port: int, address: str, device: str):
+    """One step on ``device`` where rank 1's gradients are NaN; the error text."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from aggnet.torch import AggnetState, allreduce_hook
+
+        model = make_model(0).to(device)
+        ddp = DDP(model)
+        state = AggnetState(address)
+        ddp.register_comm_hook(state, allreduce_hook)
+        x, y = batch(0, PER_RANK, False)
+        if rank == 1:
+            x[0, 0] = float("nan")
+        try:
+            nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
+            result = "ok", ""
+        except Exception as exc:
+            result = "error", str(exc)
+        state.close()
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp_on_device(rank: int, world: int, port: int, address: str, device: str) -> dict:
+    """FSDP2 on ``device`` over the aggnet backend, and again over gloo."""
+    os.environ["AGGNET_ADDRESS"] = address
+    torch.set_num_threads(1)
+    import aggnet.torch  # noqa: F401
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from harness.backend_workers import _fsdp_train
+
+    dist.init_process_group("aggnet", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        gloo = dist.new_group(backend="gloo")
+        # each rank's shards: gathering DTensors on CUDA over a Python
+        # process group (torch's functional all-gather) crashes torch 2.11
+        agg = _fsdp_train(rank, world, DeviceMesh.from_group(dist.group.WORLD, device), device, gather=False)
+        ref = _fsdp_train(rank, world, DeviceMesh.from_group(gloo, device), device, gather=False)
+        return {"aggnet": agg, "gloo": ref}
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,108 @@
+"""Buckets on a device through the DDP hook and the backend: encoded on the
+device, staged through pinned memory off the training stream
+(:mod:`aggnet.torch.staging`).
+
+Every test runs on the CPU too, through the same functions (the stager's
+CPU case sends a bucket from where it is and narrows halves with the same
+torch operations); the ``cuda`` cases skip where no GPU is present and run
+the whole hook and backend with CUDA tensors, two processes on one GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the DDP hook needs PyTorch (pip install aggnet[torch])")
+
+from harness import ddp_workers as W  # noqa: E402
+from harness import device_workers as DW  # noqa: E402
+from harness.helpers import RunningService, free_port, run_workers  # noqa: E402
+
+STEPS = 20
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                      reason="no CUDA GPU on this machine"))
+DEVICES = ["cpu", CUDA]
+
+
+@pytest.fixture(scope="module")
+def service():
+    svc = RunningService("zmq+tcp", shards=2)
+    yield svc
+    svc.stop()
+
+
+def ddp(world: int, mode: str, **options):
+    return run_workers("spawn://", world, W.ddp_run, world, free_port(), mode, options, timeout=180,
+                       start_method="spawn")
+
+
+def rel_diff(a, b) -> float:
+    return max(float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_buckets_train_like_one_process_on_their_device(service, device):
+    world = 2
+    reference = W.single_process(world, STEPS, device=device)
+    agg = ddp(world, "aggnet", address=service.address, device=device, bucket_mb=0.01)  # several buckets
+    assert rel_diff(agg[0]["params"][0], reference) <= 1e-6
+    assert rel_diff(agg[1]["params"][0], agg[0]["params"][0]) == 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec", ["int32", "fp16", "bf16"])
+def test_codecs_on_the_device_send_what_the_host_codec_sends(service, device, codec):
+    """Staged (narrowed on the device, or quantized on the host from pinned
+    memory) and synchronous (copied to the CPU, encoded by the client) put
+    the same bytes on the wire: training ends bit-identical. On the CPU the
+    reference is the client encoding the same float32 buckets itself."""
+    world = 2
+    staged = ddp(world, "aggnet", address=service.address, device=device, codec=codec, steps=8)
+    if device == "cuda":
+        plain = ddp(world, "aggnet", address=service.address, device=device, codec=codec, steps=8, staging=False)
+    else:
+        plain = run_workers("spawn://", world, DW.client_encoded_ddp, world, free_port(), service.address, codec, 8,
+                            timeout=180, start_method="spawn")
+    assert rel_diff(staged[0]["params"][0], plain[0]["params"][0]) == 0.0
+    reference = W.single_process(world, 8, device=device)
+    assert 0 < rel_diff(staged[0]["params"][0], reference) <= 1e-2  # compressed, and close
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_bucket_allocates_once_ddp_has_rebuilt_its_buckets(service, device):
+    """DDP rebuilds its buckets once, after the first backward pass: from
+    the second step on no bucket allocates a pinned or device buffer, and
+    CUDA's allocator maps no new memory."""
+    agg = ddp(2, "aggnet", address=service.address, device=device, codec="fp16", bucket_mb=0.01)
+    for rank in agg:
+        first, last = rank["allocations"]
+        assert first == last, (first, last)
+        if device == "cuda":  # pinned and device buffers were really used
+            pools = first["pools"]["cuda:0"]
+            assert pools["pinned"] > 0 and pools["device"] > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_backend_all_reduces_and_reduce_scatters_device_tensors_like_gloo(service, device):
+    results = run_workers("spawn://", 2, DW.backend_collectives, 2, free_port(), service.address, device,
+                          timeout=180, start_method="spawn")
+    for r in results:
+        for name, (mine, gloo) in r.items():
+            np.testing.assert_array_equal(mine, gloo, err_msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_values_on_the_device_name_the_rank(service, device):
+    res = run_workers("spawn://", 2, DW.nan_on_device, 2, free_port(), service.address, device, timeout=180,
+                      start_method="spawn")
+    (kind0, text0), (kind1, text1) = res
+    assert kind1 == "error" and "rank 1" in text1 and "NaN/Inf" in text1, text1
+    assert kind0 == "error" and "NaN/Inf" in text0 and "names it" in text0, text0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fsdp2_on_the_device_trains_like_gloo(service, device):
+    results = run_workers("spawn://", 2, DW.fsdp_on_device, 2, free_port(), service.address, device, timeout=180,
+                          start_method="spawn")
+    for r in results:
+        assert rel_diff(r["aggnet"], r["gloo"]) <= 1e-6
