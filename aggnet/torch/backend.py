@@ -369,12 +369,10 @@ class AggnetProcessGroup(dist.ProcessGroup):
         stager = self._stager(t.device)
         work = _contiguous(t.detach())
         codec = self.codec if t.dtype == torch.float32 else None
-        staged = stager.stage(work, codec=codec, multiplier=1.0 / self._world if op == "avg" else 1.0,
-                              check_finite=False)
-        narrowed = staged.wire != work.dtype  # halves divided on the device: the client sums
+        staged = stager.stage(work, codec=codec, op=op, world=self._world, check_finite=False)
         client = self.client
-        fut = stager.submit(staged, lambda arr, hint: client.allreduce(
-            arr, op="sum" if narrowed else op, codec="int32" if codec == "int32" else None, _wire_hint=hint))
+        fut = stager.submit(staged, lambda arr, hint: client.allreduce(arr, op=staged.op, codec=staged.codec,
+                                                                       _wire_hint=hint))
         fut.add_done_callback(lambda f: f.exception() is not None and stager.release(staged))
 
         def finish():

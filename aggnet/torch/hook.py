@@ -359,14 +359,10 @@ def _dense_allreduce(state: "AggnetState", index: int, buf: torch.Tensor, bucket
     t0 = time.perf_counter()
     stager = state.stager(buf.device)
     codec = state.codec if buf.dtype == torch.float32 else None
-    multiplier = 1.0 / state.world_size if state.op == "avg" else 1.0
-    staged = stager.stage(buf.detach(), codec=codec, multiplier=multiplier, check_finite=state.check_finite)
-    # halves narrowed on the device were divided there (avg): the client sums
-    narrowed = staged.wire != buf.dtype and staged.wire in (torch.float16, torch.bfloat16)
-    op = "sum" if narrowed else state.op
-    client_codec = "int32" if codec == "int32" else None
+    staged = stager.stage(buf.detach(), codec=codec, op=state.op, world=state.world_size,
+                          check_finite=state.check_finite)
     fut = stager.submit(staged, lambda arr, hint: state.client.allreduce(
-        arr, op=op, codec=client_codec, key=index, _wire_hint=hint))
+        arr, op=staged.op, codec=staged.codec, key=index, _wire_hint=hint))
     stats = state.buckets.setdefault(index, BucketStats())
     wire_bytes = buf.numel() * _wire_itemsize(buf, codec)
     # a chunk client's chunks, or a switch client's packets of K values

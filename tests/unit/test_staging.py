@@ -1,0 +1,92 @@
+"""The device staging's parts on the CPU: the narrowing a GPU runs on its
+buckets equals the host codec's bit for bit, the pools reuse what is given
+back and stay within their bound, and NaN/Inf are found in halves.
+
+(The whole path with CUDA tensors: tests/integration/test_device_staging.py,
+where a GPU is present.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the staging stages torch tensors")
+
+from aggnet import kernels  # noqa: E402
+from aggnet.torch.staging import BufferPool, Staged, Stager, result_nonfinite, wire_dtype  # noqa: E402
+
+CPU = kernels.load("cpu")
+
+
+def values(n: int = 20_001) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(n) * np.exp2(rng.integers(-40, 40, n))).astype(np.float32)
+    x[:10] = [0.0, -0.0, 1e-45, -3e-39, 65504, 65520, 7e4, -1e5, 3.4e38, 1.5]
+    return x
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16"])
+@pytest.mark.parametrize("multiplier", [1.0, 0.5, 1 / 3])
+def test_narrowing_equals_the_host_codec(fmt, multiplier):
+    """What the stager sends for a bucket (scaled in float32, one
+    rounding) is what the client's codec would have sent."""
+    x = values()
+    want = np.empty(x.size, np.uint16)
+    CPU.to_half(x, want, fmt, multiplier)
+    stager = Stager(torch.device("cpu"))
+    wire = torch.float16 if fmt == "f16" else torch.bfloat16
+    out = torch.empty(x.size, dtype=wire)
+    staged = Staged(torch.from_numpy(x), wire, out, multiplier)
+    stager._narrow(torch.from_numpy(x), out, staged)
+    got = out.view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_wire_dtypes_follow_the_codec():
+    assert wire_dtype(torch.float32, "fp16") == torch.float16
+    assert wire_dtype(torch.float32, "bf16") == torch.bfloat16
+    assert wire_dtype(torch.float32, "int32") == torch.float32  # quantized on the host
+    assert wire_dtype(torch.bfloat16, None) == torch.bfloat16
+    with pytest.raises(ValueError, match="codec 'fp16' compresses float32 buffers"):
+        wire_dtype(torch.float16, "fp16")
+
+
+def test_a_pool_reuses_what_comes_back_and_counts_what_it_allocates():
+    pool = BufferPool(torch.device("cpu"))
+    a = pool.take(1000)
+    assert a.numel() == 1024  # a power of two: near sizes share buffers
+    pool.give(a)
+    b = pool.take(900)
+    assert b.data_ptr() == a.data_ptr()
+    c = pool.take(900)  # the one buffer is out: a second is made
+    assert c.data_ptr() != b.data_ptr()
+    assert (pool.stats.allocations, pool.stats.reuses) == (2, 1)
+
+
+def test_pinned_memory_beyond_the_limit_is_pageable_and_counted():
+    pool = BufferPool(torch.device("cpu"), pin=True, limit=4096)
+    first = pool.take(4096)
+    second = pool.take(4096)
+    assert pool.stats.unpinned == 1 and pool.stats.allocated_bytes == 8192
+    if torch.cuda.is_available():  # pinning needs a CUDA runtime
+        assert first.is_pinned() and not second.is_pinned()
+
+
+def test_a_cpu_bucket_is_sent_from_where_it_is():
+    stager = Stager(torch.device("cpu"))
+    buf = torch.from_numpy(values())
+    staged = stager.stage(buf, codec="fp16", op="avg", world=3)
+    assert staged.host.data_ptr() == buf.data_ptr()
+    assert (staged.codec, staged.op) == ("fp16", "avg")  # the client encodes it
+    assert staged.local_nonfinite() == 0
+    assert stager.stats()["pinned"].allocations == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_non_finite_results_are_found_in_host_memory(dtype):
+    host = torch.zeros(1000, dtype=dtype)
+    staged = Staged(host, dtype, host, 1.0)
+    assert result_nonfinite(staged) == 0
+    host[3], host[500], host[999] = float("nan"), float("inf"), -float("inf")
+    host[7] = 1e30 if dtype == torch.bfloat16 else 6e4  # large, finite
+    assert result_nonfinite(staged) == 3
