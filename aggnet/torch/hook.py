@@ -54,6 +54,7 @@ class BucketStats:
     wire_bytes: int = 0
     chunks: int = 0  #: chunks (or switch packets) the bucket travelled in
     seconds: float = 0.0  #: hook call to aggregated bucket, summed
+    last_seconds: float = 0.0  #: the same, of the latest call
 
 
 
@@ -340,6 +341,10 @@ def allreduce_hook(state: AggnetState, bucket: dist.GradBucket) -> torch.futures
         return allreduce_stale(state, bucket)
     buf = bucket.buffer()
     if buf.is_sparse:
+        if state.alpha_threshold is not None:
+            from aggnet.torch import routing
+
+            routing.mark_sparse(state, bucket.index())
         return _sparse_allreduce(state, buf)
     if state.alpha_threshold is not None:
         from aggnet.torch import routing
@@ -395,7 +400,8 @@ def _dense_allreduce(state: "AggnetState", index: int, buf: torch.Tensor, bucket
         stats.elements += buf.numel()
         stats.wire_bytes += wire_bytes
         stats.chunks += chunks
-        stats.seconds += time.perf_counter() - t0
+        stats.last_seconds = time.perf_counter() - t0
+        stats.seconds += stats.last_seconds
         return buf
 
     return torch_future(fut, value)

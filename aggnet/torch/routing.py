@@ -46,15 +46,21 @@ _AGREE_KEY = 1 << 20
 
 @dataclass
 class RouteStats:
-    """How a bucket travels: ``route`` is "measuring", "rows" or "dense";
+    """How a bucket travels: ``route`` is "measuring", "rows", "dense" or
+    "sparse" (a sparse gradient's bucket);
     ``alpha`` the bucket's agreed α (non-zero rows over rows of its 2-D
     parameters, the MAX over ranks of each one's mean over the measured
     steps); ``params`` per 2-D parameter: shape, α, route; ``why`` when a
-    bucket cannot travel as rows at all."""
+    bucket cannot travel as rows, or went back to dense because rows were
+    measured slower."""
     route: str = "measuring"
     alpha: float | None = None
     params: list = field(default_factory=list)
     why: str | None = None
+    #: a step's all-reduce of the bucket, dense and as rows (fastest of the
+    #: measured steps, slowest rank), once rows were tried
+    dense_ms: float | None = None
+    rows_ms: float | None = None
 
 
 class _Bucket:
@@ -63,6 +69,10 @@ class _Bucket:
         self.seen = 0
         self.local = np.zeros(len(signature), np.float64)
         self.rows: list[bool] | None = None  # per 2-D parameter, once agreed
+        self.previous: str | None = None  # the route of the bucket's last call, while timing
+        self.dense_s: list[float] = []
+        self.rows_s: list[float] = []
+        self.checked = False  # rows timed against dense, and agreed
 
 
 def _nonzero_rows(g: torch.Tensor) -> torch.Tensor:
@@ -94,15 +104,55 @@ def route(state, index: int, buf: torch.Tensor, bucket):
     if rb is None or rb.signature != signature:  # new, or DDP rebuilt its buckets
         rb = state._route_buckets[index] = _Bucket(signature)
         state.routes[index] = stats = RouteStats()
+    last = state.buckets.get(index)
+    if rb.previous is not None and last is not None:  # how long the last call took, by its route
+        (rb.rows_s if rb.previous == "rows" else rb.dense_s).append(last.last_seconds)
+    rb.previous = None
     if rb.rows is None:
         rb.local += [float(_nonzero_rows(g).float().mean()) for _, g in views]
         rb.seen += 1
         if rb.seen >= state.alpha_steps:
             _agree(state, index, rb, views, stats)
+        rb.previous = "dense"
         return None
+    if any(rb.rows) and not rb.checked and len(rb.rows_s) >= state.alpha_steps:
+        _check_speed(state, index, rb, stats)
     if not any(rb.rows):
         return None
+    rb.previous = None if rb.checked else "rows"
     return _rows_allreduce(state, index, buf, views, rb)
+
+
+def mark_sparse(state, index: int) -> None:
+    """A sparse bucket's route: it is rows by nature. DDP rebuilds its
+    buckets after the first step, and an index measured dense before may
+    be a sparse bucket's after, so whatever was recorded under it goes."""
+    state._route_buckets.pop(index, None)
+    stats = state.routes.get(index)
+    if stats is None or stats.route != "sparse":
+        state.routes[index] = RouteStats(route="sparse", why="a sparse gradient: its rows, through the sparse path")
+
+
+def _check_speed(state, index: int, rb: _Bucket, stats: RouteStats) -> None:
+    """Rows where they are faster only: after as many steps as rows as α
+    was measured over, every rank's fastest step each way, MAX over ranks
+    (the slowest rank sets a step); slower as rows, the bucket goes back to
+    dense on every rank at the same step."""
+    world = state.world_size
+    vec = np.zeros(world * 2, np.float32)
+    vec[state.rank * 2:state.rank * 2 + 2] = [min(rb.dense_s, default=0.0), min(rb.rows_s)]
+    state.client.allreduce(vec, op="sum", codec=None, key=2 * _AGREE_KEY + index).result(state.config.timeout + 5)
+    dense, rows = (float(v) for v in vec.reshape(world, 2).max(axis=0))
+    rb.checked = True
+    stats.dense_ms, stats.rows_ms = dense * 1e3, rows * 1e3
+    if rows > dense:
+        rb.rows = [False] * len(rb.rows)
+        stats.route = "dense"
+        stats.why = (f"as rows a step took {rows * 1e3:.1f} ms against {dense * 1e3:.1f} ms dense: back to dense")
+        for p in stats.params:
+            p["route"] = "dense"
+    log.info("aggnet DDP hook: bucket %d as rows %.1f ms a step, dense %.1f ms: it travels %s", index, rows * 1e3,
+             dense * 1e3, stats.route)
 
 
 def _agree(state, index: int, rb: _Bucket, views, stats: RouteStats) -> None:
@@ -201,7 +251,8 @@ def _rows_allreduce(state, index: int, buf: torch.Tensor, views, rb: _Bucket) ->
         stats.calls += 1
         stats.elements += buf.numel()
         stats.wire_bytes += sent
-        stats.seconds += time.perf_counter() - t0
+        stats.last_seconds = time.perf_counter() - t0
+        stats.seconds += stats.last_seconds
         return buf
 
     # every table's rows and the rest of the bucket: the bucket is done when all are

@@ -117,9 +117,10 @@ def ddp_run(rank: int, world: int, port: int, mode: str, options: dict):
                              options.get("clip"), ddp=ddp, device=device, on_step=count))
         jobs = [s.job for s in states]
         stats = [s.stats()["total"].calls for s in states]
+        routes = [{i: vars(r) for i, r in s.stats()["routes"].items()} for s in states]
         for s in states:
             s.close()
-        return {"params": out, "jobs": jobs, "calls": stats, "allocations": allocations}
+        return {"params": out, "jobs": jobs, "calls": stats, "allocations": allocations, "routes": routes}
     finally:
         dist.destroy_process_group()
 

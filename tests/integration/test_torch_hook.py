@@ -128,6 +128,9 @@ def test_sparse_embedding_buckets_never_take_the_dense_path(service):
     assert rel_diff(agg[0]["params"][0], reference) <= 1e-6
     # the dense bucket went through aggnet once per step; the sparse one did not
     assert agg[0]["calls"] == [STEPS]
+    # and is reported as sparse, never as being measured for a route it cannot take
+    routes = sorted(r["route"] for r in agg[0]["routes"][0].values())
+    assert routes == ["dense", "sparse"], agg[0]["routes"]
 
 
 def test_embedded_default_under_ddp():
