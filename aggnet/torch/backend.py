@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import sys
 import threading
 import uuid
 
@@ -572,8 +573,29 @@ def _create(options, pg_options) -> AggnetProcessGroup:
     if pg_options is not None and not isinstance(pg_options, ClientConfig):
         raise TypeError(f"the aggnet backend takes an aggnet.ClientConfig as pg_options, got "
                         f"{type(pg_options).__name__}")
+    _refuse_mixed(sys._getframe(1))
     return AggnetProcessGroup(options.store, options.group_rank, options.group_size, options.timeout,
                               group_name=str(options.group_id), config=pg_options)
+
+
+def _refuse_mixed(caller) -> None:
+    """``"cpu:aggnet,cuda:nccl"``: torch takes the Python process group it
+    gets for one device as the whole group and creates no backend for the
+    others, so the other backend would be silently dropped. The backend
+    string is only in torch's own frame (``backend_config``); where a torch
+    version names it otherwise, nothing is checked."""
+    config = caller.f_locals.get("backend_config") if caller is not None else None
+    try:
+        pairs = dict(config.get_device_backend_map())
+    except Exception:
+        return
+    others = {device: str(name) for device, name in pairs.items() if str(name).lower() != BACKEND_NAME}
+    if others:
+        named = ",".join(f"{device}:{name}" for device, name in pairs.items())
+        raise ValueError(
+            f"aggnet backend: {named!r} mixes aggnet with {', '.join(sorted(set(others.values())))}; torch uses "
+            f"aggnet's process group for every device then and would drop the other backend: use backend='aggnet' "
+            f"(CPU and CUDA tensors through aggnet), or 'nccl' with aggnet's DDP hook (aggnet.torch.allreduce_hook)")
 
 
 def register() -> None:

@@ -269,3 +269,15 @@ def test_torchrun_starts_the_backend_with_the_embedded_default(tmp_path):
         assert x["backend"] == "aggnet" and x["sum"] == 6.0
         assert x["grad"] == pytest.approx(16 * 4 * 2, rel=1e-6)
         assert x["share"] == [3.0 * (3 * x["rank"] + i) for i in range(3)]
+
+
+def test_a_backend_string_mixing_aggnet_with_another_is_refused_in_one_line(tmp_path):
+    """torch would take aggnet's group for every device and drop the other
+    backend without a word; refused, saying what to use instead."""
+    code = ("import torch.distributed as dist, aggnet.torch\n"
+            f"dist.init_process_group('cpu:aggnet,cuda:nccl', init_method='file://{tmp_path}/store', rank=0, "
+            "world_size=1)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "'cpu:aggnet,cuda:nccl' mixes aggnet with nccl" in r.stderr and "use backend='aggnet'" in r.stderr, \
+        r.stderr[-2000:]
