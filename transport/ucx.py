@@ -193,7 +193,10 @@ class _Peer:
                     hbuf, pending = self._post_header()
                 self.deliver(Incoming(self.key, raw, payload))
         except asyncio.CancelledError:
-            pass
+            # closed from this side: end now (the listener's close waits
+            # for its accept handlers, which wait for this task)
+            self.closed = True
+            return
         except Exception as exc:
             log.debug("UCX receive from %s stopped: %s", self.key, exc)
         # let the replies already queued (an error about the bad header)
