@@ -141,14 +141,14 @@ def max_grad_magnitudes(world: int, steps: int):
     return mags
 
 
-def nan_run(rank: int, world: int, port: int, address: str, codec, on_nonfinite: str):
-    """One step where rank 1's gradients are NaN; returns the error text."""
+def nan_run(rank: int, world: int, port: int, address: str, codec, on_nonfinite: str, device: str = "cpu"):
+    """One step on ``device`` where rank 1's gradients are NaN; returns the error text."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         from aggnet.torch import AggnetState, allreduce_hook
 
-        model = make_model(0)
+        model = make_model(0).to(device)
         ddp = DDP(model)
         state = AggnetState(address, codec=codec, on_nonfinite=on_nonfinite)
         ddp.register_comm_hook(state, allreduce_hook)
@@ -156,7 +156,7 @@ def nan_run(rank: int, world: int, port: int, address: str, codec, on_nonfinite:
         if rank == 1:
             x[0, 0] = float("nan")
         try:
-            nn.functional.cross_entropy(ddp(x), y).backward()
+            nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
             result = "ok", bool(all(torch.isnan(p.grad).all() for p in model.parameters()))
         except Exception as exc:
             result = "error", str(exc)

@@ -6,10 +6,9 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness.ddp_workers import PER_RANK, batch, make_model, train
+from harness.ddp_workers import make_model, train
 
 
 def client_encoded_ddp(rank: int, world: int, port: int, address: str, codec: str, steps: int):
@@ -86,31 +85,6 @@ def backend_collectives(rank: int, world: int, port: int, address: str, device: 
 def _numpy(t: torch.Tensor):
     t = t.detach().cpu()
     return (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t).numpy()
-
-
-def nan_on_device(rank: int, world: int, port: int, address: str, device: str):
-    """One step on ``device`` where rank 1's gradients are NaN; the error text."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        from aggnet.torch import AggnetState, allreduce_hook
-
-        model = make_model(0).to(device)
-        ddp = DDP(model)
-        state = AggnetState(address)
-        ddp.register_comm_hook(state, allreduce_hook)
-        x, y = batch(0, PER_RANK, False)
-        if rank == 1:
-            x[0, 0] = float("nan")
-        try:
-            nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
-            result = "ok", ""
-        except Exception as exc:
-            result = "error", str(exc)
-        state.close()
-        return result
-    finally:
-        dist.destroy_process_group()
 
 
 def fsdp_on_device(rank: int, world: int, port: int, address: str, device: str) -> dict:

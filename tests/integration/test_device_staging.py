@@ -93,7 +93,7 @@ def test_the_backend_all_reduces_and_reduce_scatters_device_tensors_like_gloo(se
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_non_finite_values_on_the_device_name_the_rank(service, device):
-    res = run_workers("spawn://", 2, DW.nan_on_device, 2, free_port(), service.address, device, timeout=180,
+    res = run_workers("spawn://", 2, W.nan_run, 2, free_port(), service.address, None, "raise", device, timeout=180,
                       start_method="spawn")
     (kind0, text0), (kind1, text1) = res
     assert kind1 == "error" and "rank 1" in text1 and "NaN/Inf" in text1, text1
