@@ -90,3 +90,25 @@ def test_non_finite_results_are_found_in_host_memory(dtype):
     host[3], host[500], host[999] = float("nan"), float("inf"), -float("inf")
     host[7] = 1e30 if dtype == torch.bfloat16 else 6e4  # large, finite
     assert result_nonfinite(staged) == 3
+
+
+class _Event:
+    """What a CUDA event answers to ``query()``: done after ``after`` asks."""
+
+    def __init__(self, after: int | None):
+        self.after, self.asked = after, 0
+
+    def query(self) -> bool:
+        self.asked += 1
+        return self.after is not None and self.asked > self.after
+
+
+def test_waiting_for_a_copy_has_a_limit_and_says_what_to_check():
+    from aggnet.errors import AggnetError
+    from aggnet.torch.staging import _wait
+
+    done_later = _Event(after=5)
+    _wait(done_later, "copying a bucket", limit=5)
+    assert done_later.asked == 6
+    with pytest.raises(AggnetError, match=r"copying a bucket did not finish within 0.05s; is the GPU still working"):
+        _wait(_Event(after=None), "copying a bucket", limit=0.05)
