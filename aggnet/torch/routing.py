@@ -32,13 +32,16 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numba
 import numpy as np
 import torch
 
+from aggnet import kernels
 from aggnet.errors import AggnetError, NonFiniteError
 from aggnet.torch.futures import torch_future, when_all
 
 log = logging.getLogger("aggnet.torch")
+_CPU_KERNELS = kernels.load("cpu")
 
 #: keys of the α agreement all-reduces, clear of DDP bucket indices
 _AGREE_KEY = 1 << 20
@@ -75,8 +78,25 @@ class _Bucket:
         self.checked = False  # rows timed against dense, and agreed
 
 
-def _nonzero_rows(g: torch.Tensor) -> torch.Tensor:
-    return (g != 0).any(dim=1)
+@numba.njit(cache=True, nogil=True)
+def _nonzero_row_indices(a: np.ndarray) -> np.ndarray:
+    rows, width = a.shape
+    out = np.empty(rows, np.int64)
+    k = 0
+    for r in range(rows):
+        for c in range(width):
+            if a[r, c] != 0:  # NaN too: it is not zero
+                out[k] = r
+                k += 1
+                break
+    return out[:k]
+
+
+def _nonzero_rows(g: torch.Tensor) -> np.ndarray:
+    """Indices of ``g``'s rows that hold a non-zero value: one pass that
+    stops at a row's first non-zero, no temporary as large as ``g``
+    (``(g != 0).any(1)`` took twice as long on a 1 M-row table)."""
+    return _nonzero_row_indices(g.detach().numpy())
 
 
 def _views(buf: torch.Tensor, bucket) -> list[tuple[int, torch.Tensor]]:
@@ -109,7 +129,7 @@ def route(state, index: int, buf: torch.Tensor, bucket):
         (rb.rows_s if rb.previous == "rows" else rb.dense_s).append(last.last_seconds)
     rb.previous = None
     if rb.rows is None:
-        rb.local += [float(_nonzero_rows(g).float().mean()) for _, g in views]
+        rb.local += [_nonzero_rows(g).size / g.shape[0] for _, g in views]
         rb.seen += 1
         if rb.seen >= state.alpha_steps:
             _agree(state, index, rb, views, stats)
@@ -199,7 +219,8 @@ def _rows_allreduce(state, index: int, buf: torch.Tensor, views, rb: _Bucket) ->
     if pos < buf.numel():
         segments.append((pos, buf.numel()))
     flat = buf.detach()
-    finite = bool(torch.isfinite(flat).all())  # the tables refuse NaN/Inf rows: never send them
+    # the tables refuse NaN/Inf rows: never send them (one pass, no temporary)
+    finite = _CPU_KERNELS.block_stats(flat.numpy())[1] == 0
     rest = np.empty(sum(b - a for a, b in segments) + 1, np.float32)
     at = 0
     for a, b in segments:
@@ -216,9 +237,8 @@ def _rows_allreduce(state, index: int, buf: torch.Tensor, views, rb: _Bucket) ->
         if table is None:
             table = state._sparse_tables[name] = sc.table(name, rows, width, mode="allreduce", op=state.op)
         if finite:
-            idx = _nonzero_rows(g).nonzero().reshape(-1)
-            vals = g.detach()[idx].numpy()
-            idx = idx.numpy()
+            idx = _nonzero_rows(g)
+            vals = g.detach().numpy()[idx]
         else:  # still take part in the round, with nothing
             idx, vals = np.empty(0, np.int64), np.empty((0, width), np.float32)
         sent += idx.size * (8 + 4 * width)
@@ -241,7 +261,9 @@ def _rows_allreduce(state, index: int, buf: torch.Tensor, views, rb: _Bucket) ->
             buf.fill_(float("nan"))
         else:
             for (off, g), (idx, vals) in zip(routed, results[:-1]):
-                g.zero_()
+                # the result's rows are the union of every worker's, so they
+                # cover every row that is not zero here: the rest stay zero
+                # and need no pass of their own
                 if idx.size:
                     g[torch.from_numpy(idx)] = torch.from_numpy(vals)
             got, at = results[-1], 0
