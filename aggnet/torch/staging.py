@@ -331,6 +331,8 @@ def result_nonfinite(staged: Staged) -> int:
     """NaN/Inf in the aggregated result, read in host memory before it goes
     back to the device (no wait for the device)."""
     host = staged.host
+    if not host.is_floating_point():
+        return 0
     if host.dtype == torch.float32:
         return _CPU_KERNELS.block_stats(host.numpy())[1]
     bits = host.view(torch.int16).numpy().view(np.uint16)

@@ -82,6 +82,11 @@ def test_a_cpu_bucket_is_sent_from_where_it_is():
     assert stager.stats()["pinned"].allocations == 0
 
 
+def test_integer_results_are_never_non_finite():
+    host = torch.full((1000,), 0x7C00 | (0x7F80 << 16), dtype=torch.int32)  # half and bf16 Inf bit patterns
+    assert result_nonfinite(Staged(host, torch.int32, host, 1.0)) == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_non_finite_results_are_found_in_host_memory(dtype):
     host = torch.zeros(1000, dtype=dtype)
