@@ -25,20 +25,13 @@ import time
 import numpy as np
 
 from aggnet.bench.cpu import own_cpu_seconds
+from aggnet.client.config import parse_size
 
 
 def add_arguments(p) -> None:
     p.add_argument("--size", default="256MiB", help="float32 buffer size (default %(default)s)")
     p.add_argument("--reps", type=int, default=20, help="timed repetitions per kernel (default %(default)s)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the records here")
-
-
-def _bytes(text: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for unit, scale in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * scale)
-    return int(text)
 
 
 def _time(torch, fn, reps: int) -> float:
@@ -158,7 +151,10 @@ def main(args) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("aggnet bench-gpu: no CUDA GPU is visible here (torch.cuda.is_available() is False); "
                          "run it on a machine with one")
-    n = _bytes(args.size) // 4
+    try:
+        n = parse_size(args.size) // 4
+    except ValueError as exc:
+        raise SystemExit(f"aggnet bench-gpu: --size: {exc}") from None
     cpu0 = own_cpu_seconds()
     t0 = time.perf_counter()
     src = torch.randn(n, device="cuda")
