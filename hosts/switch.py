@@ -36,7 +36,7 @@ from aggnet.protocol.limits import (
     DEFAULT_HOST_ELEMENTS, DEFAULT_POOL, MAX_ELEMENTS, MAX_JOB_SLOTS, MAX_JOBS, MAX_SHARD_PORTS, MAX_WORKERS, Drop,
     auto_slots, check_shard_layout,
 )
-from aggnet.protocol.messages import JoinOk, JoinShards, ask_padding
+from aggnet.protocol.messages import Heartbeat, JoinOk, JoinShards, ask_padding
 from aggnet.protocol.pool import Placement, SlotPool
 from aggnet.transport.udp import BATCH_BYTES, DatagramSocket, addr_key, key_addr
 from aggnet.protocol.wire import HEADER_SIZE, ErrorCode, Header, MsgType
@@ -60,6 +60,14 @@ _PADDED = (MsgType.HELLO, MsgType.STATS)
 DEFAULT_RECLAIM_IDLE = 300.0
 #: how often the loop notes which jobs saw packets
 ACTIVITY_CHECK_INTERVAL = 1.0
+#: a member whose heartbeats (the client sends a few per lapse) stop for
+#: this long is gone: the others hear it at once, not after their stall
+#: timeout. Only members that sent one are judged (a P4 switch's workers,
+#: and older clients, send none). A datagram path has no connection whose
+#: closing says a worker died, as a ZeroMQ service has.
+DEFAULT_HEARTBEAT_LAPSE = 1.5
+#: how often the loop looks for lapsed members
+HEARTBEAT_CHECK_INTERVAL = 0.1
 #: datagrams one receive takes at most (a few MiB of packets)
 MAX_BATCH = 8192
 #: seconds a shard waits for datagrams before looking at its stop flag
@@ -85,6 +93,8 @@ class SwitchJob:
     #: the job's packet counters' sum when last looked at, and when it last changed
     activity: int = 0
     last_active: float = field(default_factory=time.monotonic)
+    #: rank -> when its last heartbeat came (members that send them)
+    heard: dict = field(default_factory=dict)
 
 
 def _bind_shards(addr: Address, shards: int, io: str | None, max_bytes: int) -> list[DatagramSocket]:
@@ -120,7 +130,7 @@ class SwitchService(Aggregator):
                  parent: str | None = None, rack_id: int = 0, racks: int = 1,
                  reclaim_idle: float = DEFAULT_RECLAIM_IDLE, shards: int = 1,
                  max_elements: int | None = None, io: str | None = None, keyring: Keyring | None = None,
-                 advertise: str | None = None):
+                 advertise: str | None = None, heartbeat_lapse: float = DEFAULT_HEARTBEAT_LAPSE):
         addr = parse(listen)
         #: the host HELLO_OK names (workers use the address they sent to;
         #: the list is for people and tools)
@@ -140,6 +150,11 @@ class SwitchService(Aggregator):
             raise ValueError(f"shards must be 1..{min(pool, MAX_SHARD_PORTS)}, got {shards}")
         if not reclaim_idle > 0:
             raise ValueError(f"reclaim_idle must be a positive number of seconds, got {reclaim_idle!r}")
+        if not 0 <= heartbeat_lapse <= 60:
+            raise ValueError(f"heartbeat lapse must be 0 (off) to 60 seconds, got {heartbeat_lapse!r}")
+        #: seconds without a heartbeat after which a member is gone (0: never)
+        self.heartbeat_lapse = heartbeat_lapse
+        self._next_heartbeat_check = 0.0
         if not 0 <= rack_id < racks <= MAX_WORKERS:
             raise ValueError(f"rack id {rack_id} of {racks} racks: a parent takes 1..{MAX_WORKERS} racks")
         self.reclaim_idle = reclaim_idle
@@ -195,6 +210,9 @@ class SwitchService(Aggregator):
                 n = self.sock.receive(POLL_SECONDS, BATCH_BYTES)
                 self._step(self.sock, 0, n)
                 now = time.monotonic()
+                if now >= self._next_heartbeat_check:
+                    self._next_heartbeat_check = now + HEARTBEAT_CHECK_INTERVAL
+                    self._check_heartbeats(now)
                 if now >= self._next_activity_check:
                     self._next_activity_check = now + ACTIVITY_CHECK_INTERVAL
                     self._note_activity(now)
@@ -286,6 +304,8 @@ class SwitchService(Aggregator):
                                         Header(MsgType.ERROR, job_id=h.job_id, sender=rank))
         elif h.msg_type == MsgType.LEAVE:
             self._leave(h, src)
+        elif h.msg_type == MsgType.HEARTBEAT:
+            self._heartbeat(h, src)
         elif h.msg_type == MsgType.JOIN_OK and self.parent is not None and src == self.parent:
             self._parent_joined(h)
         elif h.msg_type == MsgType.ERROR and self.parent is not None and src == self.parent:
@@ -381,10 +401,20 @@ class SwitchService(Aggregator):
                     self._remove(job)  # a refused JOIN installs nothing
                 raise ControlError(ErrorCode.MALFORMED, f"JOIN's shard layout for job {name!r}: {exc}") from None
         old = job.members.get(h.sender)
+        heard = job.heard.get(h.sender)
+        if old is not None and old != src and heard is not None and not self.keyring.enforced:
+            # its heartbeats say the member is alive: taking it over would
+            # fail both runs (a job key holder may: a signed JOIN is the job's own)
+            raise ControlError(
+                ErrorCode.JOB_MISMATCH,
+                f"rank {h.sender} of job {name!r} is running at another address ({old[0]}:{old[1]}, heard "
+                f"{time.monotonic() - heard:.1f}s ago): two runs use the same job name; give each its own (job=... "
+                f"of AggnetState or Client), or start this one after the other finishes", "rank_in_use")
         if old is not None and old != src:
             log.warning("switch: job %r rank %d re-joined from %s (was %s)", name, h.sender, src, old)
             self.control_counters["rejoins"] += 1
         job.members[h.sender] = src
+        job.heard.pop(h.sender, None)  # judged again once it sends a heartbeat
         job.last_active = time.monotonic()
         self.regs.set_member(job.index, h.sender, addr_key(src), layout.base, layout.shard_slots)
         # the reply is the JOIN itself, answered in its header as the P4
@@ -481,10 +511,60 @@ class SwitchService(Aggregator):
         if job is None or job.members.get(h.sender) != src:
             return
         del job.members[h.sender]
+        job.heard.pop(h.sender, None)
         self.regs.remove_member(job.index, h.sender)
         if not job.members:
             self._remove(job)
             log.info("switch: job %r finished (every worker left)", job.name)
+
+    def _heartbeat(self, h: Header, src) -> None:
+        """A member's heartbeat is echoed with the lapse allowed (the worker
+        sends a few per lapse); a non-member's with 0, which tells a worker
+        dropped for silence (a paused process, a partitioned host) that its
+        job went on without it. Only a heartbeat marked ``watched`` makes
+        the member judged: the first ones ask whether this host answers,
+        and a worker whose asking went unanswered sends no more. The echo
+        is as large as the heartbeat: no amplifier for forged sources."""
+        job = self.jobs.get(h.job_id)
+        if self.heartbeat_lapse == 0 or job is None or h.count:
+            self.control_counters["dropped_heartbeat"] += 1
+            return
+        beat = Heartbeat.from_header(h)
+        member = job.members.get(h.sender) == src
+        if not member:
+            self.control_counters["heartbeats_of_non_members"] += 1
+        elif beat.watched:
+            job.heard[h.sender] = time.monotonic()
+        echo = Heartbeat(beat.watched, round(self.heartbeat_lapse * 1000) if member else 0)
+        self._send(echo.to_header(Header(MsgType.HEARTBEAT, job_id=h.job_id, sender=h.sender,
+                                         world=job.world)).pack(), src)
+
+    def _check_heartbeats(self, now: float) -> None:
+        """Members whose heartbeats stopped are gone: each other member
+        hears it at once, as an ERROR that fails its open all-reduce."""
+        if self.heartbeat_lapse == 0:
+            return
+        for job in list(self.jobs.values()):
+            for rank, heard in list(job.heard.items()):
+                silent = now - heard
+                if silent >= self.heartbeat_lapse:
+                    self._member_lost(job, rank, silent)
+
+    def _member_lost(self, job: SwitchJob, rank: int, silent: float) -> None:
+        self.control_counters["members_disconnected"] += 1
+        log.warning("switch: job %r rank %d sent no heartbeat for %.1fs; it is no longer a member", job.name, rank,
+                    silent)
+        del job.members[rank]
+        del job.heard[rank]
+        self.regs.remove_member(job.index, rank)
+        if not job.members:
+            self._remove(job)
+            return
+        text = (f"rank {rank} of job {job.name!r} sent no heartbeat to the aggregator for {silent:.1f}s (the "
+                f"worker died, or it or its host stopped); the job's rounds cannot complete without it")
+        for other, member in job.members.items():
+            self._reply(member, MsgType.ERROR, wire.error_payload(ErrorCode.STALL, text),
+                        Header(MsgType.ERROR, job_id=job.job_id, sender=other))
 
     def _remove(self, job: SwitchJob) -> None:
         self.regs.remove(job.index)

@@ -60,6 +60,9 @@ def add_arguments(s) -> None:
     s.add_argument("--reclaim-idle", type=float, default=300.0, metavar="SECONDS",
                    help="switch mode: when the pool is full, a new job takes the slices of jobs that sent "
                         "nothing for this long (workers killed without LEAVE); default %(default)g")
+    s.add_argument("--heartbeat-lapse", type=float, default=None, metavar="SECONDS",
+                   help="switch mode: a worker whose heartbeats stop for this long is gone, and the others' "
+                        "all-reduces fail at once naming it; 0: off (they wait for their timeout); default 1.5")
     s.add_argument("--job-lease", type=float, default=None, metavar="SECONDS",
                    help="service mode: reclaim a job none of whose members was heard from for this long "
                         "(workers killed without LEAVE, junk JOINs); a member that comes back later fails one "
@@ -201,10 +204,13 @@ def _switch(args, keyring):
     from aggnet.hosts.switch import SwitchService
     from aggnet.protocol.limits import DEFAULT_HOST_ELEMENTS
 
+    if args.heartbeat_lapse is not None and not 0 <= args.heartbeat_lapse <= 60:
+        raise _BadSetting(f"--heartbeat-lapse must be 0 (off) to 60 seconds, got {args.heartbeat_lapse:g}")
     svc = SwitchService(args.listen, pool=args.pool, elements=args.elements or DEFAULT_HOST_ELEMENTS,
                         max_elements=args.max_elements, parent=args.parent, rack_id=args.rack_id,
                         racks=args.racks, reclaim_idle=args.reclaim_idle, shards=args.shards or default_shards(),
-                        io=args.io, keyring=keyring, advertise=args.advertise)
+                        io=args.io, keyring=keyring, advertise=args.advertise,
+                        **({"heartbeat_lapse": args.heartbeat_lapse} if args.heartbeat_lapse is not None else {}))
     log.info("aggnet switch-mode aggregator at %s: %d shard(s) on ports %d..%d, pool %d slots, %d elements per "
              "packet by default (at most %d), UDP I/O %s%s", svc.address, svc.shards, svc.address.port,
              svc.address.port + svc.shards - 1, args.pool, svc.default_elements, svc.regs.max_elements, svc.io,

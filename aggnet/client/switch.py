@@ -27,6 +27,7 @@ import logging
 import os
 import select
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -43,7 +44,7 @@ from aggnet.kernels import datagrams as dg
 from aggnet.protocol.limits import (
     IP_UDP_OVERHEAD, MAX_WORKERS, RTO_INITIAL, RTO_MAX, RTO_MIN, check_shard_layout, elements_for_mtu,
 )
-from aggnet.protocol.messages import JoinOk, ProbeOk, padding_asked
+from aggnet.protocol.messages import Heartbeat, JoinOk, ProbeOk, padding_asked
 from aggnet.transport.udp import BATCH_BYTES, MAX_DATAGRAM, DatagramSocket, addr_key, path_mtu
 from aggnet.protocol.wire import EXPONENT_NONFINITE, HEADER_SIZE, DType, Flag, Header, MsgType
 
@@ -57,6 +58,13 @@ FAST_RETRANSMIT = 3
 TIMER_CHECK = 0.002
 #: receive batches taken before the loop looks at timers and new requests
 RECEIVES_PER_TURN = 8
+#: heartbeats that ask, once joined, whether the aggregator answers them,
+#: and seconds to wait for each echo: an aggregator host answers at once, a
+#: P4 switch never (its workers are found dead by the stall timeout only)
+HEARTBEAT_ASKS = 3
+HEARTBEAT_ASK_WAIT = 0.1
+#: heartbeats per lapse the aggregator allows: a few may be lost
+HEARTBEATS_PER_LAPSE = 6
 #: seconds a rack's switch may take to answer a JOIN before its workers go
 #: to the rack's fallback host aggregator (when the topology names one)
 FALLBACK_AFTER = 5.0
@@ -113,6 +121,14 @@ class SwitchClient(Client):
         else:
             self._join_or_fall_back()
         self._allocate()
+        self._heartbeats: threading.Thread | None = None
+        self._heartbeats_stop = threading.Event()
+        every = self._ask_heartbeats()
+        if every is not None:
+            self._heartbeat_every = every
+            self._heartbeats = threading.Thread(target=self._send_heartbeats, daemon=True,
+                                                name=f"aggnet-heartbeat-{self.job}-{self.rank}")
+            self._heartbeats.start()
         # no datagram of this job is larger than a packet (PROBE_OK and
         # control replies are smaller): a receive slot per datagram is enough
         self.dsock.max_datagram_bytes = max(self.packet_bytes, 4096)
@@ -160,8 +176,9 @@ class SwitchClient(Client):
             delta = (self.base + np.arange(s, dtype=np.int64)) // self.shard_slots
         self.slot_dest = addr_key((ip, port)) + delta
         self.sharded = bool(delta.any())
-        # results and probe answers count only from the aggregator's ports
-        self.src_lo, self.src_hi = int(self.slot_dest.min()), int(self.slot_dest.max())
+        # results, probe answers and the control port's messages (ERROR,
+        # heartbeat echoes) count only from the aggregator's ports
+        self.src_lo, self.src_hi = addr_key((ip, port)), int(self.slot_dest.max())
         self.template = np.frombuffer(Header(MsgType.PUSH, job_id=self.job_id, sender=self.member_rank,
                                              dtype=DType.INT32, count=k, world=self.members).pack(), np.uint8).copy()
         self.wbits = (self.world_size - 1).bit_length()
@@ -293,6 +310,7 @@ class SwitchClient(Client):
                     dsock.sock.sendto(h, self.aggregator)
                 except OSError:
                     pass
+        self._stop_heartbeats()
         dsock.close()
         self.dsock = None
         for fd in (self._wake_r, self._wake_w):
@@ -443,6 +461,9 @@ class SwitchClient(Client):
             self.stats.dropped_replies += dropped
             for q in range(probes):
                 off = int(self.probe_off[q])
+                if dsock.arena[off + dg.O_TYPE] == MsgType.HEARTBEAT:
+                    self._on_heartbeat(bytes(dsock.arena[off:off + HEADER_SIZE]))
+                    continue
                 if dsock.arena[off + dg.O_TYPE] == MsgType.ERROR:
                     at = np.flatnonzero(dsock.offsets[:n] == off)
                     self._on_error(bytes(dsock.arena[off:off + int(dsock.lengths[at[0]])]) if at.size else b"")
@@ -615,8 +636,9 @@ class SwitchClient(Client):
 
     def _on_error(self, data: bytes) -> None:
         """An ERROR the aggregator sent on its own: a verdict about the job
-        (another member joined it with another world size) that fails what
-        is pending and every later all-reduce, at once."""
+        (another member joined it with another world size, a member's
+        heartbeats stopped) that fails what is pending and every later
+        all-reduce, at once."""
         try:
             h = wire.unpack_header(data)
             payload = data[HEADER_SIZE:]
@@ -625,10 +647,96 @@ class SwitchClient(Client):
         except (wire.WireError, ValueError):
             self.stats.dropped_replies += 1
             return
-        if isinstance(exc, JobMismatch):
-            self._job_refused(exc)
+        if isinstance(exc, (JobMismatch, AggregationTimeout)):
+            self._job_ended(exc)
         else:
             self.stats.dropped_replies += 1
+
+    def _job_ended(self, exc: Exception) -> None:
+        """The job cannot go on as it started: nothing of it stays in the
+        window, what is pending fails with ``exc`` and so does every later
+        all-reduce."""
+        self._reqs = []
+        self._by_seq = {}
+        self.busy[:] = False
+        self._probing = None
+        self._job_refused(exc)
+
+    # -- heartbeats ------------------------------------------------------------------------
+
+    def _ask_heartbeats(self) -> float | None:
+        """Seconds between heartbeats the aggregator wants, or None when it
+        answers none (a P4 switch, a host with them off). Asked before the
+        I/O thread reads the socket; heartbeats then come from a thread of
+        their own, so an I/O thread busy for seconds (compiling kernels on
+        a cold cache, quantizing a large buffer) never reads as a dead
+        worker."""
+        ask = Heartbeat(watched=0).to_header(Header(MsgType.HEARTBEAT, job_id=self.job_id, sender=self.member_rank,
+                                                    world=self.members)).pack()
+        sock = self.dsock.sock
+        for _ in range(HEARTBEAT_ASKS):
+            try:
+                sock.sendto(ask, self.aggregator)
+            except OSError:
+                continue
+            deadline = time.monotonic() + HEARTBEAT_ASK_WAIT
+            while (left := deadline - time.monotonic()) > 0:
+                r, _, _ = select.select([sock], [], [], left)
+                if not r:
+                    break
+                try:
+                    data, src = sock.recvfrom(65536)
+                    h = wire.unpack_header(data)
+                except (OSError, wire.WireError):
+                    continue
+                if (src == self.aggregator and h.msg_type == MsgType.HEARTBEAT and h.job_id == self.job_id
+                        and h.sender == self.member_rank):
+                    lapse = Heartbeat.from_header(h).lapse_ms / 1000
+                    return max(0.02, lapse / HEARTBEATS_PER_LAPSE) if lapse else None
+        log.debug("%s: the aggregator at %s answers no heartbeats: a dead worker is found by the stall timeout",
+                  self._context(), self.address)
+        return None
+
+    def _send_heartbeats(self) -> None:
+        beat = Heartbeat(watched=1).to_header(Header(MsgType.HEARTBEAT, job_id=self.job_id,
+                                                     sender=self.member_rank, world=self.members)).pack()
+        sock, dest = self.dsock.sock, self.aggregator
+        while not self._heartbeats_stop.wait(self._heartbeat_every):
+            try:
+                sock.sendto(beat, dest)
+            except OSError:
+                pass  # a full buffer, an ICMP error: the lapse allows for a few lost
+
+    def _stop_heartbeats(self) -> None:
+        stop = getattr(self, "_heartbeats_stop", None)
+        if stop is not None:
+            stop.set()
+        thread = getattr(self, "_heartbeats", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2.0)
+
+    def _on_heartbeat(self, data: bytes) -> None:
+        """An echo: the lapse the aggregator allows now, or 0 when it no
+        longer counts this worker as a member."""
+        try:
+            h = wire.unpack_header(data)
+        except wire.WireError:
+            self.stats.dropped_replies += 1
+            return
+        if h.sender != self.member_rank:
+            self.stats.dropped_replies += 1
+            return
+        lapse = Heartbeat.from_header(h).lapse_ms / 1000
+        if lapse == 0:
+            # the aggregator dropped this worker for silence; the other
+            # workers' all-reduces failed when it did
+            self._stop_heartbeats()
+            self._job_ended(AggregationError(
+                f"{self._context()}: the aggregator at {self.address} no longer counts this worker as a member: "
+                f"its heartbeats stopped for longer than the aggregator allows (was the process paused, or its "
+                f"host cut off?), and the other workers were told; start the job's workers again"))
+            return
+        self._heartbeat_every = max(0.02, lapse / HEARTBEATS_PER_LAPSE)
 
     def _on_probe(self, data: bytes) -> None:
         if self._probing is None or not self._reqs:

@@ -75,6 +75,7 @@ T_RESULT = int(wire.MsgType.RESULT)
 T_PROBE = int(wire.MsgType.PROBE)
 T_PROBE_OK = int(wire.MsgType.PROBE_OK)
 T_ERROR = int(wire.MsgType.ERROR)
+T_HEARTBEAT = int(wire.MsgType.HEARTBEAT)
 F_VERSION = int(wire.Flag.VERSION)
 F_RETRANSMIT = int(wire.Flag.RETRANSMIT)
 F_UPLINK = int(wire.Flag.UPLINK)
@@ -200,7 +201,8 @@ def classify_results(batch, accept, window, taken):
     job, slot, tag and size) out of a received batch; mark their slots
     idle. Returns (results, probes, dropped): results and probe answers go
     to ``taken``, and so do the aggregator's ERRORs about the job (a verdict
-    it tells every member: the caller reads the type); dropped counts what
+    it tells every member) and its heartbeat echoes (the caller reads the
+    type of each); dropped counts what
     came from elsewhere or is malformed (not duplicates)."""
     m = 0
     probes = 0
@@ -223,7 +225,7 @@ def classify_results(batch, accept, window, taken):
             dropped += 1
             continue
         t = p[O_TYPE]
-        if t == T_PROBE_OK or t == T_ERROR:
+        if t == T_PROBE_OK or t == T_ERROR or t == T_HEARTBEAT:
             if (length == HEADER_SIZE or t == T_ERROR) and probes < taken.probe.size:
                 taken.probe[probes] = o
                 probes += 1

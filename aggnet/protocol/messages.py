@@ -97,10 +97,27 @@ class ProbeOk(_View):
     world: int  #: members of the job
 
 
+@dataclass(frozen=True)
+class Heartbeat(_View):
+    """A worker's heartbeat to an aggregator host in switch mode, and the
+    host's echo (a P4 switch answers none: docs/protocol.md "A worker that
+    dies")."""
+
+    MSG_TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
+    FIELDS: ClassVar[dict[str, str]] = {"watched": "nsum", "lapse_ms": "ref"}
+
+    #: from the worker: 1 once it sends heartbeats for good, and the host may
+    #: judge it by them; 0 while it asks whether the host answers them
+    watched: int = 0
+    #: from the host: the silence it allows a member before the member is
+    #: gone, in ms; 0: the sender is no longer a member (it was silent too long)
+    lapse_ms: int = 0
+
+
 #: the views the P4 program writes: its actions are generated from these
 P4_ANSWERS = (JoinOk, ProbeOk)
 
-__all__ = ["JoinOk", "JoinShards", "ProbeOk", "P4_ANSWERS"]
+__all__ = ["JoinOk", "JoinShards", "ProbeOk", "Heartbeat", "P4_ANSWERS"]
 
 
 

@@ -124,6 +124,10 @@ class MsgType(enum.IntEnum):
     STATS_OK = 10  #: JSON counters
     PROBE = 11  #: switch protocol: ask a slot's state (who is missing)
     PROBE_OK = 12  #: ``nsum`` = count, ``ref`` = seen bitmap, ``world``
+    #: switch protocol on aggregator hosts: a worker is alive. The host
+    #: echoes a member's with the lapse it allows in ``ref`` (ms), a
+    #: non-member's with 0 (docs/protocol.md "A worker that dies")
+    HEARTBEAT = 13
     # sparse tables on aggregator hosts (hosts/sparse.py; row payloads as
     # aggnet/protocol/sparse_layout.py says; docs/protocol.md "Sparse tables")
     TABLE = 20  #: create or open a sparse table (JSON, control.TABLE)
@@ -163,8 +167,8 @@ NOT_IN_P4 = Flag.TO_OWNER | Flag.FINAL
 
 #: message types only aggregator hosts speak: the P4 program's enum leaves
 #: them out (a switch drops them as unknown)
-HOST_ONLY_TYPES = frozenset({MsgType.TABLE, MsgType.TABLE_OK, MsgType.SPARSE_PUSH, MsgType.SPARSE_PULL,
-                             MsgType.SPARSE_ROWS, MsgType.SPARSE_LOAD})
+HOST_ONLY_TYPES = frozenset({MsgType.HEARTBEAT, MsgType.TABLE, MsgType.TABLE_OK, MsgType.SPARSE_PUSH,
+                             MsgType.SPARSE_PULL, MsgType.SPARSE_ROWS, MsgType.SPARSE_LOAD})
 
 
 class DType(enum.IntEnum):

@@ -181,6 +181,11 @@ class RunningService:
         from aggnet.protocol import wire
         from aggnet.transport import connect
 
+        if self.kind == "udp":
+            from aggnet.client.switch import query_stats
+
+            return query_stats(self.address, timeout=10.0)
+
         with connect([self.address]) as conn:
             conn.send(0, wire.Header(wire.MsgType.STATS).pack())
             msg = conn.recv(10.0)

@@ -14,9 +14,11 @@ from harness.helpers import RunningService
 from aggnet import Client, JobMismatch
 
 
-@pytest.fixture(scope="module")
-def service():
-    s = RunningService("zmq+tcp", shards=2)
+@pytest.fixture(scope="module", params=["zmq+tcp", "udp"])
+def service(request):
+    """The service, and a host in switch mode (which knows a member is
+    alive by its heartbeats)."""
+    s = RunningService(request.param, shards=2)
     yield s
     s.stop()
 
@@ -42,7 +44,7 @@ def test_a_second_run_under_a_live_jobs_name_is_refused_and_the_first_finishes(s
     while len(results[0]) < 5:  # the first run is in its rounds
         time.sleep(0.01)
     t0 = time.monotonic()
-    with pytest.raises(JobMismatch, match="rank 1 of job 'shared' is running at another connection"):
+    with pytest.raises(JobMismatch, match="rank 1 of job 'shared' is running at another (connection|address)"):
         Client(service.address, job="shared", rank=1, world_size=2).allreduce(
             np.ones(10, dtype=np.float32)).result(timeout=60)
     assert time.monotonic() - t0 < 5  # at once, not after a timeout

@@ -1,0 +1,92 @@
+"""A datagram path has no connection whose closing says a worker died: a
+host in switch mode hears its members' heartbeats instead, and tells the
+others at once when one stops (docs/protocol.md "A worker that dies")."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from aggnet import Client
+from aggnet.errors import AggregationTimeout
+
+_RANK_1 = """
+import sys, time
+import numpy as np
+from aggnet import Client
+c = Client(sys.argv[1], job=sys.argv[2], rank=1, world_size=2, timeout=60)
+c.allreduce(np.ones(1000, np.float32)).result(timeout=60)
+print("summed", flush=True)
+sys.stdin.readline()
+time.sleep(float(sys.argv[3]))  # busy elsewhere (an evaluation), or nothing
+try:
+    out = c.allreduce(np.ones(1000, np.float32)).result(timeout=30)
+    print("summed again", float(out[0]), flush=True)
+except Exception as exc:
+    print(type(exc).__name__, exc, flush=True)
+c.close()
+"""
+
+
+def _rank_1(address: str, job: str, idle_s: float = 0.0) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _RANK_1, address, job, str(idle_s)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def test_a_paused_worker_is_dropped_and_told_so_when_it_wakes(service_factory):
+    """SIGSTOP is a hung host as the aggregator sees it: its heartbeats stop.
+    The survivor's all-reduce fails within 2 s naming it; the paused worker,
+    woken, hears that it is no longer a member instead of waiting for its
+    own timeout."""
+    svc = service_factory("udp")
+    job = f"paused-{uuid.uuid4().hex[:6]}"
+    other = _rank_1(svc.address, job)
+    try:
+        with Client(svc.address, job=job, rank=0, world_size=2, timeout=60) as c:
+            c.allreduce(np.ones(1000, np.float32)).result(timeout=60)
+            assert other.stdout.readline().strip() == "summed"
+            os.kill(other.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            pending = c.allreduce(np.ones(200_000, np.float32))
+            with pytest.raises(AggregationTimeout, match=r"rank 1 of job .* sent no heartbeat .* for 1\.\ds"):
+                pending.result(timeout=60)
+            assert time.monotonic() - t0 < 2
+            os.kill(other.pid, signal.SIGCONT)
+            other.stdin.write("go\n")
+            other.stdin.flush()
+            woke = other.stdout.readline()
+            assert woke.startswith("AggregationError") and "no longer counts this worker as a member" in woke, woke
+    finally:
+        if other.poll() is None:
+            os.kill(other.pid, signal.SIGCONT)
+            other.kill()
+        other.wait(10)
+    totals = svc.stats()["totals"]
+    assert totals["members_disconnected"] == 1 and totals["heartbeats_of_non_members"] >= 1
+
+
+def test_a_worker_that_is_only_slow_to_call_stays_a_member(service_factory):
+    """Heartbeats come from a thread of their own: a worker that calls its
+    next all-reduce seconds later (twice the lapse) is alive, and the round
+    completes."""
+    svc = service_factory("udp")
+    job = f"slow-{uuid.uuid4().hex[:6]}"
+    other = _rank_1(svc.address, job, idle_s=3.0)
+    try:
+        with Client(svc.address, job=job, rank=0, world_size=2, timeout=60) as c:
+            c.allreduce(np.ones(1000, np.float32)).result(timeout=60)
+            assert other.stdout.readline().strip() == "summed"
+            other.stdin.write("go\n")
+            other.stdin.flush()
+            out = c.allreduce(np.ones(1000, np.float32)).result(timeout=30)
+            assert out[0] == 2.0
+            assert other.stdout.readline().split() == ["summed", "again", "2.0"]
+    finally:
+        other.kill()
+        other.wait(10)
+    assert "members_disconnected" not in svc.stats()["totals"]
