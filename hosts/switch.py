@@ -36,7 +36,7 @@ from aggnet.protocol.limits import (
     DEFAULT_HOST_ELEMENTS, DEFAULT_POOL, MAX_ELEMENTS, MAX_JOB_SLOTS, MAX_JOBS, MAX_SHARD_PORTS, MAX_WORKERS, Drop,
     auto_slots, check_shard_layout,
 )
-from aggnet.protocol.messages import Heartbeat, JoinOk, JoinShards, ask_padding
+from aggnet.protocol.messages import Heartbeat, JoinHeartbeats, JoinOk, JoinShards, ask_padding
 from aggnet.protocol.pool import Placement, SlotPool
 from aggnet.transport.udp import BATCH_BYTES, DatagramSocket, addr_key, key_addr
 from aggnet.protocol.wire import HEADER_SIZE, ErrorCode, Header, MsgType
@@ -414,12 +414,19 @@ class SwitchService(Aggregator):
             log.warning("switch: job %r rank %d re-joined from %s (was %s)", name, h.sender, src, old)
             self.control_counters["rejoins"] += 1
         job.members[h.sender] = src
-        job.heard.pop(h.sender, None)  # judged again once it sends a heartbeat
+        if info["heartbeats"] and self.heartbeat_lapse:
+            # a JOIN is a sign of life too: the member is judged from now on
+            # (it sends JOIN again until answered, then heartbeats)
+            job.heard[h.sender] = time.monotonic()
+        else:
+            job.heard.pop(h.sender, None)
         job.last_active = time.monotonic()
         self.regs.set_member(job.index, h.sender, addr_key(src), layout.base, layout.shard_slots)
         # the reply is the JOIN itself, answered in its header as the P4
         # program does; a sharded host adds its pool slots per shard
         JoinOk(job.slots, job.elements, job.base, world, self.shard_slots_advertised).to_header(h)
+        if info["heartbeats"] and self.heartbeat_lapse:
+            JoinHeartbeats(round(self.heartbeat_lapse * 1000)).to_header(h)
         if job.parent.ready:
             reply = bytearray(raw)
             wire.pack_into(reply, h)
@@ -518,26 +525,21 @@ class SwitchService(Aggregator):
             log.info("switch: job %r finished (every worker left)", job.name)
 
     def _heartbeat(self, h: Header, src) -> None:
-        """A member's heartbeat is echoed with the lapse allowed (the worker
-        sends a few per lapse); a non-member's with 0, which tells a worker
-        dropped for silence (a paused process, a partitioned host) that its
-        job went on without it. Only a heartbeat marked ``watched`` makes
-        the member judged: the first ones ask whether this host answers,
-        and a worker whose asking went unanswered sends no more. The echo
-        is as large as the heartbeat: no amplifier for forged sources."""
+        """A member's heartbeat says it is alive. One from a worker that is
+        not a member (any more) is answered, so that a worker dropped for
+        silence (a paused process, a cut-off host) learns that its job went
+        on without it; the answer is as large as the heartbeat: no
+        amplifier for forged sources."""
         job = self.jobs.get(h.job_id)
         if self.heartbeat_lapse == 0 or job is None or h.count:
             self.control_counters["dropped_heartbeat"] += 1
             return
-        beat = Heartbeat.from_header(h)
-        member = job.members.get(h.sender) == src
-        if not member:
-            self.control_counters["heartbeats_of_non_members"] += 1
-        elif beat.watched:
+        if job.members.get(h.sender) == src:
             job.heard[h.sender] = time.monotonic()
-        echo = Heartbeat(beat.watched, round(self.heartbeat_lapse * 1000) if member else 0)
-        self._send(echo.to_header(Header(MsgType.HEARTBEAT, job_id=h.job_id, sender=h.sender,
-                                         world=job.world)).pack(), src)
+            return
+        self.control_counters["heartbeats_of_non_members"] += 1
+        self._send(Heartbeat(0).to_header(Header(MsgType.HEARTBEAT, job_id=h.job_id, sender=h.sender,
+                                                 world=job.world)).pack(), src)
 
     def _check_heartbeats(self, now: float) -> None:
         """Members whose heartbeats stopped are gone: each other member

@@ -44,7 +44,7 @@ from aggnet.kernels import datagrams as dg
 from aggnet.protocol.limits import (
     IP_UDP_OVERHEAD, MAX_WORKERS, RTO_INITIAL, RTO_MAX, RTO_MIN, check_shard_layout, elements_for_mtu,
 )
-from aggnet.protocol.messages import Heartbeat, JoinOk, ProbeOk, padding_asked
+from aggnet.protocol.messages import Heartbeat, JoinHeartbeats, JoinOk, ProbeOk, padding_asked
 from aggnet.transport.udp import BATCH_BYTES, MAX_DATAGRAM, DatagramSocket, addr_key, path_mtu
 from aggnet.protocol.wire import EXPONENT_NONFINITE, HEADER_SIZE, DType, Flag, Header, MsgType
 
@@ -58,11 +58,6 @@ FAST_RETRANSMIT = 3
 TIMER_CHECK = 0.002
 #: receive batches taken before the loop looks at timers and new requests
 RECEIVES_PER_TURN = 8
-#: heartbeats that ask, once joined, whether the aggregator answers them,
-#: and seconds to wait for each echo: an aggregator host answers at once, a
-#: P4 switch never (its workers are found dead by the stall timeout only)
-HEARTBEAT_ASKS = 3
-HEARTBEAT_ASK_WAIT = 0.1
 #: heartbeats per lapse the aggregator allows: a few may be lost
 HEARTBEATS_PER_LAPSE = 6
 #: seconds a rack's switch may take to answer a JOIN before its workers go
@@ -123,9 +118,10 @@ class SwitchClient(Client):
         self._allocate()
         self._heartbeats: threading.Thread | None = None
         self._heartbeats_stop = threading.Event()
-        every = self._ask_heartbeats()
-        if every is not None:
-            self._heartbeat_every = every
+        if self.heartbeat_lapse:
+            # a thread of their own: an I/O thread busy for seconds (compiling
+            # kernels on a cold cache, quantizing a large buffer) is alive
+            self._heartbeat_every = max(0.02, self.heartbeat_lapse / HEARTBEATS_PER_LAPSE)
             self._heartbeats = threading.Thread(target=self._send_heartbeats, daemon=True,
                                                 name=f"aggnet-heartbeat-{self.job}-{self.rank}")
             self._heartbeats.start()
@@ -214,7 +210,9 @@ class SwitchClient(Client):
     def _join(self, timeout: float) -> None:
         # at its aggregator a worker is one of `members` (its rack's workers)
         h = Header(MsgType.JOIN, job_id=self.job_id, sender=self.member_rank, world=self.members)
-        info = {"name": self.job, "world": self.world_size, "max_elements": self.max_elements}
+        # heartbeats: an aggregator host says in its JOIN_OK how often it
+        # wants them; a P4 switch says nothing, and gets none
+        info = {"name": self.job, "world": self.world_size, "max_elements": self.max_elements, "heartbeats": 1}
         if self.config.slots is not None:
             info["slots"] = self.config.slots
         if self.config.elements is not None:
@@ -258,6 +256,8 @@ class SwitchClient(Client):
             if reply.msg_type == MsgType.JOIN_OK:
                 ok = JoinOk.from_header(reply)
                 self.slots, self.elements, self.base, self.shard_slots = ok.slots, ok.elements, ok.base, ok.shard_slots
+                #: seconds of silence after which the aggregator drops this worker (0: it watches none)
+                self.heartbeat_lapse = JoinHeartbeats.from_header(reply).lapse_ms / 1000
                 if not (1 <= self.slots <= 65536 and 1 <= self.elements):
                     raise AggregationError(f"aggregator {self.address} answered the JOIN with {self.slots} slots "
                                            f"of {self.elements} elements")
@@ -664,48 +664,16 @@ class SwitchClient(Client):
 
     # -- heartbeats ------------------------------------------------------------------------
 
-    def _ask_heartbeats(self) -> float | None:
-        """Seconds between heartbeats the aggregator wants, or None when it
-        answers none (a P4 switch, a host with them off). Asked before the
-        I/O thread reads the socket; heartbeats then come from a thread of
-        their own, so an I/O thread busy for seconds (compiling kernels on
-        a cold cache, quantizing a large buffer) never reads as a dead
-        worker."""
-        ask = Heartbeat(watched=0).to_header(Header(MsgType.HEARTBEAT, job_id=self.job_id, sender=self.member_rank,
-                                                    world=self.members)).pack()
-        sock = self.dsock.sock
-        for _ in range(HEARTBEAT_ASKS):
-            try:
-                sock.sendto(ask, self.aggregator)
-            except OSError:
-                continue
-            deadline = time.monotonic() + HEARTBEAT_ASK_WAIT
-            while (left := deadline - time.monotonic()) > 0:
-                r, _, _ = select.select([sock], [], [], left)
-                if not r:
-                    break
-                try:
-                    data, src = sock.recvfrom(65536)
-                    h = wire.unpack_header(data)
-                except (OSError, wire.WireError):
-                    continue
-                if (src == self.aggregator and h.msg_type == MsgType.HEARTBEAT and h.job_id == self.job_id
-                        and h.sender == self.member_rank):
-                    lapse = Heartbeat.from_header(h).lapse_ms / 1000
-                    return max(0.02, lapse / HEARTBEATS_PER_LAPSE) if lapse else None
-        log.debug("%s: the aggregator at %s answers no heartbeats: a dead worker is found by the stall timeout",
-                  self._context(), self.address)
-        return None
-
     def _send_heartbeats(self) -> None:
-        beat = Heartbeat(watched=1).to_header(Header(MsgType.HEARTBEAT, job_id=self.job_id,
-                                                     sender=self.member_rank, world=self.members)).pack()
+        beat = Header(MsgType.HEARTBEAT, job_id=self.job_id, sender=self.member_rank, world=self.members).pack()
         sock, dest = self.dsock.sock, self.aggregator
-        while not self._heartbeats_stop.wait(self._heartbeat_every):
+        while True:
             try:
                 sock.sendto(beat, dest)
             except OSError:
                 pass  # a full buffer, an ICMP error: the lapse allows for a few lost
+            if self._heartbeats_stop.wait(self._heartbeat_every):
+                return
 
     def _stop_heartbeats(self) -> None:
         stop = getattr(self, "_heartbeats_stop", None)
@@ -716,27 +684,23 @@ class SwitchClient(Client):
             thread.join(timeout=2.0)
 
     def _on_heartbeat(self, data: bytes) -> None:
-        """An echo: the lapse the aggregator allows now, or 0 when it no
-        longer counts this worker as a member."""
+        """The aggregator answers a heartbeat only when it no longer counts
+        this worker as a member."""
         try:
             h = wire.unpack_header(data)
         except wire.WireError:
             self.stats.dropped_replies += 1
             return
-        if h.sender != self.member_rank:
+        if h.sender != self.member_rank or Heartbeat.from_header(h).lapse_ms:
             self.stats.dropped_replies += 1
             return
-        lapse = Heartbeat.from_header(h).lapse_ms / 1000
-        if lapse == 0:
-            # the aggregator dropped this worker for silence; the other
-            # workers' all-reduces failed when it did
-            self._stop_heartbeats()
-            self._job_ended(AggregationError(
-                f"{self._context()}: the aggregator at {self.address} no longer counts this worker as a member: "
-                f"its heartbeats stopped for longer than the aggregator allows (was the process paused, or its "
-                f"host cut off?), and the other workers were told; start the job's workers again"))
-            return
-        self._heartbeat_every = max(0.02, lapse / HEARTBEATS_PER_LAPSE)
+        # the aggregator dropped this worker for silence; the other
+        # workers' all-reduces failed when it did
+        self._stop_heartbeats()
+        self._job_ended(AggregationError(
+            f"{self._context()}: the aggregator at {self.address} no longer counts this worker as a member: "
+            f"its heartbeats stopped for longer than the aggregator allows (was the process paused, or its "
+            f"host cut off?), and the other workers were told; start the job's workers again"))
 
     def _on_probe(self, data: bytes) -> None:
         if self._probing is None or not self._reqs:

@@ -113,6 +113,9 @@ JOIN = (
     #: restarts: when its connection closes, its open chunks wait for it
     #: to join again (a worker's closed connection fails them at once)
     Field("rack", "int", 0, 1, default=0),
+    #: 1: the worker sends heartbeats if the aggregator wants them (an
+    #: aggregator host in switch mode says so in its JOIN_OK)
+    Field("heartbeats", "int", 0, 1, default=0),
     AUTH,
 )
 

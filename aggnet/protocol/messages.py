@@ -98,26 +98,36 @@ class ProbeOk(_View):
 
 
 @dataclass(frozen=True)
+class JoinHeartbeats(_View):
+    """What an aggregator host in switch mode adds to its JOIN_OK when the
+    JOIN asked for heartbeats (``heartbeats`` in its JSON): the silence it
+    allows a member before the member is gone. A P4 switch leaves the field
+    as the JOIN had it, 0: its workers send none (docs/protocol.md "A
+    worker that dies")."""
+
+    MSG_TYPE: ClassVar[MsgType] = MsgType.JOIN_OK
+    FIELDS: ClassVar[dict[str, str]] = {"lapse_ms": "round"}
+
+    lapse_ms: int = 0
+
+
+@dataclass(frozen=True)
 class Heartbeat(_View):
-    """A worker's heartbeat to an aggregator host in switch mode, and the
-    host's echo (a P4 switch answers none: docs/protocol.md "A worker that
-    dies")."""
+    """A worker's heartbeat to an aggregator host in switch mode (``ref``
+    0), and the host's answer to one from a worker that is not a member of
+    the job (any more): ``ref`` 0 too, so it knows its job went on without
+    it. A member's heartbeat is not answered."""
 
     MSG_TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
-    FIELDS: ClassVar[dict[str, str]] = {"watched": "nsum", "lapse_ms": "ref"}
+    FIELDS: ClassVar[dict[str, str]] = {"lapse_ms": "ref"}
 
-    #: from the worker: 1 once it sends heartbeats for good, and the host may
-    #: judge it by them; 0 while it asks whether the host answers them
-    watched: int = 0
-    #: from the host: the silence it allows a member before the member is
-    #: gone, in ms; 0: the sender is no longer a member (it was silent too long)
     lapse_ms: int = 0
 
 
 #: the views the P4 program writes: its actions are generated from these
 P4_ANSWERS = (JoinOk, ProbeOk)
 
-__all__ = ["JoinOk", "JoinShards", "ProbeOk", "Heartbeat", "P4_ANSWERS"]
+__all__ = ["JoinOk", "JoinShards", "ProbeOk", "JoinHeartbeats", "Heartbeat", "P4_ANSWERS"]
 
 
 

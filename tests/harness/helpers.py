@@ -95,7 +95,9 @@ def _call(fn, rank, args, out, env=None, cwd=None):
 def silent_rank_run(rank, address, job, idle_s: float, size: int, **client_opts):
     """Three workers of which rank 2 joins but never all-reduces: the
     others return the error they got and how long they waited."""
-    with Client(address, job=job, rank=rank, world_size=3, timeout=1.5, **client_opts) as c:
+    # the aggregator names the silent rank at half the timeout, the worker's
+    # own limit comes at the whole: room for a loaded machine between them
+    with Client(address, job=job, rank=rank, world_size=3, timeout=3.0, **client_opts) as c:
         if rank == 2:
             time.sleep(idle_s)
             return "idle"

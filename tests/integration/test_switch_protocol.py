@@ -173,9 +173,12 @@ def _join_and_hang(address, job, ready):
 
 
 def test_a_full_pool_takes_back_the_slice_of_a_job_whose_workers_were_killed():
+    """Workers that send no heartbeats (heartbeats off here, as for a
+    worker of an older aggnet): the pool takes their job's slice back once
+    it has been idle ``--reclaim-idle`` seconds and a new job needs it."""
     import multiprocessing as mp
 
-    agg = switch("--reclaim-idle", "2")
+    agg = switch("--reclaim-idle", "2", "--heartbeat-lapse", "0")
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     dead = ctx.Process(target=_join_and_hang, args=(agg.address, "killed", ready), daemon=True)
@@ -209,12 +212,46 @@ def test_a_full_pool_takes_back_the_slice_of_a_job_whose_workers_were_killed():
 
 def test_a_silent_worker_is_named_by_the_others(aggregator):
     job = f"stall-{uuid.uuid4().hex[:6]}"
-    stall = functools.partial(silent_rank_run, idle_s=4, size=1000, elements=K)
+    stall = functools.partial(silent_rank_run, idle_s=5.5, size=1000, elements=K)
     res = run_workers("udp://", 3, stall, aggregator.address, job, timeout=60)
     for text, waited in res[:2]:
         assert "[2] never sent theirs" in text and job in text and "slot" in text, text
-        assert waited < 4
+        assert waited < 5
     assert res[2] == "idle"
+
+
+def test_a_killed_jobs_slice_is_free_once_its_heartbeats_stop():
+    """With heartbeats the killed job's last member is gone within the
+    lapse, and its slice with it: a new job needs no idle wait."""
+    import multiprocessing as mp
+
+    agg = switch("--reclaim-idle", "300")
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    dead = ctx.Process(target=_join_and_hang, args=(agg.address, "killed", ready), daemon=True)
+    alive = Client(agg.address, job="alive", rank=0, world_size=1, elements=K, slots=256)
+    try:
+        dead.start()
+        assert ready.wait(60), "the worker that is to be killed never joined"
+        dead.kill()  # SIGKILL: no LEAVE
+        dead.join(10)
+        t0 = time.monotonic()
+        while "killed" in query_stats(agg.address)["jobs"]:
+            assert time.monotonic() - t0 < 5, "the killed job kept its slice"
+            time.sleep(0.1)
+        assert time.monotonic() - t0 < 2.5
+        x = np.arange(1000, dtype=np.int32)
+        with Client(agg.address, job="next", rank=0, world_size=1, elements=K, slots=256) as nxt:
+            np.testing.assert_array_equal(nxt.allreduce(x.copy()).result(10), x)
+            stats = query_stats(agg.address)
+        assert set(stats["jobs"]) == {"alive", "next"}
+        assert stats["totals"]["members_disconnected"] == 1 and "jobs_reclaimed" not in stats["totals"]
+        np.testing.assert_array_equal(alive.allreduce(x.copy()).result(10), x)
+    finally:
+        alive.close()
+        if dead.is_alive():
+            dead.kill()
+        agg.stop()
 
 
 def _nan(rank, address, job):

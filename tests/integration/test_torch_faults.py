@@ -75,4 +75,5 @@ def test_ddp_on_the_backend_names_a_killed_worker_within_2s(service_factory, tmp
     assert line.startswith("failed after"), line
     seconds = float(line.split()[2].rstrip("s:"))
     assert seconds < 2, line
-    assert "AggregationTimeout" in line and "rank 1 of job" in line, line
+    # the service names it as the connection closes, or as a round finds it gone
+    assert "AggregationTimeout" in line and ("rank 1 of job" in line or "rank(s) [1]" in line), line
