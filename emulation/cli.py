@@ -18,10 +18,12 @@ from aggnet.progress import Progress
 
 
 def add_arguments(p) -> None:
-    p.add_argument("what", choices=["allreduce", "bench", "bench-ddp", "bench-hybrid", "demo"],
+    p.add_argument("what", choices=["allreduce", "bench", "bench-ddp", "bench-hybrid", "chaos", "demo"],
                    help="allreduce: one all-reduce, checked; bench: aggnet beside gloo, bytes and times; "
                         "bench-ddp: DDP step time with the aggnet hook beside gloo; "
-                        "demo: DDP training, one worker per namespace")
+                        "bench-hybrid: a stage per rack beside data parallelism (--topology); "
+                        "chaos: checked all-reduces while shards are killed, cables pulled and spine links lose "
+                        "packets (--topology); demo: DDP training, one worker per namespace")
     p.add_argument("--topology", default=None, metavar="FILE",
                    help="emulate the racks of this topology file under a spine (allreduce, bench, demo); "
                         "--racks, --workers, --rate, --uplink-rate and --mtu replace what it says")
@@ -63,6 +65,11 @@ def add_arguments(p) -> None:
                    help="bench-ddp: what to time, in one run (aggnet bench-ddp's systems: gloo, aggnet-CODEC, "
                         "aggnet-CODEC-staleS[-predict], compute, comm-CODEC[-buckets|-pipelined]; "
                         "default %(default)s)")
+    p.add_argument("--minutes", type=float, default=2.0,
+                   help="chaos: how long the all-reduces go on (30 for the long form; default %(default)g)")
+    p.add_argument("--every", type=float, default=15.0,
+                   help="chaos: seconds between faults, which take turns (default %(default)g)")
+    p.add_argument("--seed", type=int, default=0, help="chaos: which rack, shard and worker each fault hits")
     p.add_argument("--micro-batches", type=int, default=1, help="bench-hybrid: micro-batches per replica and step")
     p.add_argument("--width", type=int, default=4096, help="bench-ddp: hidden width of the MLP (4096: 25M parameters)")
 
@@ -72,6 +79,10 @@ def main(args) -> int:
         from aggnet.emulation import fabric_cli
 
         return fabric_cli.main(args)
+    if args.what in ("bench-hybrid", "chaos"):
+        print(f"aggnet emulate {args.what} runs across the racks of a topology: add --topology FILE (for "
+              f"example examples/topologies/service-racks.toml)", file=sys.stderr)
+        return 2
     if args.racks is not None or args.uplink_rate is not None:
         print("aggnet emulate: --racks and --uplink-rate shape the racks of a --topology FILE", file=sys.stderr)
         return 2

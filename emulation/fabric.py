@@ -118,15 +118,20 @@ class Fabric(Emulated):
             shape(rack.tor, "uplink", self.plan.uplink_mbit, self.plan.mtu, self.queue_bytes)
             shape(self.spine, spine_end, self.plan.uplink_mbit, self.plan.mtu, self.queue_bytes)
 
-    def start_aggregators(self, start_timeout: float = 60.0) -> None:
+    def start_aggregators(self, start_timeout: float = 60.0, restart: bool = False) -> None:
         """The root on the spine (with two racks or more) and each rack's
-        aggregator host under it, started side by side."""
+        aggregator host under it, started side by side; ``restart``: every
+        service among them restarts a shard that dies (``--restart``)."""
         p = self.plan
+
+        def args(rp):
+            kind = (p.root if rp is None else rp.aggregator).kind
+            return p.serve_args(rp) + (["--restart"] if restart and kind == "service" else [])
+
         # all at once: a rack asks its root only when a job arrives
-        wanted = [(rp.aggregator.address, rack.aggregator.name, p.serve_args(rp))
-                  for rp, rack in zip(p.racks, self.racks)]
+        wanted = [(rp.aggregator.address, rack.aggregator.name, args(rp)) for rp, rack in zip(p.racks, self.racks)]
         if p.root is not None:
-            wanted.append((p.root.address, self.spine, p.serve_args(None)))
+            wanted.append((p.root.address, self.spine, args(None)))
         with ThreadPoolExecutor(len(wanted)) as pool:
             futures = [pool.submit(ServiceProcess, address, prefix=["ip", "netns", "exec", ns], args=args,
                                    start_timeout=start_timeout) for address, ns, args in wanted]

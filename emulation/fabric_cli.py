@@ -19,8 +19,11 @@ from aggnet.progress import Progress
 from aggnet.emulation.netns import EmulationError, free_prefix
 
 DEFAULT_SIZE = "32MiB"
+#: chaos: the all-reduce size and how many make a checked batch
+CHAOS_SIZE = "4MiB"
+CHAOS_REPS = 5
 #: what ``aggnet emulate`` can do across racks (bench-ddp and BMv2 are one-rack runs)
-WHATS = ("allreduce", "bench", "bench-hybrid", "demo")
+WHATS = ("allreduce", "bench", "bench-hybrid", "chaos", "demo")
 
 
 def main(args) -> int:
@@ -36,12 +39,18 @@ def main(args) -> int:
     except (TopologyError, PlanError) as exc:
         print(f"aggnet emulate: {exc}", file=sys.stderr)
         return 2
-    nbytes = parse_size(args.size or DEFAULT_SIZE)
+    nbytes = parse_size(args.size or (CHAOS_SIZE if args.what == "chaos" else DEFAULT_SIZE))
+    if args.what == "chaos" and not (args.minutes > 0 and args.every > 0):
+        print(f"aggnet emulate chaos: --minutes and --every must be positive, got {args.minutes:g} and "
+              f"{args.every:g}", file=sys.stderr)
+        return 2
     try:
         with Fabric(pl, prefix=args.prefix or free_prefix("agf")) as fabric:
-            fabric.start_aggregators()
+            fabric.start_aggregators(restart=args.what == "chaos")
             fabric.wait_reachable()
             fabric.impair(args.drop)
+            if args.what == "chaos":
+                return _chaos(args, pl, fabric, nbytes)
             if args.what == "bench-hybrid":
                 return _bench_hybrid(args, pl, fabric)
             if args.what == "demo":
@@ -129,6 +138,45 @@ def _report_bench(args, pl: Plan, nbytes: int, results: list[dict], drops: dict 
                        "topology": pl.source, "time": time.strftime("%FT%T"), "drops": drops,
                        "records": [{k: v for k, v in r.items() if k not in ("client_stats", "exact")}
                                    for r in results]}, f, indent=1)
+
+
+def _chaos(args, pl: Plan, fabric: Fabric, nbytes: int) -> int:
+    """Checked all-reduces through faults; the report, and 1 when the run
+    failed (a wrong result, a fault that could not be injected, an
+    aggregator that grew)."""
+    from aggnet.emulation import chaos
+
+    print(f"fabric: {pl.shape}, {_links(pl)}; chaos for {args.minutes:g} min, a fault every {args.every:g} s, "
+          f"{format_size(nbytes)} int32 all-reduces in checked batches of {CHAOS_REPS}", flush=True)
+    record = chaos.run(fabric, args.minutes * 60, args.every, nbytes, CHAOS_REPS, seed=args.seed,
+                       on_event=lambda line: print(line, file=sys.stderr, flush=True))
+    record.update({"racks": len(pl.racks), "world": pl.world, "host_mbit": pl.host_mbit,
+                   "uplink_mbit": pl.uplink_mbit, "topology": pl.source, "time": time.strftime("%FT%T")})
+    found = chaos.problems(record)
+    record["problems"], record["unjudged"] = found, chaos.unjudged(record)
+    print(f"{record['allreduces']} all-reduces in {record['seconds']:.0f} s, {record['wrong_results']} wrong; "
+          f"{len(record['faults'])} faults:")
+    for f in record["faults"]:
+        print(f"  {f['what']:<36} {f['seconds']:6.1f} s  {f['counted']}")
+    print("aggregators (supervisor and shards; settled: once every shard it lost was replaced once)")
+    print(f"{'':>10} {'RSS MB start':>12} {'settled':>8} {'end':>7} {'max':>7} {'fds start':>9} {'settled':>8} "
+          f"{'end':>4} {'max':>4}")
+    mb = lambda kb: "-" if kb is None else f"{kb / 1024:.1f}"  # noqa: E731
+    for name, a in record["aggregators"].items():
+        rss, fds = a["rss_kb"], a["fds"]
+        print(f"{name:>10} {mb(rss['start']):>12} {mb(rss['settled']):>8} {mb(rss['end']):>7} {mb(rss['max']):>7} "
+              f"{fds['start']:9d} {'-' if fds['settled'] is None else fds['settled']:>8} {fds['end']:4d} "
+              f"{fds['max']:4d}")
+    late = chaos.unjudged(record)
+    if late:
+        print(f"growth not judged for {', '.join(late)}: not every shard was replaced yet (run longer)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+    for p in found:
+        print(f"aggnet emulate chaos: {p}", file=sys.stderr)
+    print("chaos run: " + ("FAILED" if found else "every all-reduce exact, every fault survived, aggregators flat"))
+    return 1 if found else 0
 
 
 def _bench_hybrid(args, pl: Plan, fabric: Fabric) -> int:
