@@ -33,6 +33,8 @@ MODULE_COMMANDS = (
     ("tune", "aggnet.cli.tune", "pick a sparse table's partition count: Parallax's cost model over measured steps"),
     ("pcap", "aggnet.cli.pcap", "decode the aggnet messages of a packet capture (needs aggnet[pcap])"),
     ("fuzz", "aggnet.cli.fuzz", "send hostile datagrams or messages at an aggregator, then show its drop counters"),
+    ("sim", "aggnet.sim.cli",
+     "predict all-reduce and step times for aggnet and its peers on fabrics of thousands of workers"),
     ("plot", "aggnet.bench.plots", "draw a benchmark's figure from the JSON it wrote (needs aggnet[plot])"),
 )
 

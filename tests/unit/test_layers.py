@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...] | set[str]] = [
     ("aggnet.pipeline",),  # pipelined stages and weight prediction (the stale-gradient hook predicts too)
     ("aggnet.torch", "aggnet.deploy"),
     ("aggnet.parallel",),  # model-parallel stages on the torch pieces
-    {"aggnet.bench", "aggnet.emulation"},
+    {"aggnet.bench", "aggnet.emulation", "aggnet.sim"},
     {"aggnet.cli", "aggnet.demo", "aggnet.__main__"},
 ]
 

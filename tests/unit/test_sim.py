@@ -1,0 +1,114 @@
+"""The simulator's model against what can be derived or counted without
+it: a ring's 2(N-1)/N, the ring edges that leave a rack under random
+placement (counted over random placements), the switch protocol's
+window and loss, the pool's fallback; and the command at 16,384 workers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from aggnet.sim import hardware, model
+
+MiB = 1 << 20
+HW = hardware.load("tofino-100g")
+
+
+def test_a_ring_moves_2_n_minus_1_over_n_and_takes_a_step_latency_per_step():
+    shape = model.Shape(4, 8)
+    p = model.predict("ring", HW, shape, 64 * MiB)
+    wire = 2 * 31 / 32 * 64 * MiB / (HW.tcp_efficiency() * HW.host_rate)
+    assert p.terms["host link"] == pytest.approx(wire)
+    assert p.terms["latency"] == pytest.approx(2 * 31 * HW.step_latency)
+    assert p.seconds == pytest.approx(max(p.terms["host link"], p.terms["uplink"]) + p.terms["latency"])
+
+
+def test_random_placement_crossings_match_a_count_over_random_rings():
+    shape = model.Shape(4, 5)
+    rng = np.random.default_rng(0)
+    counts = []
+    for _ in range(4000):
+        order = rng.permutation(shape.workers)
+        rack = order // shape.workers_per_rack  # rack of each position in the ring
+        counts.append(np.sum((rack == 0) & (np.roll(rack, -1) != 0)))
+    assert np.mean(counts) == pytest.approx(model.ring_crossings(shape, rack_aware=False), rel=0.03)
+    assert model.ring_crossings(shape, rack_aware=True) == 1
+    assert model.ring_crossings(model.Shape(1, 8), rack_aware=False) == 0
+
+
+def test_the_switch_sends_s_once_whatever_the_worker_count_and_the_ring_does_not():
+    ours = [model.predict("aggnet-switch", HW, model.Shape(n // 32, 32), 100 * MiB).seconds for n in (1024, 16384)]
+    ring = [model.predict("ring", HW, model.Shape(n // 32, 32), 100 * MiB).seconds for n in (1024, 16384)]
+    assert ours[0] == pytest.approx(ours[1])
+    assert ring[1] > 5 * ring[0]  # 2(N-1) step latencies
+    # without step latency the ring is 2 (N-1)/N S over its link, the switch S over its own
+    flat = HW.replace(step_latency=0.0)
+    r = model.predict("ring", flat, model.Shape(512, 32), 100 * MiB).seconds
+    s = model.predict("aggnet-switch", flat, model.Shape(512, 32), 100 * MiB).seconds
+    assert r / s == pytest.approx(2 * HW.switch_efficiency() / HW.tcp_efficiency(), rel=0.01)
+
+
+def test_an_oversubscribed_uplink_slows_the_switch_only_past_one_host_link():
+    at = {o: model.predict("aggnet-switch", HW, model.Shape(8, 32, oversubscription=o), 64 * MiB) for o in (4, 64)}
+    assert at[4].bottleneck == "host link"  # the uplink carries S: 32 links over 4 still beat one
+    assert at[64].bottleneck == "uplink" and at[64].seconds == pytest.approx(2 * at[4].seconds, rel=0.01)
+    ring = {o: model.predict("ring", HW, model.Shape(8, 32, oversubscription=o), 64 * MiB) for o in (1, 4)}
+    assert ring[4].seconds > ring[1].seconds
+
+
+def test_a_small_window_or_loss_makes_the_switch_wait_on_round_trips():
+    small = HW.replace(switch_window=4)
+    p = model.predict("aggnet-switch", small, model.Shape(2, 8), 64 * MiB)
+    assert p.bottleneck == "window"
+    lossy = model.predict("aggnet-switch", small, model.Shape(2, 8, loss=0.01), 64 * MiB)
+    rtt = p.terms["latency"]
+    lost = 1 - 0.99 ** 4
+    assert lossy.terms["window"] / p.terms["window"] == pytest.approx((rtt + lost * HW.rto) / rtt, rel=1e-6)
+
+
+def test_jobs_past_the_pool_fall_back_to_the_racks_hosts():
+    shape = model.Shape(4, 8)
+    fits = HW.switch_pool // HW.switch_window
+    inside, past = model.shared_pool(HW, shape, 16 * MiB, fits), model.shared_pool(HW, shape, 16 * MiB, fits + 1)
+    assert (inside["on_switch"], inside["fallback"]) == (fits, 0)
+    assert (past["on_switch"], past["fallback"]) == (fits, 1)
+    assert max(past["seconds"]) > max(inside["seconds"])
+
+
+def test_hardware_files_start_from_a_preset_and_name_bad_fields(tmp_path):
+    f = tmp_path / "hw.json"
+    f.write_text(json.dumps({"base": "tofino2-400g", "name": "lab", "switch_window": 64,
+                             "sources": {"switch_window": "measured"}}))
+    hw = hardware.load(str(f), {"rto": 0.005})
+    assert (hw.name, hw.switch_window, hw.rto, hw.host_rate) == ("lab", 64, 0.005, 400 * hardware.GBIT)
+    assert hw.sources["switch_window"] == "measured" and "host_rate" in hw.sources
+    with pytest.raises(ValueError, match="unknown hardware parameter"):
+        hardware.load("tofino-100g", {"window": 3})
+    with pytest.raises(ValueError, match="no hardware preset or parameter file"):
+        hardware.load(str(tmp_path / "missing.json"))
+
+
+def test_the_command_predicts_16384_workers_at_once_and_refuses_bad_input(tmp_path):
+    out = tmp_path / "sim.json"
+    r = subprocess.run([sys.executable, "-m", "aggnet", "sim", "--json", str(out)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(out.read_text())
+    assert [row["workers"] for row in rec["rows"]] == [1024, 2048, 4096, 8192, 16384]
+    assert "16384" in r.stdout and "ring/aggnet" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "aggnet", "sim", "--workers", "1000"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "whole racks of 32" in bad.stderr
+
+
+def test_the_command_draws_its_plots(tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need aggnet[plot]")
+    r = subprocess.run([sys.executable, "-m", "aggnet", "sim", "--workers", "64,128", "--workers-per-rack", "16",
+                        "--plot", str(tmp_path / "sim")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for name in ("sim-time.png", "sim-jobs.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
