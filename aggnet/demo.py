@@ -15,6 +15,7 @@ Under torchrun the same training runs with env:// rendezvous::
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
@@ -170,14 +171,42 @@ def _spawned(rank: int, world: int, port: int, args, mode: str, report) -> None:
     try:
         train(rank, world, args, mode, report)
         dist.barrier()  # as in _torchrun: nobody tears down while others talk
-    except AggnetError as exc:
+    except Exception as exc:
+        text = _failure(exc)
+        if text is None:
+            raise
         # one line, not a traceback from every process
-        print(f"aggnet demo, rank {rank}: {exc}{_hint(args, str(exc))}", file=sys.stderr, flush=True)
+        print(f"aggnet demo, rank {rank}: {text}{_hint(args, text)}", file=sys.stderr, flush=True)
         os._exit(1)  # the process group's other ranks are stopped by the parent
     except KeyboardInterrupt:
         os._exit(130)  # Ctrl-C reached every worker: the parent says so once
     finally:
         dist.destroy_process_group()
+
+
+def _failure(exc: BaseException) -> str | None:
+    """The aggnet error behind ``exc``, as one line: itself, what caused it,
+    or the one that torch names in a RuntimeError's text (a comm hook's
+    error reaches ``backward()`` through torch's futures as text: "Got the
+    following error when running the callback: NonFiniteError: ...").
+    None: not aggnet's."""
+    import inspect
+    import re
+
+    from aggnet import errors
+
+    seen, chain = exc, set()
+    while seen is not None and id(seen) not in chain:
+        if isinstance(seen, AggnetError):
+            return str(seen)
+        chain.add(id(seen))
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(exc, RuntimeError):
+        names = [n for n, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, AggnetError)]
+        m = re.search(r"\b(" + "|".join(names) + r"): (.+)", str(exc))
+        if m:
+            return f"{m.group(1)}: {m.group(2).strip()}"
+    return None
 
 
 def _amount(nbytes: float) -> str:
@@ -207,6 +236,9 @@ def _run(args, mode: str) -> dict:
 
     ctx = mp.get_context("spawn")
     report = ctx.Queue()
+    # a failed worker says why in one line; torch's note that it stops the
+    # others is noise to the user
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         mp.start_processes(_spawned, args=(args.workers, _free_port(), args, mode, report), nprocs=args.workers,
                            start_method="spawn")
@@ -252,8 +284,11 @@ def _torchrun(args) -> int:
         # rank 0 hosts the rendezvous store: no rank tears its groups down
         # while another still talks to it (an abort at exit otherwise)
         dist.barrier()
-    except AggnetError as exc:
-        print(f"aggnet demo, rank {dist.get_rank()}: {exc}{_hint(args, str(exc))}", file=sys.stderr, flush=True)
+    except Exception as exc:
+        text = _failure(exc)
+        if text is None:
+            raise
+        print(f"aggnet demo, rank {dist.get_rank()}: {text}{_hint(args, text)}", file=sys.stderr, flush=True)
         os._exit(1)  # torchrun stops the other ranks
     except KeyboardInterrupt:
         os._exit(130)  # Ctrl-C: torchrun says what stopped

@@ -17,13 +17,15 @@ def _enabled() -> bool:
 
 class Progress:
     """``total`` steps of ``what``; ``step(note)`` after each. A context
-    manager: the bar goes away at the end, errors pass through."""
+    manager: the bar goes away at the end, errors pass through. ``bar=False``
+    prints lines on a terminal too (a worker process under a command that
+    draws its own bar)."""
 
-    def __init__(self, what: str, total: int):
+    def __init__(self, what: str, total: int, bar: bool = True):
         self.what, self.total, self.done = what, max(int(total), 1), 0
         self._t0 = time.monotonic()
         self._bar = self._task = None
-        if _enabled() and sys.stderr.isatty():
+        if bar and _enabled() and sys.stderr.isatty():
             try:
                 from rich.progress import BarColumn, Progress as Bar, TextColumn, TimeElapsedColumn
             except ImportError:  # a line per step instead

@@ -38,7 +38,8 @@ def add_arguments(p) -> None:
                         "with --topology; agnb, agnc... while another run holds it)"),
     p.add_argument("--size", default=None, help="all-reduce size (allreduce, bench; default 16MiB, 32MiB with "
                                                 "--topology)")
-    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--reps", type=int, default=1,
+                   help="all-reduces per system (allreduce, bench; the median is reported; default %(default)s)")
     p.add_argument("--drop", type=float, default=0.0, help="random drop probability of aggregation datagrams")
     p.add_argument("--duplicate", type=float, default=0.0, help="random duplication probability")
     p.add_argument("--epochs", type=int, default=3, help="demo epochs")
@@ -127,7 +128,7 @@ def main(args) -> int:
                 with Progress(f"aggnet emulate {args.what}", len(systems)) as progress:
                     for s in systems:
                         results.append(rack_runs.run_system(rack, s, nbytes, args.reps, switch=switch,
-                                                            aggregator_pids=pids, **extra))
+                                                            aggregator_pids=pids, progress=args.reps > 1, **extra))
                         progress.step(f"{s}: {args.reps} x {format_size(nbytes)}")
                 impaired = rack.impairment_counts() if (args.drop or args.duplicate) else None
                 if bmv2:

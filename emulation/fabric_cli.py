@@ -59,13 +59,14 @@ def main(args) -> int:
                                      on_line=lambda line: print(line, flush=True))
                 return 0
             if args.what == "allreduce":
-                result = fabric_runs.run_system(fabric, "aggnet", nbytes, args.reps, dtype="int32")
+                result = fabric_runs.run_system(fabric, "aggnet", nbytes, args.reps, dtype="int32",
+                                                progress=args.reps > 1)
                 drops = fabric.impairment_counts() if args.drop else None
                 return _report_allreduce(pl, nbytes, args.reps, result, drops)
             results = []
             with Progress("aggnet emulate bench", 2) as progress:
                 for s in ("aggnet", "gloo"):
-                    results.append(fabric_runs.run_system(fabric, s, nbytes, args.reps))
+                    results.append(fabric_runs.run_system(fabric, s, nbytes, args.reps, progress=args.reps > 1))
                     progress.step(f"{s}: {args.reps} x {format_size(nbytes)}")
             drops = fabric.impairment_counts() if args.drop else None
     except EmulationError as exc:

@@ -29,11 +29,12 @@ def _env(extra: dict | None = None) -> dict:
 
 
 def run_system(fabric: Fabric, system: str, nbytes: int, reps: int = 1, *, dtype: str = "float32",
-               timeout: float = 1800) -> dict:
+               timeout: float = 1800, progress: bool = False) -> dict:
     """One all-reduce system on every worker of every rack; the time per
     repetition (slowest worker), each worker's checksums (and, for int32,
     whether its result is the exact sum) and the bytes every rack's uplink
-    moved per all-reduce, each way."""
+    moved per all-reduce, each way. ``progress``: rank 0 prints a line per
+    repetition as it goes."""
     from aggnet.bench.cpu import per_gb
 
     workers = fabric.workers
@@ -48,7 +49,9 @@ def run_system(fabric: Fabric, system: str, nbytes: int, reps: int = 1, *, dtype
                "--bytes", str(nbytes), "--reps", str(reps), "--master", master, "--job", job, "--dtype", dtype]
         if system == "aggnet":
             cmd += ["--topology", fabric.topology_path]
-        procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        shown = progress and rank == 0
+        procs.append(rack.popen(h, cmd + (["--progress"] if shown else []), env=env, stdout=subprocess.PIPE,
+                                stderr=None if shown else subprocess.PIPE, text=True))
     outs = collect(procs, timeout, f"{system} all-reduce across racks")
     after = fabric.uplink_counters()
     times = [max(o["times"][i] for o in outs) for i in range(reps)]

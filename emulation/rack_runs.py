@@ -58,20 +58,23 @@ def collect(procs: list, timeout: float, what: str) -> list[dict]:
         if p.returncode != 0:
             for q in procs:
                 q.kill()
-            raise EmulationError(f"a {what} worker failed ({p.returncode}): {err.strip()[-2000:]}")
+            said = err.strip()[-2000:] if err else "its error is above"
+            raise EmulationError(f"a {what} worker failed ({p.returncode}): {said}")
         outs.append(json.loads(out.strip().splitlines()[-1]))
     return outs
 
 
 def run_system(rack: Rack, system: str, nbytes: int, reps: int, *, address: str | None = None,
                elements: int | None = None, slots: int | None = None, timeout: float = 1800,
-               switch: "RackSwitch | None" = None, aggregator_pids: list | None = None) -> dict:
+               switch: "RackSwitch | None" = None, aggregator_pids: list | None = None,
+               progress: bool = False) -> dict:
     """Run one all-reduce system on every worker of the rack; return the
     per-repetition time (slowest worker), the results' checksums, the
     bytes each worker's interface moved per all-reduce, and CPU-seconds per
     GB of buffer: each worker's over its timed all-reduces (averaged), and
     the aggregator's (``aggregator_pids`` and their children) over the
-    whole run, joins and barriers included."""
+    whole run, joins and barriers included. ``progress``: rank 0 prints a
+    line per repetition as it goes."""
     from aggnet.bench.cpu import per_gb, tree_cpu_seconds
 
     world = len(rack.workers)
@@ -94,7 +97,9 @@ def run_system(rack: Rack, system: str, nbytes: int, reps: int, *, address: str 
         cmd = [sys.executable, "-m", "aggnet.emulation.worker", system, "--rank", str(rank), "--world", str(world),
                "--bytes", str(nbytes), "--reps", str(reps), "--master", f"{rack.workers[0].ip}:29500",
                "--job", job]
-        procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        shown = progress and rank == 0
+        procs.append(rack.popen(h, cmd + (["--progress"] if shown else []), env=env, stdout=subprocess.PIPE,
+                                stderr=None if shown else subprocess.PIPE, text=True))
     outs = collect(procs, timeout, f"{system} all-reduce")
     agg_cpu = tree_cpu_seconds(aggregator_pids) - agg0 if agg0 is not None else None
     after = rack.counters()
@@ -129,7 +134,9 @@ def run_ddp_bench(rack: Rack, steps: int, width: int, systems: str = "gloo,aggne
         cmd = [sys.executable, "-m", "aggnet.bench.ddp", "--rank", str(rank), "--world", str(world),
                "--master", f"{rack.workers[0].ip}:29502", "--steps", str(steps), "--width", str(width),
                "--systems", systems, "--batch", str(batch)]
-        procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        # rank 0's progress (a line per system) reaches the user as it happens
+        procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, text=True,
+                                stderr=None if rank == 0 else subprocess.PIPE))
     recs = collect(procs, timeout, "DDP benchmark")
     got = [(rec["rank"], rec["parameters"], rec["times"], rec.get("cpu", {})) for rec in recs]
     names = [s.strip() for s in systems.split(",") if s.strip()]

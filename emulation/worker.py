@@ -51,8 +51,14 @@ def main(argv=None) -> int:
     p.add_argument("--topology", default=None, help="aggnet: find this rank's rack aggregator in this file")
     p.add_argument("--dtype", choices=["float32", "int32"], default="float32",
                    help="int32: check the result bit for bit against the sum")
+    p.add_argument("--progress", action="store_true", help="a line per repetition on standard error")
     args = p.parse_args(argv)
+    from contextlib import nullcontext
+
     from aggnet.bench.cpu import own_cpu_seconds
+    from aggnet.progress import Progress
+
+    shown = Progress(f"  {args.system} all-reduce", args.reps, bar=False) if args.progress else nullcontext()
 
     n = args.bytes // 4
     times, sums = [], []
@@ -63,7 +69,7 @@ def main(argv=None) -> int:
         from aggnet import Client
 
         where = ({"topology": args.topology} if args.topology else {"world_size": args.world})
-        with Client(job=args.job, rank=args.rank, **where) as c:
+        with Client(job=args.job, rank=args.rank, **where) as c, shown as progress:
             for _ in range(args.reps):
                 x = _data(args.rank, n, args.dtype)
                 _barrier_aggnet(c)
@@ -74,6 +80,8 @@ def main(argv=None) -> int:
                 sums.append(float(np.sum(x, dtype=np.float64)))
                 if args.dtype == "int32":
                     exact = bool(np.array_equal(x, _expected(args.world, n))) and exact is not False
+                if progress is not None:
+                    progress.step(f"{times[-1]:.3f} s")
             stats = dict(c.stats.__dict__)
             for name in ("io", "elements", "slots"):  # the switch path's batching and packet size
                 if hasattr(c, name):
@@ -84,16 +92,19 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world)
-        for _ in range(args.reps):
-            x = torch.from_numpy(_data(args.rank, n, args.dtype))
-            dist.barrier()
-            c0, t0 = own_cpu_seconds(), time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - t0)
-            cpu += own_cpu_seconds() - c0
-            sums.append(float(x.double().sum()))
-            if args.dtype == "int32":
-                exact = bool(np.array_equal(x.numpy(), _expected(args.world, n))) and exact is not False
+        with shown as progress:
+            for _ in range(args.reps):
+                x = torch.from_numpy(_data(args.rank, n, args.dtype))
+                dist.barrier()
+                c0, t0 = own_cpu_seconds(), time.perf_counter()
+                dist.all_reduce(x)
+                times.append(time.perf_counter() - t0)
+                cpu += own_cpu_seconds() - c0
+                sums.append(float(x.double().sum()))
+                if args.dtype == "int32":
+                    exact = bool(np.array_equal(x.numpy(), _expected(args.world, n))) and exact is not False
+                if progress is not None:
+                    progress.step(f"{times[-1]:.3f} s")
         dist.destroy_process_group()
     print(json.dumps({"rank": args.rank, "times": times, "cpu_s": cpu, "checksums": sums, "stats": stats,
                       "exact": exact, "pid": os.getpid()}), flush=True)

@@ -195,8 +195,8 @@ def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
     x = torch.randn(args.batch, 1024, device=device)
     y = torch.randn(args.batch, 1024, device=device)
     results, cpu, client_stats = {}, {}, {}
-    # rank 0 of a local run shows it (a rack's workers print JSON only)
-    with Progress("aggnet bench-ddp", len(systems)) if rank == 0 and out is not None else nullcontext() as progress:
+    # rank 0 shows it, on standard error (a rack's workers print JSON on standard output)
+    with Progress("aggnet bench-ddp", len(systems)) if rank == 0 else nullcontext() as progress:
         for system in systems:
             results[system], cpu[system], stats = _time_system(system, model, x, y, args, rank, world, port)
             if stats is not None:

@@ -45,6 +45,7 @@ import uuid
 import numpy as np
 
 from aggnet.bench.allreduce import _system_info, spawn_workers
+from aggnet.progress import Progress
 
 SYSTEMS = ("aggnet-ps", "aggnet-allreduce", "gloo-sparse", "dense")
 #: systems run unless --systems says otherwise (all of them)
@@ -322,6 +323,7 @@ def main(args) -> int:
     print("bytes per worker and step = sent + received; aggnet: the sparse client's payload counters; gloo: bytes "
           "written to sockets during the table's all-reduce (/proc/self/io wchar) x 2")
     records = []
+    progress = Progress("aggnet bench-sparse", len(worlds))
     for world in worlds:
         run_dir = f"/tmp/aggnet-bench-sparse-{uuid.uuid4().hex[:8]}"
         os.makedirs(run_dir, exist_ok=True)
@@ -331,6 +333,7 @@ def main(args) -> int:
                 per_rank = spawn_workers(_worker, world, (cfg, service.address), cfg["run_timeout"],
                                          "aggnet bench-sparse", "; try fewer --rows, --steps or --alphas")
             except RuntimeError as exc:
+                progress.close()
                 print(exc, file=sys.stderr)
                 return 1
         finally:
@@ -356,6 +359,8 @@ def main(args) -> int:
                     "colocated_model_bytes_per_worker": (4 * row_bytes * rows_one * (world - 1) / world
                                                          if system == "aggnet-ps" else None),
                     "steps": args.steps, "warmup": args.warmup})
+        progress.step(f"{world} workers: {len(systems)} system(s) x {len(alphas)} alpha(s)")
+    progress.close()
     ratios = _print(records, row_bytes)
     if args.json:
         with open(args.json, "w") as f:

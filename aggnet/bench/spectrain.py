@@ -31,7 +31,9 @@ FEATURES, CLASSES = 32, 10
 
 
 def add_arguments(p) -> None:
-    p.add_argument("what", choices=["prediction", "modes", "stale"])
+    p.add_argument("what", choices=["prediction", "modes", "stale"],
+                   help="prediction: the weight predictor's error; modes: the pipeline's modes side by side; "
+                        "stale: stale-gradient data parallelism beside synchronous")
     p.add_argument("--seeds", type=int, default=5, help="seeds per configuration (default %(default)s)")
     p.add_argument("--steps", type=int, default=None,
                    help="training steps (default: 400 for prediction, 2000 for modes, 1000 for stale)")

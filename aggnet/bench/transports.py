@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from aggnet.client.config import format_size, parse_size
+from aggnet.progress import Progress
 
 WINDOW = 4
 
@@ -111,11 +112,14 @@ def main(args) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     volume = parse_size(args.volume)
     records = []
-    for scheme in [t.strip() for t in args.transports.split(",") if t.strip()]:
-        try:
-            records += run_transport(scheme, sizes, volume, args.reps)
-        except ImportError as exc:
-            print(f"skipping {scheme}: {exc}")
+    schemes = [t.strip() for t in args.transports.split(",") if t.strip()]
+    with Progress("aggnet bench-transport", len(schemes)) as progress:
+        for scheme in schemes:
+            try:
+                records += run_transport(scheme, sizes, volume, args.reps)
+            except ImportError as exc:
+                print(f"skipping {scheme}: {exc}")
+            progress.step(scheme)
     by = {(r["transport"], r["bytes"]): r["median_gb_per_s"] for r in records}
     schemes = list(dict.fromkeys(r["transport"] for r in records))
     print(f"{'size':>8} " + " ".join(f"{s + ' GB/s':>14}" for s in schemes)

@@ -30,6 +30,7 @@ import numpy as np
 from aggnet.bench.cpu import own_cpu_seconds, tree_cpu_seconds
 
 from aggnet.client.config import format_size, parse_size
+from aggnet.progress import Progress
 
 SOL_UDP, UDP_SEGMENT, UDP_GRO = 17, 103, 104
 
@@ -162,16 +163,21 @@ def main(args) -> int:
     nbytes = parse_size(args.size)
     ios = [None] if args.io == "auto" else [m.strip() for m in args.io.split(",")]
     records = []
-    for k in [int(e) for e in args.elements.split(",")]:
-        size = HEADER_SIZE + 4 * k
-        raw = raw_loop(size, False, args.seconds, HEADER_SIZE)
-        gso = raw_loop(size, True, args.seconds, HEADER_SIZE)
-        records += [raw, gso]
-        for io in ios:
-            ours = aggnet_client(k, nbytes, args.reps, io, args.shards)
-            ours["ratio_to_raw"] = ours["buffer_bytes_per_s"] / raw["buffer_bytes_per_s"]
-            ours["ratio_to_raw_gso"] = ours["buffer_bytes_per_s"] / gso["buffer_bytes_per_s"]
-            records.append(ours)
+    ks = [int(e) for e in args.elements.split(",")]
+    with Progress("aggnet bench-udp", len(ks) * (2 + len(ios))) as progress:
+        for k in ks:
+            size = HEADER_SIZE + 4 * k
+            raw = raw_loop(size, False, args.seconds, HEADER_SIZE)
+            progress.step(f"raw loop, {k} values")
+            gso = raw_loop(size, True, args.seconds, HEADER_SIZE)
+            progress.step(f"raw GSO loop, {k} values")
+            records += [raw, gso]
+            for io in ios:
+                ours = aggnet_client(k, nbytes, args.reps, io, args.shards)
+                ours["ratio_to_raw"] = ours["buffer_bytes_per_s"] / raw["buffer_bytes_per_s"]
+                ours["ratio_to_raw_gso"] = ours["buffer_bytes_per_s"] / gso["buffer_bytes_per_s"]
+                records.append(ours)
+                progress.step(f"aggnet {ours['io']}, {k} values: {ours['buffer_bytes_per_s'] / 1e6:.0f} MB/s")
     print(f"buffer bytes per second (raw loops: payload received one way, the ceiling; aggnet: a "
           f"{format_size(nbytes)} float32 all-reduce, every byte up and back down)")
     print(f"{'system':>8} {'io':>6} {'values':>6} {'datagram':>9} {'MB/s':>8} {'/raw':>6} {'/raw-gso':>8} "

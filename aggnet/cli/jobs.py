@@ -21,15 +21,15 @@ from aggnet.protocol import keys
 def add_arguments(p) -> None:
     sub = p.add_subparsers(dest="job_command", required=True)
     c = sub.add_parser("create", help="make a job's key (added to the aggregator's keys file)")
-    c.add_argument("name")
+    c.add_argument("name", help="the job's name, as its workers give it (job=..., AGGNET_JOB)")
     c.add_argument("--keys", required=True, metavar="FILE", help="the keys file of `aggnet serve --keys`")
     c.add_argument("--replace", action="store_true",
                    help="replace the job's key if it has one (its running workers are then refused)")
     s = sub.add_parser("show", help="print a job's key (for more workers of a job that has one)")
-    s.add_argument("name")
-    s.add_argument("--keys", required=True, metavar="FILE")
+    s.add_argument("name", help="the job's name")
+    s.add_argument("--keys", required=True, metavar="FILE", help="the keys file of `aggnet serve --keys`")
     a = sub.add_parser("admin", help="make the admin key (reads every job's counters)")
-    a.add_argument("--keys", required=True, metavar="FILE")
+    a.add_argument("--keys", required=True, metavar="FILE", help="the keys file of `aggnet serve --keys`")
     k = sub.add_parser("curve-keys", help="make the service's CURVE key pair (zmq+tcp encryption)")
     k.add_argument("file", help="where the pair goes (mode 0600; give it to --curve-secret-file)")
 

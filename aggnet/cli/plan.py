@@ -27,7 +27,7 @@ def add_arguments(p) -> None:
                    help="one sample's shape, comma-separated, when the factory returns only the model")
     p.add_argument("--host-mbit", type=float, default=None, help="worker link rate (default: the file's [links])")
     p.add_argument("--uplink-mbit", type=float, default=None, help="rack uplink rate (default: the file's [links])")
-    p.add_argument("--mtu", type=int, default=None)
+    p.add_argument("--mtu", type=int, default=None, help="the links' MTU (default: the topology's, else 9000)")
     p.add_argument("--memory-limit", default=None, help="most memory a stage may hold, e.g. 2GiB")
     p.add_argument("--json", default=None, help="also write the plan here")
 

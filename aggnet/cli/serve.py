@@ -75,7 +75,8 @@ def add_arguments(s) -> None:
                         "lifetime)")
     s.add_argument("--lock-file", default=None, metavar="PATH",
                    help="hold an exclusive lock on PATH while serving, and remove it (and --keys) at exit")
-    s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="what the aggregator logs on standard error (default %(default)s)")
 
 
 def _serves_others(host: str) -> bool:

@@ -65,6 +65,21 @@ def test_demo_against_a_keyed_service_says_to_name_the_job_in_one_line(tmp_path)
     assert r.stderr.strip().endswith("aggnet demo: a worker failed; its error is above")
 
 
+def test_a_diverging_run_names_the_nan_in_one_line_per_rank():
+    """A learning rate that overflows the weights: the int32 codec cannot
+    quantize NaN/Inf, and each rank says so in one line. The hook's error
+    reaches backward() inside torch's RuntimeError; the demo finds it there."""
+    r = subprocess.run([sys.executable, "-m", "aggnet", "demo", "--epochs", "1", "--codec", "int32", "--lr", "1e38",
+                        "--hidden", "64"], capture_output=True, text=True, timeout=300, env=_env())
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert "Traceback" not in r.stderr and "Terminating process" not in r.stderr, r.stderr[-3000:]
+    failed = [line for line in lines if line.startswith("aggnet demo, rank")]
+    assert failed and all("NonFiniteError: " in line and "NaN/Inf" in line for line in failed), lines
+    assert lines[-1] == "aggnet demo: a worker failed; its error is above"
+    assert len(lines) == len(failed) + 1, lines
+
+
 def test_ctrl_c_stops_the_demo_with_one_line_and_no_traceback():
     """A terminal's Ctrl-C reaches every process of the foreground group:
     the parent and its workers."""
