@@ -92,6 +92,12 @@ class Connection(ABC):
         where the transport can tell; [] otherwise."""
         return []
 
+    def refused(self) -> dict[int, str]:
+        """Endpoints whose security handshake failed, and why in words a
+        user can act on (a missing or wrong key); no wait makes those
+        answer. {} where the transport cannot tell."""
+        return {}
+
     @abstractmethod
     def close(self) -> None: ...
 

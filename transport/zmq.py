@@ -217,6 +217,12 @@ class ZmqListener(Listener):
                 pass
 
 
+#: a connection's security handshake failed: a missing or wrong CURVE key
+#: (ZeroMQ retries for ever; the worker should hear it at once)
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
 class ZmqConnection(Connection):
     def __init__(self, addrs: Sequence[Address], curve: Curve | None = None):
         self.addresses = list(addrs)
@@ -247,10 +253,12 @@ class ZmqConnection(Connection):
         # once and can join the shard's successor on the same address
         self._monitors = {}
         for i, s in enumerate(self._socks):
-            m = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            m = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
             self._monitors[m] = i
             self._poller.register(m, zmq.POLLIN)
         self._gone: set[int] = set()
+        self._refused: dict[int, str] = {}
+        self._curve = curve is not None
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller.register(self._wake_fd, zmq.POLLIN)
         self._ready: collections.deque[Incoming] = collections.deque()
@@ -290,10 +298,30 @@ class ZmqConnection(Connection):
     def _drain_monitor(self, monitor) -> None:
         while True:
             try:
-                recv_monitor_message(monitor, zmq.NOBLOCK)
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.ZMQError:
                 return
-            self._gone.add(self._monitors[monitor])
+            i = self._monitors[monitor]
+            if event["event"] & _HANDSHAKE_FAILED:
+                self._refused[i] = self._why_refused(event["event"])
+            else:
+                self._gone.add(i)
+
+    def _why_refused(self, event: int) -> str:
+        # the event's kind races with the peer closing: what this side
+        # brought (a key or none) says more
+        if not self._curve:
+            return ("its security handshake failed: the service encrypts with CURVE (--curve-secret-file) and "
+                    "this worker does not: give it the service's public key (server_key=..., AGGNET_SERVER_KEY, "
+                    "printed by `aggnet job curve-keys`)")
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            return ("its security handshake failed: this worker encrypts with CURVE and the service does not "
+                    "(it runs without --curve-secret-file): unset server_key / AGGNET_SERVER_KEY")
+        return ("its CURVE handshake failed: this worker's server key is not the service's public key; use the "
+                "one `aggnet job curve-keys` printed for it (server_key=..., AGGNET_SERVER_KEY)")
+
+    def refused(self) -> dict[int, str]:
+        return dict(self._refused)
 
     def gone(self) -> list[int]:
         out = sorted(self._gone)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from aggnet.errors import AggnetError, AggregationError, AggregationTimeout, JobMismatch
+from aggnet.errors import AggnetError, AggregationError, AggregationTimeout, AggregatorUnreachable, JobMismatch
 from aggnet.protocol import wire
 from aggnet.protocol.wire import ErrorCode, Header, MsgType
 from aggnet.transport import TransportError
@@ -82,6 +82,11 @@ def request_reply(conn, endpoints: list[int], header: Header, payload, want: Msg
                         pass  # no connection yet (or a refused handshake): the deadline decides
             next_send = time.monotonic() + RESEND_INTERVAL
         got = next_message(conn, min(RESEND_INTERVAL, deadline - now))
+        refused = {e: why for e, why in conn.refused().items() if e in endpoints and e not in replies}
+        if refused:
+            # no wait makes a missing or wrong key work: say so now
+            e, why = next(iter(refused.items()))
+            raise AggregatorUnreachable(f"{where(e)}: {why}")
         if got is None:
             continue
         msg, h = got

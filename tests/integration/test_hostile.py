@@ -303,8 +303,16 @@ def test_curve_protects_a_tcp_service():
         assert all(isinstance(b, np.ndarray) and (b == 3).all() for b in r), r
         from aggnet.errors import AggregatorUnreachable
 
-        with pytest.raises(AggregatorUnreachable, match="needs its public key .*AGGNET_SERVER_KEY"):
-            Client(svc.address, job=_job(), rank=0, world_size=1, connect_timeout=2)
+        # at once, not after the connect timeout: no wait makes a missing or wrong key work
+        t0 = time.monotonic()
+        with pytest.raises(AggregatorUnreachable, match="encrypts with CURVE .* AGGNET_SERVER_KEY"):
+            Client(svc.address, job=_job(), rank=0, world_size=1, connect_timeout=30)
+        assert time.monotonic() - t0 < 10
+        wrong = make_curve_keys(path + "-other")
+        t0 = time.monotonic()
+        with pytest.raises(AggregatorUnreachable, match="server key is not the service's public key"):
+            Client(svc.address, job=_job(), rank=0, world_size=1, connect_timeout=30, server_key=wrong)
+        assert time.monotonic() - t0 < 10
 
 
 # -- faults ---------------------------------------------------------------------------------
