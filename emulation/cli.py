@@ -43,9 +43,10 @@ def add_arguments(p) -> None:
     p.add_argument("--drop", type=float, default=0.0, help="random drop probability of aggregation datagrams")
     p.add_argument("--duplicate", type=float, default=0.0, help="random duplication probability")
     p.add_argument("--epochs", type=int, default=3, help="demo epochs")
-    p.add_argument("--codec", default="float32", choices=["float32", "int32"],
-                   help="demo: how gradients travel (default %(default)s; a rack's switch protocol adds int32, so "
-                        "float32 is quantized on the way and fp16/bf16 cannot travel it)")
+    p.add_argument("--codec", default="float32", choices=["float32", "int32", "fp16", "bf16"],
+                   help="demo: how gradients travel (default %(default)s). The switch protocol (one rack, "
+                        "host-switch racks) adds int32: float32 is quantized on the way, fp16/bf16 cannot travel it; "
+                        "service racks (--topology examples/topologies/service-racks.toml) carry all four")
     p.add_argument("--json", default=None, help="bench: write the records here")
     p.add_argument("--switch", choices=["host", "bmv2"], default="host",
                    help="host: a Linux bridge ToR and an aggregator host in switch mode (link N x rate); "
@@ -83,6 +84,11 @@ def main(args) -> int:
     if args.what in ("bench-hybrid", "chaos"):
         print(f"aggnet emulate {args.what} runs across the racks of a topology: add --topology FILE (for "
               f"example examples/topologies/service-racks.toml)", file=sys.stderr)
+        return 2
+    if args.codec in ("fp16", "bf16"):
+        print(f"aggnet emulate: --codec {args.codec} cannot travel one rack's switch protocol (it adds int32); use "
+              f"float32 or int32, or racks of services: --topology examples/topologies/service-racks.toml",
+              file=sys.stderr)
         return 2
     if args.racks is not None or args.uplink_rate is not None:
         print("aggnet emulate: --racks and --uplink-rate shape the racks of a --topology FILE", file=sys.stderr)

@@ -39,6 +39,12 @@ def main(args) -> int:
     except (TopologyError, PlanError) as exc:
         print(f"aggnet emulate: {exc}", file=sys.stderr)
         return 2
+    switched = sorted({rp.name for rp in pl.racks if rp.aggregator.kind != "service"})
+    if args.codec in ("fp16", "bf16") and (switched or (pl.root is not None and pl.root.kind != "service")):
+        print(f"aggnet emulate: --codec {args.codec} cannot travel the switch protocol (it adds int32) of "
+              f"{', '.join(switched) or 'the root'}; use float32 or int32, or racks of services "
+              f"(examples/topologies/service-racks.toml)", file=sys.stderr)
+        return 2
     nbytes = parse_size(args.size or (CHAOS_SIZE if args.what == "chaos" else DEFAULT_SIZE))
     if args.what == "chaos" and not (args.minutes > 0 and args.every > 0):
         print(f"aggnet emulate chaos: --minutes and --every must be positive, got {args.minutes:g} and "
