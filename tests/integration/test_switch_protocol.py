@@ -5,6 +5,7 @@ and a two-level hierarchy."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import socket
 import time
@@ -172,13 +173,14 @@ def _join_and_hang(address, job, ready):
     time.sleep(60)  # killed by the test long before
 
 
-def test_a_full_pool_takes_back_the_slice_of_a_job_whose_workers_were_killed():
-    """Workers that send no heartbeats (heartbeats off here, as for a
-    worker of an older aggnet): the pool takes their job's slice back once
-    it has been idle ``--reclaim-idle`` seconds and a new job needs it."""
+@contextlib.contextmanager
+def _a_killed_job_beside_a_live_one(*serve_args):
+    """A switch-mode host whose pool (512) holds a live job and a job whose
+    only worker was killed (SIGKILL: no LEAVE); yields (aggregator, the
+    live job's client)."""
     import multiprocessing as mp
 
-    agg = switch("--reclaim-idle", "2", "--heartbeat-lapse", "0")
+    agg = switch(*serve_args)
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     dead = ctx.Process(target=_join_and_hang, args=(agg.address, "killed", ready), daemon=True)
@@ -186,9 +188,34 @@ def test_a_full_pool_takes_back_the_slice_of_a_job_whose_workers_were_killed():
     try:
         dead.start()
         assert ready.wait(60), "the worker that is to be killed never joined"
-        dead.kill()  # SIGKILL: no LEAVE
+        dead.kill()
         dead.join(10)
-        # the pool (512) is full: the killed job is not yet idle long enough
+        yield agg, alive
+    finally:
+        alive.close()
+        if dead.is_alive():
+            dead.kill()
+        agg.stop()
+
+
+def _next_job_sums_beside(agg, alive) -> dict:
+    """A new job takes the freed slice and sums; the live one still does.
+    Returns the aggregator's STATS."""
+    x = np.arange(1000, dtype=np.int32)
+    with Client(agg.address, job="next", rank=0, world_size=1, elements=K, slots=256) as nxt:
+        np.testing.assert_array_equal(nxt.allreduce(x.copy()).result(10), x)
+        stats = query_stats(agg.address)
+    assert set(stats["jobs"]) == {"alive", "next"}
+    np.testing.assert_array_equal(alive.allreduce(x.copy()).result(10), x)
+    return stats
+
+
+def test_a_full_pool_takes_back_the_slice_of_a_job_whose_workers_were_killed():
+    """Workers that send no heartbeats (heartbeats off here, as for a
+    worker of an older aggnet): the pool takes their job's slice back once
+    it has been idle ``--reclaim-idle`` seconds and a new job needs it."""
+    with _a_killed_job_beside_a_live_one("--reclaim-idle", "2", "--heartbeat-lapse", "0") as (agg, alive):
+        # the pool is full: the killed job is not yet idle long enough
         with pytest.raises(AggregationError, match="no room for job 'next'"):
             Client(agg.address, job="next", rank=0, world_size=1, elements=K, slots=256, connect_timeout=5)
         # the live job keeps all-reducing while the killed one stays silent
@@ -197,17 +224,20 @@ def test_a_full_pool_takes_back_the_slice_of_a_job_whose_workers_were_killed():
         while time.monotonic() < deadline:
             np.testing.assert_array_equal(alive.allreduce(x.copy()).result(10), x)
             time.sleep(0.2)
-        with Client(agg.address, job="next", rank=0, world_size=1, elements=K, slots=256) as nxt:
-            np.testing.assert_array_equal(nxt.allreduce(x.copy()).result(10), x)
-            stats = query_stats(agg.address)
-        assert set(stats["jobs"]) == {"alive", "next"}
-        assert stats["totals"]["jobs_reclaimed"] == 1
-        np.testing.assert_array_equal(alive.allreduce(x.copy()).result(10), x)
-    finally:
-        alive.close()
-        if dead.is_alive():
-            dead.kill()
-        agg.stop()
+        assert _next_job_sums_beside(agg, alive)["totals"]["jobs_reclaimed"] == 1
+
+
+def test_a_killed_jobs_slice_is_free_once_its_heartbeats_stop():
+    """With heartbeats the killed job's last member is gone within the
+    lapse, and its slice with it: a new job needs no idle wait."""
+    with _a_killed_job_beside_a_live_one("--reclaim-idle", "300") as (agg, alive):
+        t0 = time.monotonic()
+        while "killed" in query_stats(agg.address)["jobs"]:
+            assert time.monotonic() - t0 < 5, "the killed job kept its slice"
+            time.sleep(0.1)
+        assert time.monotonic() - t0 < 2.5
+        totals = _next_job_sums_beside(agg, alive)["totals"]
+        assert totals["members_disconnected"] == 1 and "jobs_reclaimed" not in totals
 
 
 def test_a_silent_worker_is_named_by_the_others(aggregator):
@@ -218,40 +248,6 @@ def test_a_silent_worker_is_named_by_the_others(aggregator):
         assert "[2] never sent theirs" in text and job in text and "slot" in text, text
         assert waited < 5
     assert res[2] == "idle"
-
-
-def test_a_killed_jobs_slice_is_free_once_its_heartbeats_stop():
-    """With heartbeats the killed job's last member is gone within the
-    lapse, and its slice with it: a new job needs no idle wait."""
-    import multiprocessing as mp
-
-    agg = switch("--reclaim-idle", "300")
-    ctx = mp.get_context("spawn")
-    ready = ctx.Event()
-    dead = ctx.Process(target=_join_and_hang, args=(agg.address, "killed", ready), daemon=True)
-    alive = Client(agg.address, job="alive", rank=0, world_size=1, elements=K, slots=256)
-    try:
-        dead.start()
-        assert ready.wait(60), "the worker that is to be killed never joined"
-        dead.kill()  # SIGKILL: no LEAVE
-        dead.join(10)
-        t0 = time.monotonic()
-        while "killed" in query_stats(agg.address)["jobs"]:
-            assert time.monotonic() - t0 < 5, "the killed job kept its slice"
-            time.sleep(0.1)
-        assert time.monotonic() - t0 < 2.5
-        x = np.arange(1000, dtype=np.int32)
-        with Client(agg.address, job="next", rank=0, world_size=1, elements=K, slots=256) as nxt:
-            np.testing.assert_array_equal(nxt.allreduce(x.copy()).result(10), x)
-            stats = query_stats(agg.address)
-        assert set(stats["jobs"]) == {"alive", "next"}
-        assert stats["totals"]["members_disconnected"] == 1 and "jobs_reclaimed" not in stats["totals"]
-        np.testing.assert_array_equal(alive.allreduce(x.copy()).result(10), x)
-    finally:
-        alive.close()
-        if dead.is_alive():
-            dead.kill()
-        agg.stop()
 
 
 def _nan(rank, address, job):
