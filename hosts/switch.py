@@ -62,9 +62,10 @@ DEFAULT_RECLAIM_IDLE = 300.0
 ACTIVITY_CHECK_INTERVAL = 1.0
 #: a member whose heartbeats (the client sends a few per lapse) stop for
 #: this long is gone: the others hear it at once, not after their stall
-#: timeout. Only members that sent one are judged (a P4 switch's workers,
-#: and older clients, send none). A datagram path has no connection whose
-#: closing says a worker died, as a ZeroMQ service has.
+#: timeout. Only members whose JOIN asked for heartbeats are judged (a
+#: rack joining its parent, and older clients, ask for none). A datagram
+#: path has no connection whose closing says a worker died, as a ZeroMQ
+#: service has.
 DEFAULT_HEARTBEAT_LAPSE = 1.5
 #: how often the loop looks for lapsed members
 HEARTBEAT_CHECK_INTERVAL = 0.1
