@@ -31,6 +31,9 @@ BURST_DROP = 0.10
 BURST_SECONDS = 3.0
 #: seconds between samples of the aggregators' memory and descriptors
 SAMPLE_EVERY = 5.0
+#: seconds a fault may take beyond ``every`` (a shard's restart, a cable's
+#: time down) before a run that still lacks a kind of fault stops anyway
+FAULT_ALLOWANCE = 30.0
 #: what an aggregator's memory may grow by, and its descriptors, from when
 #: every shard it loses has been replaced once to the end of the run
 MAX_RSS_GROWTH_MB = 32.0
@@ -145,7 +148,11 @@ def run(fabric: Fabric, seconds: float, every: float, nbytes: int, reps: int, se
     batches, allreduces, wrong = 0, 0, 0
     times: list[float] = []
     try:
-        while time.monotonic() - t0 < seconds and injector.error is None:
+        # at least one fault of each kind, however slowly a loaded machine
+        # runs the batches (bounded: a kind's turn comes every len(kinds) faults)
+        longest = seconds + len(injector.kinds) * (every + FAULT_ALLOWANCE)
+        while injector.error is None and (time.monotonic() - t0 < seconds or len(injector.faults) <
+                                          len(injector.kinds)) and time.monotonic() - t0 < longest:
             r = fabric_runs.run_system(fabric, "aggnet", nbytes, reps, dtype="int32")
             batches += 1
             allreduces += reps

@@ -68,7 +68,8 @@ def add_arguments(p) -> None:
                         "aggnet-CODEC-staleS[-predict], compute, comm-CODEC[-buckets|-pipelined]; "
                         "default %(default)s)")
     p.add_argument("--minutes", type=float, default=2.0,
-                   help="chaos: how long the all-reduces go on (30 for the long form; default %(default)g)")
+                   help="chaos: how long the all-reduces go on, at least until each kind of fault has come once "
+                        "(30 for the long form; default %(default)g)")
     p.add_argument("--every", type=float, default=15.0,
                    help="chaos: seconds between faults, which take turns (default %(default)g)")
     p.add_argument("--seed", type=int, default=0, help="chaos: which rack, shard and worker each fault hits")
