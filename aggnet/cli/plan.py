@@ -55,12 +55,13 @@ def _run(args, t0: float) -> int:
     result = cost.plan(prof, t, batch=batch, stages=args.stages, micro_batches=args.micro_batches, links=links,
                        memory_limit=memory)
     took = time.perf_counter() - t0
+    cpu = time.process_time()
     for line in _report(t, prof, result):
         print(line)
     print(f"(planned in {took:.2f}s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(_as_json(t, prof, result, took), f, indent=2)
+            json.dump({**_as_json(t, prof, result, took), "cpu_seconds": cpu}, f, indent=2)
     return 0
 
 
