@@ -6,21 +6,35 @@ the goodput of jobs sharing a switch's pool; a table, plots and JSON.
     aggnet sim --oversubscription 4 --plot docs/figures/sim
     aggnet sim --workers 4096 --jobs 1,2,4,8,16,32
     aggnet sim --hardware params.json --set loss=0.01
+    aggnet sim calibrate --out emulation.json    # this machine, measured in aggnet emulate (root)
+    aggnet sim validate --hardware emulation.json --plot docs/figures/sim-validation.png
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 from aggnet.client.config import format_size, parse_size
-from aggnet.sim import hardware, model
+from aggnet.sim import hardware, model, validate
 
 DEFAULT_WORKERS = "1024,2048,4096,8192,16384"
 
 
 def add_arguments(p) -> None:
+    p.add_argument("what", nargs="?", default="predict", choices=("predict", "calibrate", "validate"),
+                   help="predict (default): the tables below; calibrate: measure this machine in aggnet emulate "
+                        "into a parameter file (--out; needs root); validate: the model beside aggnet emulate "
+                        "bench at --points, with the error of each")
+    p.add_argument("--out", default="emulation.json", help="calibrate: the parameter file to write "
+                                                            "(default %(default)s)")
+    p.add_argument("--points", default=",".join(validate.DEFAULT_POINTS),
+                   help="validate: emulated fabrics, RACKSxWORKERS@HOST_MBIT[/UPLINK_MBIT][~DROP], "
+                        "comma-separated (default %(default)s)")
+    p.add_argument("--reps", type=int, default=3, help="calibrate, validate: all-reduces per system and point "
+                                                        "(the median counts; default %(default)s)")
     p.add_argument("--hardware", default="tofino-100g",
                    help=f"a preset ({', '.join(hardware.PRESETS)}) or a JSON file of parameters (its 'base' names "
                         f"the preset it changes; default %(default)s)")
@@ -32,7 +46,8 @@ def add_arguments(p) -> None:
     p.add_argument("--oversubscription", type=float, default=1.0,
                    help="a rack's host links over its uplink (1: non-blocking; default %(default)g)")
     p.add_argument("--loss", type=float, default=0.0, help="packet loss per link crossed (default 0)")
-    p.add_argument("--size", default="100MiB", help="all-reduce buffer (default %(default)s)")
+    p.add_argument("--size", default=None,
+                   help="all-reduce buffer (default 100MiB; validate: 16MiB; calibrate: 32MiB)")
     p.add_argument("--systems", default=",".join(model.SYSTEMS),
                    help="what to predict, comma-separated (default: all of them)")
     p.add_argument("--compute", type=float, default=None, metavar="SECONDS",
@@ -43,7 +58,7 @@ def add_arguments(p) -> None:
                    help="jobs sharing the switches' pool, for the goodput table (default %(default)s)")
     p.add_argument("--plot", default=None, metavar="PREFIX",
                    help="draw PREFIX-time.png (time per all-reduce over workers) and PREFIX-jobs.png (goodput of "
-                        "jobs sharing a pool); needs aggnet[plot]")
+                        "jobs sharing a pool); validate: a PNG of predicted against measured; needs aggnet[plot]")
     p.add_argument("--json", default=None, help="write every prediction here")
 
 
@@ -75,6 +90,10 @@ def _overrides(pairs: list[str]) -> dict:
 
 
 def main(args) -> int:
+    if args.what == "calibrate":
+        return _calibrate(args)
+    if args.what == "validate":
+        return _validate(args)
     try:
         hw = hardware.load(args.hardware, _overrides(args.set))
         counts = _ints(args.workers, "--workers")
@@ -88,7 +107,7 @@ def main(args) -> int:
         if ragged:
             raise _BadArgs(f"worker counts {ragged} are not whole racks of {w} (--workers-per-rack)")
         shapes = [model.Shape(n // w, w, args.oversubscription, args.loss) for n in counts]
-        nbytes = parse_size(args.size)
+        nbytes = parse_size(args.size or "100MiB")
     except (_BadArgs, ValueError) as exc:
         print(f"aggnet sim: {exc}", file=sys.stderr)
         return 2
@@ -105,6 +124,67 @@ def main(args) -> int:
             json.dump(_record(hw, args, nbytes, rows, pool), f, indent=1)
     if args.plot:
         return _plot(args.plot, hw, nbytes, systems, rows, pool, shapes[0])
+    return 0
+
+
+def _needs_root(what: str) -> str | None:
+    if os.geteuid() != 0:
+        return f"aggnet sim {what} runs aggnet emulate, which needs root (network namespaces): run it with sudo"
+    return None
+
+
+def _calibrate(args) -> int:
+    refused = _needs_root("calibrate")
+    if refused:
+        print(refused, file=sys.stderr)
+        return 2
+    try:
+        fields = validate.calibrate(size=args.size or "32MiB", reps=args.reps)
+    except RuntimeError as exc:
+        print(f"aggnet sim calibrate: {exc}", file=sys.stderr)
+        return 1
+    with open(args.out, "w") as f:
+        json.dump(fields, f, indent=1)
+    print(f"wrote {args.out}: " + ", ".join(f"{k} {fields[k]:.3g}" for k in (
+        "client_cpu_s_per_byte", "host_agg_cpu_s_per_byte", "ring_cpu_s_per_byte", "step_latency", "hop_latency",
+        "machine_cores")))
+    print(f"next: aggnet sim validate --hardware {args.out}")
+    return 0
+
+
+def _validate(args) -> int:
+    refused = _needs_root("validate")
+    try:
+        hw = hardware.load(args.hardware, _overrides(args.set))
+        points = [validate.Point.parse(p.strip()) for p in args.points.split(",") if p.strip()]
+        nbytes = parse_size(args.size or "16MiB")
+        if not points:
+            raise _BadArgs("--points names no point")
+        if hw.machine_cores == 0:
+            raise _BadArgs(f"--hardware {args.hardware} describes hosts with cores of their own, not this machine's "
+                           f"emulation: run aggnet sim calibrate first and pass its file")
+    except (_BadArgs, ValueError) as exc:
+        refused = refused or f"aggnet sim validate: {exc}"
+    if refused:
+        print(refused, file=sys.stderr)
+        return 2
+    try:
+        rows = validate.validate(hw, points, nbytes, args.reps)
+    except RuntimeError as exc:
+        print(f"aggnet sim validate: {exc}", file=sys.stderr)
+        return 1
+    validate.print_rows(rows, nbytes)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"hardware": dict(hw.__dict__), "bytes": nbytes, "reps": args.reps,
+                       "time": time.strftime("%FT%T"), "rows": rows}, f, indent=1)
+    if args.plot:
+        try:
+            validate.plot(rows, args.plot)
+        except ImportError:
+            print("aggnet sim: --plot needs matplotlib: pip install 'aggnet[plot]'", file=sys.stderr)
+            return 1
+        print(f"wrote {args.plot}")
     return 0
 
 

@@ -58,6 +58,12 @@ class Hardware:
     step_latency: float = 10e-6
     #: retransmission timeout of the switch protocol (its floor)
     rto: float = 0.02
+    #: an aggregator host's CPU-seconds per byte its members send it
+    host_agg_cpu_s_per_byte: float = 0.0
+    #: every process of the fabric shares one machine of this many cores
+    #: (an emulation: workers and aggregators in namespaces of one host);
+    #: 0: each host has cores of its own
+    machine_cores: float = 0.0
     #: where each number comes from
     sources: dict = field(default_factory=dict)
 
@@ -109,6 +115,19 @@ PRESETS: dict[str, Hardware] = {
             "switch_elements": "SwitchML's 64 values per packet, kept",
             "switch_window": "2,048 x 256 B covers 400 Gbit/s x 10 us",
         }),
+    # ``aggnet emulate``'s fabric before calibration: its links are set per
+    # run, its CPU figures come from ``aggnet sim calibrate``
+    "emulation": Hardware(
+        "emulation", host_rate=100e6 / 8, mtu=9000, host_agg_shards=2, host_agg_link_factor=4.0,
+        host_agg_elements=2048, hop_latency=50e-6, step_latency=100e-6, rto=0.02, machine_cores=2,
+        sources={
+            "host_rate": "aggnet emulate's --rate (tc tbf on every veth)",
+            "mtu": "aggnet emulate's default, jumbo frames",
+            "host_agg_link_factor": "an emulated rack's aggregator host has a link of N host links",
+            "host_agg_elements": "a host in switch mode: 2048 values per datagram at MTU 9000",
+            "rto": "aggnet.protocol.limits.RTO_MIN, the floor of the client's adaptive timeout",
+            "machine_cores": "every process of an emulation shares one machine (replaced by calibrate)",
+        }),
 }
 
 
@@ -128,6 +147,7 @@ def load(name_or_path: str | None, overrides: dict | None = None) -> Hardware:
                              f"{', '.join(PRESETS)}") from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{name_or_path}: not JSON ({exc})") from None
+        data.pop("measured", None)  # what aggnet sim calibrate measured, kept for the record
         base = PRESETS.get(data.pop("base", "tofino-100g"))
         if base is None:
             raise ValueError(f"{name_or_path}: base must be one of {', '.join(PRESETS)}")

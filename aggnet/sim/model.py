@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from aggnet.protocol.limits import auto_slots
 from aggnet.sim.hardware import Hardware
 
 SYSTEMS = ("aggnet-switch", "aggnet-host", "ring", "ring-rack-aware", "tree", "ps", "sharp")
@@ -89,6 +90,14 @@ def _paced(system: str, terms: dict, fixed: float, cross: float) -> Prediction:
                       {**terms, "latency": fixed})
 
 
+def _machine_cpu(hw: Hardware, cpu_seconds: float) -> dict:
+    """Where every host of the fabric shares one machine (an emulation),
+    all their CPU-seconds share its cores: a term of its own."""
+    if not hw.machine_cores or not cpu_seconds:
+        return {}
+    return {"machine cpu": cpu_seconds / hw.machine_cores}
+
+
 def _window(hw: Hardware, shape: Shape, nbytes: float, hops: int, passes: int, stack: float, elements: int,
             window: int) -> tuple[float, float]:
     """(window-limited time, round trip) of the switch protocol: a slot
@@ -116,6 +125,7 @@ def aggnet_switch(hw: Hardware, shape: Shape, nbytes: float, *, sharp: bool = Fa
     terms["window"], rtt = _window(hw, shape, nbytes, hops, passes, 0.0, hw.switch_elements, hw.switch_window)
     if hw.client_cpu_s_per_byte:
         terms["worker cpu"] = nbytes * hw.client_cpu_s_per_byte
+    terms.update(_machine_cpu(hw, shape.workers * nbytes * hw.client_cpu_s_per_byte))
     return _paced("aggnet-switch", terms, rtt, nbytes if two_level else 0.0)
 
 
@@ -138,10 +148,15 @@ def aggnet_host(hw: Hardware, shape: Shape, nbytes: float) -> Prediction:
         terms["root packets"] = shape.racks * nbytes / (4 * k * agg_packets)
     hops, passes = (4, 0) if two_level else (2, 0)
     stack = (2 if two_level else 1) * hw.step_latency
-    window = max(16, min(1024, (4 << 20) // (4 * k)))  # limits.auto_slots
+    window = auto_slots(k)  # what a host gives a job that asks for no window
     terms["window"], rtt = _window(hw, shape, nbytes, hops, passes, stack, k, window)
     if hw.client_cpu_s_per_byte:
         terms["worker cpu"] = nbytes * hw.client_cpu_s_per_byte
+    # a rack aggregator takes its W members' S (and, under a root, sends a
+    # partial up and takes the final back), the root its R racks' S
+    taken = shape.workers * nbytes + (2 * shape.racks * nbytes if two_level else 0)
+    terms.update(_machine_cpu(hw, shape.workers * nbytes * hw.client_cpu_s_per_byte
+                              + taken * hw.host_agg_cpu_s_per_byte))
     return _paced("aggnet-host", terms, rtt, nbytes if two_level else 0.0)
 
 
@@ -170,6 +185,7 @@ def ring(hw: Hardware, shape: Shape, nbytes: float, *, rack_aware: bool = False)
         terms["uplink"] = crossings * moved / (eff * shape.uplink_rate(hw))
     if hw.ring_cpu_s_per_byte:
         terms["worker cpu"] = moved * hw.ring_cpu_s_per_byte
+    terms.update(_machine_cpu(hw, n * moved * hw.ring_cpu_s_per_byte))
     return _paced("ring", terms, 2 * (n - 1) * hw.step_latency, crossings * moved)
 
 

@@ -112,3 +112,66 @@ def test_the_command_draws_its_plots(tmp_path):
     assert r.returncode == 0, r.stderr
     for name in ("sim-time.png", "sim-jobs.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- calibration and validation against the emulated fabric --------------------------------------------
+
+def test_validation_points_read_as_written_and_bad_ones_say_the_form():
+    from aggnet.sim.validate import Point
+
+    p = Point.parse("2x4@400/100~0.01")
+    assert (p.racks, p.workers, p.host_mbit, p.uplink_mbit, p.drop) == (2, 4, 400, 100, 0.01)
+    assert str(p) == "2x4@400/100~0.01" and Point.parse(str(p)) == p
+    assert str(Point.parse("1x4@100")) == "1x4@100"
+    for bad in ("4@100", "1x4", "1x1@100", "1x4@0", "1x4@100~1.5", "axb@c"):
+        with pytest.raises(ValueError, match="RACKSxWORKERS|needs a rack"):
+            Point.parse(bad)
+
+
+def test_the_generated_topology_is_one_the_emulation_can_lay_out(tmp_path):
+    from aggnet.emulation.fabric_plan import plan
+    from aggnet.sim.validate import topology_toml
+
+    f = tmp_path / "racks.toml"
+    f.write_text(topology_toml(3))
+    pl = plan(str(f), racks=3, workers=4, host_mbit=100, uplink_mbit=50)
+    assert len(pl.racks) == 3 and pl.world == 12 and pl.root is not None
+    assert {rp.aggregator.kind for rp in pl.racks} == {"host-switch"}
+
+
+def test_a_shared_machine_adds_every_process_cpu_over_its_cores():
+    """On one machine of C cores (an emulation) the workers' and the
+    aggregators' CPU-seconds add up and share the cores; with hosts of
+    their own the term is absent."""
+    cpu = HW.replace(client_cpu_s_per_byte=1e-9, host_agg_cpu_s_per_byte=0.5e-9, ring_cpu_s_per_byte=2e-9)
+    shape = model.Shape(2, 4)
+    assert "machine cpu" not in model.predict("aggnet-host", cpu, shape, 64 * MiB).terms
+    shared = cpu.replace(machine_cores=2)
+    host = model.predict("aggnet-host", shared, shape, 64 * MiB)
+    taken = 8 * 64 * MiB + 2 * 2 * 64 * MiB  # members' S at the racks; partials up and finals down
+    assert host.terms["machine cpu"] == pytest.approx((8 * 64 * MiB * 1e-9 + taken * 0.5e-9) / 2)
+    ring = model.ring(shared, shape, 64 * MiB, rack_aware=True)
+    assert ring.terms["machine cpu"] == pytest.approx(8 * 2 * 7 / 8 * 64 * MiB * 2e-9 / 2)
+
+
+def test_validation_predicts_with_the_points_links_and_the_racks_aggregator_link():
+    from aggnet.sim.validate import MBIT, Point, hardware_at, predict
+
+    hw = hardware.load("emulation")
+    p = Point.parse("2x4@400/100")
+    at = hardware_at(hw, p)
+    assert at.host_rate == 400 * MBIT and at.host_agg_link_factor == 4
+    got = predict(hw, p, 16 * MiB)
+    # 4 links of 400 over one uplink of 100: the uplink binds both
+    assert got["aggnet"].bottleneck == "uplink" and got["gloo"].bottleneck == "uplink"
+    assert got["gloo"].seconds > got["aggnet"].seconds  # the ring sends 2(N-1)/N S through it
+
+
+def test_calibrate_and_validate_refuse_without_root_or_a_calibration(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "aggnet", "sim", "validate", "--hardware", "tofino-100g"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert ("needs root" in r.stderr) or ("run aggnet sim calibrate first" in r.stderr)
+    r = subprocess.run([sys.executable, "-m", "aggnet", "sim", "validate", "--points", "1x4@fast"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
