@@ -63,8 +63,8 @@ class Racks:
                 ports += [a.port + i for i in range(p.shards)]  # switch mode: consecutive ports
         return ports
 
-    def stats(self, p) -> dict:
-        return stats_cli.query(p.address)
+    def stats(self, p, timeout: float = 5.0) -> dict:
+        return stats_cli.query(p.address, timeout)
 
     def stop(self):
         for p in self.procs:

@@ -21,7 +21,9 @@ STEPS = 150
 
 
 def _root_results(r: Racks) -> int:
-    return sum(s["counters"].get("results", 0) for s in r.stats(r.root)["shards"] if s is not None)
+    # a loaded machine can keep the root's answer waiting while its shards
+    # take rejoining racks back: the callers' deadlines bound the wait
+    return sum(s["counters"].get("results", 0) for s in r.stats(r.root, timeout=30)["shards"] if s is not None)
 
 
 def test_ddp_through_racks_survives_shard_kills_bit_for_bit():
@@ -42,7 +44,7 @@ def test_ddp_through_racks_survives_shard_kills_bit_for_bit():
                     deadline = time.monotonic() + 120
                     while _root_results(r) < when:
                         assert time.monotonic() < deadline, f"training never reached the point to kill {what}"
-                        time.sleep(0.01)
+                        time.sleep(0.1)  # each look is a STATS through every root shard
                     kill_shard(proc.address, shard)
                     faults.append((what, time.monotonic()))
             except BaseException as exc:  # reported by the test thread
