@@ -72,7 +72,9 @@ def test_a_diverging_run_names_the_nan_in_one_line_per_rank():
     r = subprocess.run([sys.executable, "-m", "aggnet", "demo", "--epochs", "1", "--codec", "int32", "--lr", "1e38",
                         "--hidden", "64"], capture_output=True, text=True, timeout=300, env=_env())
     assert r.returncode == 1, r.stdout + r.stderr
-    lines = r.stderr.strip().splitlines()
+    # a rank the parent stops while it prints may leave an empty line
+    # (seen once on a loaded machine): no text, nothing for the user to read
+    lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
     assert "Traceback" not in r.stderr and "Terminating process" not in r.stderr, r.stderr[-3000:]
     failed = [line for line in lines if line.startswith("aggnet demo, rank")]
     assert failed and all("NonFiniteError: " in line and "NaN/Inf" in line for line in failed), lines
