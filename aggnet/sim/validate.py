@@ -35,6 +35,8 @@ MBIT = 1e6 / 8
 #: the emulation's aggregation packets (``aggnet emulate``'s host in switch mode, jumbo frames)
 EMULATED_ELEMENTS = 2048
 CALIBRATION_WORKERS = 4
+#: seconds one emulated point may take
+EMULATION_TIMEOUT = 1800
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,12 @@ def run_emulation(point: Point, nbytes: int, reps: int, workdir: str) -> dict:
         cmd += ["--topology", topo, "--racks", str(point.racks), "--uplink-rate", f"{point.uplink_mbit:g}"]
     if point.drop:
         cmd += ["--drop", f"{point.drop:g}"]
-    run = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "AGGNET_PROGRESS": "0"}, timeout=1800)
+    try:
+        run = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "AGGNET_PROGRESS": "0"}, timeout=EMULATION_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"aggnet emulate bench at {point}, {format_size(nbytes)}, took over "
+                           f"{EMULATION_TIMEOUT} s: try a smaller --size or fewer --reps") from None
     if run.returncode != 0:
         tail = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["(no output)"]
         raise RuntimeError(f"aggnet emulate bench at {point}, {format_size(nbytes)}, failed "
@@ -114,19 +120,17 @@ def _by_system(record: dict) -> dict:
     return {r["system"]: r for r in record["records"]}
 
 
-def calibrate(size: str = "32MiB", reps: int = 3, small: str = "64KiB", small_reps: int = 9,
-              workdir: str | None = None) -> dict:
+def calibrate(size: str = "32MiB", reps: int = 3, small: str = "64KiB", small_reps: int = 9) -> dict:
     """Measure this machine: returns the parameter file's fields, each with
     its source."""
     w = CALIBRATION_WORKERS
     nbytes, small_bytes = parse_size(size), parse_size(small)
     with tempfile.TemporaryDirectory(prefix="aggnet-calibrate-") as tmp:
-        where = workdir or tmp
         with Progress("calibrate", 2) as bar:
             unshaped = Point(1, w, 0.0)
-            big = _by_system(run_emulation(unshaped, nbytes, reps, where))
+            big = _by_system(run_emulation(unshaped, nbytes, reps, tmp))
             bar.step(f"{format_size(nbytes)} unshaped")
-            tiny = _by_system(run_emulation(unshaped, small_bytes, small_reps, where))
+            tiny = _by_system(run_emulation(unshaped, small_bytes, small_reps, tmp))
             bar.step(f"{format_size(small_bytes)} unshaped")
     ring_share = 2 * (w - 1) / w
     client = big["aggnet"]["worker_cpu_s_per_gb"] / 1e9
