@@ -151,8 +151,12 @@ def run(fabric: Fabric, seconds: float, every: float, nbytes: int, reps: int, se
         # at least one fault of each kind, however slowly a loaded machine
         # runs the batches (bounded: a kind's turn comes every len(kinds) faults)
         longest = seconds + len(injector.kinds) * (every + FAULT_ALLOWANCE)
-        while injector.error is None and (time.monotonic() - t0 < seconds or len(injector.faults) <
-                                          len(injector.kinds)) and time.monotonic() - t0 < longest:
+
+        def going_on() -> bool:
+            elapsed = time.monotonic() - t0
+            return elapsed < longest and (elapsed < seconds or len(injector.faults) < len(injector.kinds))
+
+        while injector.error is None and going_on():
             r = fabric_runs.run_system(fabric, "aggnet", nbytes, reps, dtype="int32")
             batches += 1
             allreduces += reps

@@ -62,7 +62,7 @@ def _run(args, t0: float) -> int:
     print(f"(planned in {took:.2f}s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**_as_json(t, prof, result, took), "cpu_seconds": cpu}, f, indent=2)
+            json.dump(_as_json(t, prof, result, took, cpu), f, indent=2)
     return 0
 
 
@@ -110,7 +110,7 @@ def _report(t, prof, result) -> list[str]:
     return lines
 
 
-def _as_json(t, prof, result, took: float) -> dict:
+def _as_json(t, prof, result, took: float, cpu: float) -> dict:
     return {
         "topology": t.source, "racks": len(t.racks), "world": t.world, "batch": result.batch,
         "micro_batches": result.micro_batches, "stages": result.stages,
@@ -124,7 +124,7 @@ def _as_json(t, prof, result, took: float) -> dict:
                           "comm_seconds": a.comm_seconds, "uplinks": a.uplinks,
                           "cross_rack_bytes": a.cross_rack_bytes, "stages": list(a.stages)}
                          for a in result.alternatives],
-        "pick": result.pick.name, "reason": result.reason, "seconds": took,
+        "pick": result.pick.name, "reason": result.reason, "seconds": took, "cpu_seconds": cpu,
     }
 
 

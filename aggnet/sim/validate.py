@@ -176,6 +176,7 @@ def predict(hw: hardware.Hardware, point: Point, nbytes: int) -> dict:
     """aggnet (hosts in switch mode) and gloo's ring with ranks in rack
     order, as the emulation runs them."""
     at = hardware_at(hw, point)
+    # an unshaped uplink: as good as none (Shape needs a positive ratio)
     over = point.workers * point.host_mbit / point.uplink_mbit if point.uplink_mbit else 1e-9
     shape = model.Shape(point.racks, point.workers, oversubscription=over, loss=point.drop)
     return {"aggnet": model.predict("aggnet-host", at, shape, nbytes),

@@ -63,7 +63,7 @@ def test_a_hundred_layers_and_thirty_two_stages_plan_in_under_five_seconds(tmp_p
     # what planning costs a core (the profile and the cut, past torch's
     # import): a loaded machine stretches the wall clock, not this
     assert plan["cpu_seconds"] < 5.0, plan
-    assert wall < 5.0 + 20.0
+    assert wall < 5.0 + 10.0  # and the interpreter's own start on a loaded machine
 
 
 @pytest.mark.parametrize("model, says", [
