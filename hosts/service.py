@@ -314,16 +314,20 @@ class Service(Aggregator):
         held see their all-reduce fail naming it, and join it again."""
         if self.supervisor is None:
             return True
-        for shard in self.supervisor.exited():
-            if not self.restart:
-                log.error("shard %d (pid %d) died with status %s; stopping the service (run `aggnet serve "
-                          "--restart` to restart shards instead)", shard.index, shard.pid, shard.exitcode)
-                return False
-            try:
-                self.supervisor.restart(shard)
-            except (RestartLimit, ShardStartError) as exc:
-                log.error("%s; stopping the service", exc)
-                return False
+        try:
+            # a successor imports and binds for seconds; the control endpoint
+            # answers STATS and HELLO meanwhile (the shard shows as null)
+            for shard in self.supervisor.restarting():
+                self.supervisor.finish_restart(shard)
+            for shard in self.supervisor.exited():
+                if not self.restart:
+                    log.error("shard %d (pid %d) died with status %s; stopping the service (run `aggnet serve "
+                              "--restart` to restart shards instead)", shard.index, shard.pid, shard.exitcode)
+                    return False
+                self.supervisor.begin_restart(shard)
+        except (RestartLimit, ShardStartError) as exc:
+            log.error("%s; stopping the service", exc)
+            return False
         return True
 
     def stop(self) -> None:

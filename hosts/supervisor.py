@@ -106,6 +106,8 @@ class ShardProcess:
     recent_restarts: list = field(default_factory=list)
     #: restarts since the supervisor started it
     restarts: int = 0
+    #: while a successor starts: its start-up pipe and the deadline to report ready
+    starting: tuple | None = None
 
     @property
     def pid(self) -> int | None:
@@ -200,10 +202,10 @@ class ShardSupervisor:
             theirs.close()
         return ours
 
-    def _await_ready(self, shard: ShardProcess, pipe) -> str:
+    def _await_ready(self, shard: ShardProcess, pipe, timeout: float | None = None) -> str:
         i = shard.index
         try:
-            if not pipe.poll(self.start_timeout):
+            if not pipe.poll(self.start_timeout if timeout is None else timeout):
                 raise ShardStartError(f"{self.label} {i} did not start within {self.start_timeout:g}s")
             kind, value = pipe.recv()
         except EOFError:
@@ -227,13 +229,20 @@ class ShardSupervisor:
 
     def exited(self) -> list[ShardProcess]:
         """Shards whose process has ended (status in ``exitcode``)."""
-        return [s for s in self.shards if s.process is not None and not s.process.is_alive()]
+        return [s for s in self.shards if s.process is not None and s.starting is None and not s.process.is_alive()]
 
     def restart(self, shard: ShardProcess) -> str:
         """Start a new process for ``shard`` (whose process ended) and wait
         until it is ready; returns what it reported. RestartLimit when it
         died too often within the window, ShardStartError when the new
         process does not come up."""
+        self.begin_restart(shard)
+        return self.finish_restart(shard, wait=self.start_timeout)
+
+    def begin_restart(self, shard: ShardProcess) -> None:
+        """Start a new process for ``shard`` without waiting for it: an
+        aggregator goes on answering (STATS shows the shard as null) while
+        the successor imports and binds; ``finish_restart`` collects it."""
         now = time.monotonic()
         shard.recent_restarts = [t for t in shard.recent_restarts if now - t < self.restart_window] + [now]
         if len(shard.recent_restarts) > self.max_restarts:
@@ -244,9 +253,20 @@ class ShardSupervisor:
         if shard.process is not None:
             shard.process.join(0)  # reaped already by exited(); drops the handle's resources
         shard.restarts += 1
-        pipe = self._launch(shard, multiprocessing.get_context(self.restart_method))
+        shard.starting = (self._launch(shard, multiprocessing.get_context(self.restart_method)),
+                          now + self.start_timeout)
+
+    def finish_restart(self, shard: ShardProcess, wait: float = 0.0) -> str | None:
+        """What a restarting shard reported once it is ready; None while it
+        is still starting (up to ``wait`` seconds are waited);
+        ShardStartError when it failed or took past the start timeout."""
+        pipe, deadline = shard.starting
+        if not pipe.poll(max(0.0, min(wait, deadline - time.monotonic()))):
+            if time.monotonic() < deadline:
+                return None
+        shard.starting = None
         try:
-            shard.detail = self._await_ready(shard, pipe)
+            shard.detail = self._await_ready(shard, pipe, timeout=0.0)
         except BaseException:
             if shard.alive():
                 shard.process.kill()
@@ -256,12 +276,19 @@ class ShardSupervisor:
             pipe.close()
         return shard.detail
 
+    def restarting(self) -> list[ShardProcess]:
+        """Shards whose successor was started and has not reported yet."""
+        return [s for s in self.shards if s.starting is not None]
+
     # -- stop ----------------------------------------------------------------------
 
     def stop(self) -> None:
         """SIGTERM to every shard, SIGKILL to those still running at the
         deadline; returns once all have ended (or were killed)."""
         for s in self.shards:
+            if s.starting is not None:
+                s.starting[0].close()
+                s.starting = None
             if s.alive():
                 s.process.terminate()
         deadline = time.monotonic() + self.stop_timeout

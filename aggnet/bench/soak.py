@@ -240,13 +240,17 @@ def kill_shard(address: str, shard: int, timeout: float = 60.0, stop=None) -> in
     ``address`` and return its pid once a successor serves (the restart
     count went up, the shard has a new pid); ``stop()`` true ends the wait."""
     from aggnet.client.stats import query
+    from aggnet.errors import AggnetError
 
     stats = query(address)
     pid, restarts = stats["shards"][shard]["pid"], stats["restarts"]
     os.kill(pid, 9)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not (stop and stop()):
-        s = query(address)
+        try:
+            s = query(address)
+        except AggnetError:
+            continue  # a loaded machine: the deadline bounds the asking
         if s["restarts"] > restarts and s["shards"][shard] is not None and s["shards"][shard]["pid"] != pid:
             return pid
         time.sleep(0.05)

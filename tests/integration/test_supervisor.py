@@ -43,6 +43,16 @@ def _silent(index, report, should_stop):
         time.sleep(0.01)
 
 
+def _gated(index, report, should_stop, gate=None):
+    """Reports ready once ``gate`` (a path) exists: a successor that takes
+    as long as the test says to import and bind."""
+    while gate is not None and not os.path.exists(gate) and not should_stop():
+        time.sleep(0.01)
+    report.ready(str(index))
+    while not should_stop():
+        time.sleep(0.01)
+
+
 def _deaf(index, report, should_stop):
     report.ready()
     while True:  # never looks at should_stop
@@ -135,6 +145,45 @@ def test_exits_are_noticed_with_their_status_and_restarted_within_limits(supervi
     with pytest.raises(RestartLimit, match=r"^shard 1 died 2 times within 60s$"):
         sup.restart(sup[1])
     assert sup[0].alive()
+
+
+def test_a_restart_started_without_waiting_is_collected_once_the_successor_reports(supervisors, tmp_path):
+    gate = tmp_path / "gate"
+    starts = []
+
+    def args(i):
+        starts.append(i)
+        return (str(gate) if len(starts) > 1 else None,)
+
+    sup = _make(supervisors, _gated, 1, args, restart_method="fork")
+    sup.start()
+    os.kill(sup[0].pid, signal.SIGKILL)
+    _await(lambda: sup.exited(), what="the killed shard noticed")
+    t0 = time.monotonic()
+    sup.begin_restart(sup[0])
+    assert time.monotonic() - t0 < 2.0  # returns while the successor waits at its gate
+    assert sup.restarting() == [sup[0]] and sup.exited() == [] and sup.restarts == 1
+    assert sup.finish_restart(sup[0], wait=0.2) is None  # still starting
+    gate.touch()
+    _await(lambda: sup.finish_restart(sup[0], wait=0.1) is not None, what="the successor collected")
+    assert sup.restarting() == [] and sup[0].alive() and sup[0].detail == "0"
+
+
+def test_a_successor_that_never_reports_fails_its_restart_by_name(supervisors, tmp_path):
+    starts = []
+
+    def args(i):
+        starts.append(i)
+        return (str(tmp_path / "never") if len(starts) > 1 else None,)
+
+    sup = _make(supervisors, _gated, 1, args, restart_method="fork", start_timeout=0.5)
+    sup.start()
+    os.kill(sup[0].pid, signal.SIGKILL)
+    _await(lambda: sup.exited(), what="the killed shard noticed")
+    sup.begin_restart(sup[0])
+    with pytest.raises(ShardStartError, match=r"^shard 0 did not start within 0.5s$"):
+        _await(lambda: sup.finish_restart(sup[0], wait=0.1) is not None, what="the successor's start to fail")
+    assert not sup[0].alive() and sup.restarting() == []
 
 
 def test_a_restart_may_spawn_a_fresh_interpreter(supervisors):
