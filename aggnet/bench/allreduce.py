@@ -46,6 +46,10 @@ def add_arguments(p) -> None:
     p.add_argument("--shards", type=int, default=None, help="aggregator shards (default: one per core)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per point (default %(default)s)")
     p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
+    p.add_argument("--memory", choices=("host", "cuda"), default="host",
+                   help="where the buffers live: cuda puts them on the GPU (CuPy); aggnet then sends them as they "
+                        "are over ucx (dev) and, on every transport, through a pinned host copy (copy); gloo "
+                        "all-reduces CUDA tensors (default %(default)s)")
     p.add_argument("--json", default=None, help="write the records to this file")
     p.add_argument("--collective", choices=("allreduce", "reduce_scatter"), default="allreduce",
                    help="reduce_scatter: the torch.distributed aggnet backend's reduce-scatter and all-reduce beside "
@@ -100,12 +104,31 @@ def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_p
             np_dtype = np.int32 if dtype == "int32" else np.float32
             buf = np.empty(nbytes // 4, np_dtype)
             _fill(buf, rank)
+            on_gpu = point.get("memory") == "cuda"
             if system == "gloo":
                 import torch
                 import torch.distributed as dist
 
                 t = torch.from_numpy(buf)
-                times = _timed(barrier, lambda: dist.all_reduce(t), reps)
+                if on_gpu:
+                    t = t.cuda()
+
+                    def reduce_on_gpu():
+                        dist.all_reduce(t)
+                        torch.cuda.synchronize()
+
+                    times = _timed(barrier, reduce_on_gpu, reps)
+                else:
+                    times = _timed(barrier, lambda: dist.all_reduce(t), reps)
+            elif on_gpu:
+                key = (transport, chunk)
+                if key not in clients:
+                    clients[key] = Client(services[transport], job=f"bench-{world}-{transport}-{chunk}",
+                                          rank=rank, world_size=world, chunk_bytes=chunk, timeout=120)
+                times = _timed(barrier, _device_allreduce(clients[key], buf, point["path"],
+                                                          "int32" if dtype == "q-int32" else None), reps, rank,
+                               aggregator)
+                _check(buf, world, reps, f"rank {rank}: {system}/{transport}/{dtype}/{point['path']}")
             else:
                 key = (transport, chunk)
                 if key not in clients:
@@ -116,9 +139,7 @@ def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_p
                 times = _timed(barrier, lambda: c.allreduce(buf, codec=codec).result(300), reps, rank, aggregator)
                 # the warm-up sums rank+1 over ranks; every repetition then
                 # all-reduces the previous result again
-                want = world * (world + 1) / 2 * world ** reps
-                if not np.isclose(float(buf[0]), want, rtol=1e-3) or not np.isclose(float(buf[-1]), want, rtol=1e-3):
-                    raise AssertionError(f"rank {rank}: {system}/{transport}/{dtype} gave {buf[0]} and {buf[-1]}, want {want}")
+                _check(buf, world, reps, f"rank {rank}: {system}/{transport}/{dtype}")
             results.append(times)
     finally:
         for c in clients.values():
@@ -128,6 +149,43 @@ def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_p
 
             dist.destroy_process_group()
     out.put((rank, results))
+
+
+def _check(buf, world: int, reps: int, what: str) -> None:
+    """The warm-up sums rank+1 over ranks; every repetition then
+    all-reduces the previous result again."""
+    want = world * (world + 1) / 2 * world ** reps
+    if not np.isclose(float(buf[0]), want, rtol=1e-3) or not np.isclose(float(buf[-1]), want, rtol=1e-3):
+        raise AssertionError(f"{what} gave {buf[0]} and {buf[-1]}, want {want}")
+
+
+def _device_allreduce(client, buf: np.ndarray, path: str, codec):
+    """An all-reduce of ``buf``'s values on the GPU, ``path`` "dev" (the
+    device buffer as it is, over ucx) or "copy" (through a pinned host
+    buffer, as one would stage it by hand); ``buf`` holds the result after
+    each call, for the check."""
+    import cupy
+    import cupyx
+
+    dev = cupy.asarray(buf)
+    pinned = cupyx.empty_pinned(buf.shape, buf.dtype)
+
+    def through_device():
+        client.allreduce(dev, codec=codec).result(300)
+
+    def through_copy():
+        dev.get(out=pinned)
+        client.allreduce(pinned, codec=codec).result(300)
+        dev.set(pinned)
+        cupy.cuda.get_current_stream().synchronize()
+
+    fn = through_device if path == "dev" else through_copy
+
+    def timed():
+        fn()
+        buf[0], buf[-1] = float(dev[0]), float(dev[-1])
+
+    return timed
 
 
 def _memcpy_times(nbytes: int, reps: int) -> list[float]:
@@ -251,6 +309,16 @@ def main(args) -> int:
         if t not in ("shm", "ipc", "tcp", "ucx"):
             print(f"aggnet bench: unknown transport {t!r}; choose from shm, ipc, tcp, ucx", file=sys.stderr)
             return 2
+    if args.memory == "cuda":
+        try:
+            import cupy
+
+            if cupy.cuda.runtime.getDeviceCount() < 1:
+                raise RuntimeError("no CUDA device")
+        except Exception as exc:
+            print(f"aggnet bench: --memory cuda needs a CUDA GPU and CuPy ({exc}); pip install aggnet[gpu] on a "
+                  f"GPU machine, or leave --memory out", file=sys.stderr)
+            return 2
     gloo = not args.no_gloo
     if gloo:
         try:
@@ -274,7 +342,8 @@ def main(args) -> int:
     with Progress("aggnet bench", len(worlds) * len(groups)) as progress:
         for world in worlds:
             for group in groups:
-                records += _time_group(group, world, _plan(group, sizes, dtypes, chunks, listen), listen.get(group),
+                records += _time_group(group, world, _plan(group, sizes, dtypes, chunks, listen, args.memory),
+                                       listen.get(group),
                                        args, sums)
                 progress.step(f"{group}, {world} workers")
     _print_table(records)
@@ -314,21 +383,24 @@ def _time_group(group: str, world: int, plan: list[dict], listen: str | None, ar
                                per_rank[0][i]["aggregator_cpu_s"]))
     return records
 
-def _plan(group: str, sizes: list, dtypes: list, chunks: list, listen: dict) -> list[dict]:
+def _plan(group: str, sizes: list, dtypes: list, chunks: list, listen: dict, memory: str = "host") -> list[dict]:
     """The points one system ("gloo" or a transport) is timed at."""
     from aggnet.client.config import ClientConfig
 
     plan = []
     for nbytes in sizes:
         if group == "gloo":
-            plan += [{"system": "gloo", "transport": "tcp", "dtype": d, "bytes": nbytes, "chunk_bytes": None}
-                     for d in dtypes if d != "q-int32"]
+            plan += [{"system": "gloo", "transport": "tcp", "dtype": d, "bytes": nbytes, "chunk_bytes": None,
+                      "memory": memory} for d in dtypes if d != "q-int32"]
         else:
             # the transport's default chunk size where none is asked for
             scheme = listen[group].split("://", 1)[0]
+            # device buffers: as they are where the transport sends device
+            # memory (ucx), and through a pinned host copy everywhere
+            paths = [None] if memory == "host" else (["dev"] if group == "ucx" else []) + ["copy"]
             plan += [{"system": "aggnet", "transport": group, "dtype": d, "bytes": nbytes,
-                      "chunk_bytes": c or ClientConfig().chunk_bytes_for(scheme)}
-                     for d in dtypes for c in chunks]
+                      "chunk_bytes": c or ClientConfig().chunk_bytes_for(scheme), "memory": memory, "path": path}
+                     for d in dtypes for c in chunks for path in paths]
     return plan
 
 
@@ -357,8 +429,9 @@ def _print_table(records: list[dict]) -> None:
         ref = gloo.get((r["workers"], r["bytes"], r["dtype"]), gloo_f32.get((r["workers"], r["bytes"])))
         ratio = f"{ref / r['median_s']:9.2f}" if ref and r["system"] == "aggnet" else f"{'':>9}"
         chunk = format_size(r["chunk_bytes"]) if r.get("chunk_bytes") else "-"
+        where = r["transport"] + (f"/{r['path']}" if r.get("path") else "/cuda" if r.get("memory") == "cuda" else "")
         cpu = f"{r['worker_cpu_s_per_gb']:8.2f}" if "worker_cpu_s_per_gb" in r else f"{'':>8}"
         agg = f"{r['aggregator_cpu_s_per_gb']:8.2f}" if "aggregator_cpu_s_per_gb" in r else f"{'':>8}"
-        print(f"{r['workers']:>2} {format_size(r['bytes']):>7} {r['system']:>7} {r['transport']:>9} {r['dtype']:>8} "
+        print(f"{r['workers']:>2} {format_size(r['bytes']):>7} {r['system']:>7} {where:>9} {r['dtype']:>8} "
               f"{chunk:>7} {r['median_s'] * 1e3:10.1f} {r['min_s'] * 1e3:8.1f} {r['max_s'] * 1e3:8.1f} "
               f"{r['bytes'] / r['median_s'] / 1e9:6.2f} {ratio} {cpu} {agg}")

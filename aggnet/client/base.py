@@ -302,14 +302,36 @@ class Client(ABC):
         placement on aggregator shards (e.g. a DDP bucket index). The buffer
         must not be touched until the future is done.
         """
+        caller = buf
+        on_device = hasattr(buf, "__cuda_array_interface__")
+        if on_device:
+            buf = self._device_view(buf)
         if dtype is not None:
             codec = _codec_for_dtype(buf, dtype, codec)
-        if not isinstance(buf, np.ndarray):
+        if not on_device and not isinstance(buf, np.ndarray):
             raise TypeError(f"allreduce takes a NumPy array, got {type(buf).__name__}")
-        if not buf.flags.c_contiguous or not buf.flags.writeable:
+        if not buf.flags.c_contiguous or not getattr(buf.flags, "writeable", True):
             raise ValueError("allreduce needs a C-contiguous, writable buffer (results are written in place)")
         enc = self._encoding(buf, codec, op, _wire_hint)
-        return self._submit(buf.reshape(-1), buf, enc, key)
+        return self._submit(buf.reshape(-1), caller, enc, key)
+
+    #: whether device (CUDA) buffers may be passed as they are: a client
+    #: whose transport sends device memory says so
+    device_buffers = False
+
+    def _device_view(self, buf):
+        """A CuPy view of a device buffer (a CuPy array or anything with
+        ``__cuda_array_interface__``, a CUDA tensor), once the device has
+        finished what was queued to write it."""
+        if not self.device_buffers:
+            raise TypeError(f"{self.address} takes host (NumPy) buffers: device buffers go as they are over "
+                            f"ucx:// addresses; elsewhere copy to the host first (the DDP hook stages them)")
+        import cupy
+
+        view = cupy.asarray(buf)
+        with view.device:
+            cupy.cuda.runtime.deviceSynchronize()  # the caller's kernels on any stream wrote it
+        return view
 
     #: whether this client can have each chunk's result sent to one rank
     #: (:meth:`reduce_scatter`); a client kind that can says so

@@ -115,6 +115,9 @@ class ChunkClient(Client):
             from aggnet.transport.zmq import Curve
 
             self._transport_options["curve"] = Curve(self.config.server_key.encode())
+        # UCX sends and receives device memory itself (cuda_copy, cuda_ipc,
+        # GPUDirect RDMA); the other transports take host memory only
+        self.device_buffers = scheme == "ucx"
         self.shards = self._discover()
         self._conn = connect(self.shards, **self._transport_options)
         self._join()
@@ -258,6 +261,7 @@ class ChunkClient(Client):
         #: per shard: (request, chunk) still to send, in admission order
         self._to_send = [collections.deque() for _ in self.shards]
         self._staging: list[np.ndarray] = []
+        self._device_staging: list = []  # for CuPy buffers (over ucx://)
         #: (round, chunk) -> staging buffer (or None) of every chunk whose
         #: result has not come back, failed rounds included
         self._outstanding: dict[tuple[int, int], np.ndarray | None] = {}
@@ -445,7 +449,7 @@ class ChunkClient(Client):
                 staging = self._outstanding.pop((req.round, c.index))
                 self._inflight[c.shard] -= 1
                 if staging is not None:
-                    self._staging.append(staging)
+                    self._give_staging(staging)
         self.stats.errors += 1
         self._fail(req, exc, poison=self._shm)
 
@@ -471,12 +475,16 @@ class ChunkClient(Client):
                    count=mine.size, world=self.members)
         self._conn.send(shard, h.pack(), mine)
 
-    def _take_staging(self) -> np.ndarray:
-        # at most shards * window buffers ever exist: allocated on first use,
-        # then reused for the client's life
-        if self._staging:
-            return self._staging.pop()
-        return np.empty(self.chunk_bytes // 4, np.int32)
+    def _take_staging(self, enc=None):
+        # at most shards * window buffers ever exist (of each kind, host and
+        # device): allocated on first use, then reused for the client's life
+        pool = self._staging if enc is None or enc.device is None else self._device_staging
+        if pool:
+            return pool.pop()
+        return np.empty(self.chunk_bytes // 4, np.int32) if enc is None else enc.new_staging(self.chunk_bytes // 4)
+
+    def _give_staging(self, staging) -> None:
+        (self._staging if isinstance(staging, np.ndarray) else self._device_staging).append(staging)
 
     def _send_ready(self) -> None:
         """Send what the windows allow, one chunk per shard in turn. Each
@@ -519,7 +527,7 @@ class ChunkClient(Client):
         elif enc.zero_copy:
             payload = src
         else:
-            staging = staging if staging is not None else self._take_staging()
+            staging = staging if staging is not None else self._take_staging(enc)
             payload = enc.encode(src, staging.view(enc.staging_dtype), shift)
         self._outstanding[(req.round, c.index)] = staging
         if c.owner is not None:
@@ -559,7 +567,7 @@ class ChunkClient(Client):
             staging = self._outstanding.pop(key)
             self._inflight[shard] -= 1
             if staging is not None:
-                self._staging.append(staging)
+                self._give_staging(staging)
         req = self._active.get(h.round)
         if req is None:
             return  # a late result of a failed round
@@ -601,8 +609,11 @@ class ChunkClient(Client):
         start = c.offset if req.out is None else c.offset - req.bounds[self.rank]
         dest = (req.buf if req.out is None else req.out)[start:start + c.count]
         if self._restores:
-            saved = self._saves.take(dest.nbytes)[:dest.nbytes].view(dest.dtype)
-            np.copyto(saved, dest)
+            if req.enc.device is None:
+                saved = self._saves.take(dest.nbytes)[:dest.nbytes].view(dest.dtype)
+                np.copyto(saved, dest)
+            else:
+                saved = dest.copy()  # on the device: a failed round puts it back there
             req.saved.append((start, saved))
         req.enc.decode(payload, dest, shift)
         self.stats.results += 1
@@ -684,7 +695,7 @@ class ChunkClient(Client):
                 staging = self._outstanding.pop((h.round, h.index))
                 self._inflight[shard] -= 1
                 if staging is not None:
-                    self._staging.append(staging)
+                    self._give_staging(staging)
             req.held_error = req.held_error or exc
             self._settle_held(req)
             return

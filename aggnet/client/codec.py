@@ -17,6 +17,12 @@ float16/bfloat16  ``None``    the same 16-bit format, summed in float32
 
 ``avg`` divides by the world size: on decode for 32-bit payloads, before
 encoding for 16-bit ones (dividing first keeps fp16 sums from overflowing).
+
+A CuPy buffer (a client over ``ucx://``) is encoded on its device, into
+device staging that UCX sends as it is; results arrive in host memory and
+are copied to the device once, then decoded there. Each encode and decode
+waits for its kernels before it returns: UCX reads device memory on its
+own stream, and the caller's future must find the result in place.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ class Encoding:
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
         self.k = kernels.for_array(buf)
+        #: CuPy on the buffer's device; None for host buffers
+        self.device = _cupy_of(buf)
         self.world = world
         self.avg = op == "avg"
         dt = buf.dtype
@@ -94,7 +102,14 @@ class Encoding:
     def staging_dtype(self):
         return np.uint16 if self.half_fmt else np.int32
 
-    def encode(self, src: np.ndarray, staging: np.ndarray, shift: int = 0) -> np.ndarray:
+    def new_staging(self, elements: int):
+        """A chunk-sized staging buffer (4 bytes an element) where this
+        encoding's buffer lives: host memory, or the device's."""
+        if self.device is None:
+            return np.empty(elements, np.int32)
+        return self.device.empty(elements, self.device.int32)
+
+    def encode(self, src, staging, shift: int = 0):
         """The wire payload for chunk ``src``: ``src`` itself when it can go
         zero-copy, else written into ``staging`` (a chunk-sized buffer)."""
         if self.zero_copy:
@@ -105,11 +120,13 @@ class Encoding:
         elif self.native_half:
             # avg on a 16-bit buffer: widen, divide, narrow (divide first so
             # that the float32 sum of fp16 values stays in fp16 range)
-            wide = np.empty(src.size, np.float32)
+            wide = (np if self.device is None else self.device).empty(src.size, np.float32)
             self.k.from_half(src.view(np.uint16), wide, self.half_fmt)
             self.k.to_half(wide, out, self.half_fmt, self.multiplier)
         else:
             self.k.to_half(src, out, self.half_fmt, self.multiplier)
+        if self.device is not None:
+            self.device.cuda.get_current_stream().synchronize()  # UCX reads it on a stream of its own
         return out
 
     def encode_into(self, src: np.ndarray, out: np.ndarray, shift: int = 0) -> None:
@@ -120,9 +137,12 @@ class Encoding:
         else:
             self.encode(src, out.view(self.staging_dtype), shift)
 
-    def decode(self, payload, dest: np.ndarray, shift: int = 0) -> None:
+    def decode(self, payload, dest, shift: int = 0) -> None:
         """Write a result payload into ``dest`` (the chunk of the caller's
         buffer), undoing the encoding."""
+        if self.device is not None:
+            self._decode_on_device(payload, dest, shift)
+            return
         if self.quantized:
             q = np.frombuffer(payload, np.int32, dest.size)
             self.k.dequantize(q, shift, dest, False, self.multiplier)
@@ -139,3 +159,31 @@ class Encoding:
                 np.multiply(src, np.float32(self.multiplier), out=dest)
             else:
                 np.copyto(dest, src)
+
+    def _decode_on_device(self, payload, dest, shift: int) -> None:
+        cp = self.device
+        wire_dtype = np.int32 if self.quantized else np.uint16 if self.half_fmt else dest.dtype
+        if hasattr(payload, "__cuda_array_interface__"):
+            got = cp.asarray(payload).view(wire_dtype)[: dest.size]
+        else:  # one copy to the device, then the same kernels as on the host
+            got = cp.asarray(np.frombuffer(payload, wire_dtype, dest.size))
+        if self.quantized:
+            self.k.dequantize(got, shift, dest, False, self.multiplier)
+        elif self.half_fmt and dest.dtype == np.float32:
+            self.k.from_half(got, dest, self.half_fmt)
+        elif self.half_fmt:
+            dest.view(np.uint16)[...] = got
+        elif self.avg:
+            cp.multiply(got, dest.dtype.type(self.multiplier), out=dest)
+        else:
+            dest[...] = got
+        cp.cuda.get_current_stream().synchronize()  # the future finds the result in place
+
+
+def _cupy_of(buf):
+    """The CuPy module for a CuPy buffer, else None (no import for host buffers)."""
+    if type(buf).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return None

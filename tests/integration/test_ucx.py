@@ -1,5 +1,6 @@
 """The UCX transport itself: zero-copy payloads into reused buffers, CuPy
-buffers where a GPU is present, and which UCX transports are active. The
+buffers where a GPU is present, and which UCX transports are active; a
+client all-reducing device buffers over ucx:// as it does host ones. The
 aggregator conformance tests run over UCX in test_allreduce.py."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ ucxx = pytest.importorskip("ucxx", reason="ucxx is not installed (pip install ag
 from aggnet.protocol import wire  # noqa: E402
 from aggnet.transport import connect, listen  # noqa: E402
 from aggnet.transport import ucx  # noqa: E402
+from harness.helpers import run_workers  # noqa: E402
 
 
 def _gpu() -> bool:
@@ -86,6 +88,66 @@ def test_cupy_buffers_go_zero_copy_device_to_device():
     finally:
         conn.close()
         lst.close()
+
+
+def _device_worker(rank, address, world, job):
+    """Each codec and op on a CuPy buffer and on the same values in host
+    memory, through one client: the results must be the same bits."""
+    import cupy
+
+    from aggnet import Client
+
+    rng = np.random.default_rng(rank)
+    x = (rng.standard_normal(300_000) * np.exp(rng.uniform(-6, 6, 300_000))).astype(np.float32)
+    out = []
+    with Client(address, job=job, rank=rank, world_size=world, chunk_bytes=64 * 1024, timeout=30) as c:
+        for codec in (None, "fp16", "bf16", "int32"):
+            for op in ("sum", "avg"):
+                host = x.copy()
+                c.allreduce(host, op=op, codec=codec).result(30)
+                dev = cupy.asarray(x)
+                assert c.allreduce(dev, op=op, codec=codec).result(30) is dev
+                out.append((codec, op, host, dev.get()))
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is not None and torch.cuda.is_available():
+            t = torch.from_numpy(x).cuda()
+            host = x.copy()
+            c.allreduce(host).result(30)
+            assert c.allreduce(t).result(30) is t  # a CUDA tensor as it is, no copy to the host
+            out.append(("torch", "sum", host, t.cpu().numpy()))
+    return out
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.skipif(not _gpu(), reason="no CUDA GPU with CuPy on this machine")
+def test_device_buffers_all_reduce_over_ucx_to_the_same_bits_as_host_buffers(service_factory):
+    svc = service_factory("ucx", 2)
+    results = run_workers(svc.address, 2, _device_worker, svc.address, 2, "device-direct", timeout=120)
+    for rank_out in results:
+        assert len(rank_out) >= 8
+        for codec, op, host, dev in rank_out:
+            np.testing.assert_array_equal(dev.view(np.uint32), host.view(np.uint32), err_msg=f"{codec} {op}")
+    # and the ranks agree
+    for a, b in zip(results[0], results[1]):
+        np.testing.assert_array_equal(a[3].view(np.uint32), b[3].view(np.uint32))
+
+
+class _DeviceStandIn:
+    """Something that says it lives on a CUDA device."""
+
+    __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0, False), "version": 3}
+
+
+def test_a_device_buffer_given_to_a_host_transport_is_refused_naming_ucx(service_factory):
+    from aggnet import Client
+
+    svc = service_factory("zmq+ipc", 1)
+    with Client(svc.address, job="refuse-device", rank=0, world_size=1, timeout=10) as c:
+        with pytest.raises(TypeError, match=r"takes host \(NumPy\) buffers: device buffers go as they are over ucx://"):
+            c.allreduce(_DeviceStandIn())
 
 
 def test_a_ucx_transfer_prints_no_warning_a_user_cannot_act_on():
