@@ -14,6 +14,7 @@ MODULE_COMMANDS = (
     ("stats", "aggnet.cli.stats", "print a running aggregator's counters"),
     ("up", "aggnet.deploy.up", "start the aggregators a topology file places on this machine; install its P4 jobs"),
     ("down", "aggnet.deploy.down", "stop what aggnet up started for a topology file"),
+    ("k8s", "aggnet.deploy.k8s", "a topology's aggregators as Kubernetes manifests (needs aggnet[k8s])"),
     ("job", "aggnet.cli.jobs", "job keys: aggnet job create NAME --keys FILE"),
     ("bench", "aggnet.bench.allreduce", "all-reduce benchmark: aggnet beside gloo and memory copy"),
     ("bench-ddp", "aggnet.bench.ddp", "DDP step time with the aggnet hook beside gloo"),
