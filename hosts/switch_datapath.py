@@ -130,6 +130,14 @@ def _as_partial(p, vals, k, maxexp, rack, world):
     _store(p, vals, k)
 
 
+@_inline
+def _admitted(members, mbase, mshard, j, sender, world, index, src):
+    """Whether ``src`` is the address (and shard port) ``sender`` of job
+    row ``j`` joined from."""
+    return sender < world and members[j, sender] >= 0 and \
+        members[j, sender] + shard_delta(mbase[j, sender], mshard[j, sender], index) == src
+
+
 @hot
 @_jit
 def process_batch(batch, slots, jobs, shard, ctr, out):
@@ -199,6 +207,12 @@ def process_batch(batch, slots, jobs, shard, ctr, out):
         v = np.int64(flags & F_VERSION)
         t = be32(p, O_REF)
         if mtype == T_PROBE:
+            # answered to admitted members only: a slot's state is the job's,
+            # and an answer to anyone would reflect spoofed sources
+            if not _admitted(members, mbase, mshard, j, be16(p, O_SENDER), world, index, srcs[i]):
+                drops[_D_NOT_ADMITTED] += 1
+                job_drops[j, _D_NOT_ADMITTED] += 1
+                continue
             if length != HEADER_SIZE:
                 drops[_D_LENGTH] += 1
                 job_drops[j, _D_LENGTH] += 1
@@ -242,8 +256,7 @@ def process_batch(batch, slots, jobs, shard, ctr, out):
             job_events[j, _E_FINALS] += 1
             continue
         sender = be16(p, O_SENDER)
-        if sender >= world or members[j, sender] < 0 or \
-                members[j, sender] + shard_delta(mbase[j, sender], mshard[j, sender], index) != srcs[i]:
+        if not _admitted(members, mbase, mshard, j, sender, world, index, srcs[i]):
             drops[_D_NOT_ADMITTED] += 1
             job_drops[j, _D_NOT_ADMITTED] += 1
             continue

@@ -4,8 +4,9 @@
 #ifndef AGGNET_AGGREGATE_P4
 #define AGGNET_AGGREGATE_P4
 
-// UDP port of every job member, learned from its packets, read by the
-// egress when it rewrites a result replica to that member.
+// UDP port of every job member, learned from its JOIN: its PUSH and PROBE
+// must come from it, and the egress reads it when it rewrites a result
+// replica to that member.
 register<bit<16>>(AGG_MAX_REPLICAS) member_port;
 
 control Aggregate(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
@@ -180,7 +181,21 @@ control Aggregate(inout headers_t hdr, inout metadata_t meta, inout standard_met
         seen.read(s, meta.idx);
         tag.read(stored_tag, meta.idx);
 
+        // a PUSH or a PROBE comes from an installed member's address, at the
+        // UDP port it joined from (an address alone admits any process there)
+        bit<16> joined_port = 0;
+        if (hdr.agg.sender < (bit<16>)meta.world) {
+            member_port.read(joined_port, (bit<32>)meta.rid_base + (bit<32>)hdr.agg.sender);
+        }
+        bool member = admitted && hdr.agg.sender < (bit<16>)meta.world && joined_port == hdr.udp.src_port;
+
         if (hdr.agg.msg_type == msg_type_t.PROBE) {
+            // answered to members only: a slot's state is the job's, and an
+            // answer to anyone would reflect spoofed sources
+            if (!member) {
+                drop_for(DROP_NOT_ADMITTED);
+                return;
+            }
             if (hdr.udp.length != 8 + AGG_HEADER_BYTES) {
                 drop_for(DROP_LENGTH);
                 return;
@@ -221,11 +236,10 @@ control Aggregate(inout headers_t hdr, inout metadata_t meta, inout standard_met
         }
 
         // a PUSH
-        if (hdr.agg.sender >= (bit<16>)meta.world || !admitted) {
+        if (!member) {
             drop_for(DROP_NOT_ADMITTED);
             return;
         }
-        member_port.write((bit<32>)meta.rid_base + (bit<32>)hdr.agg.sender, hdr.udp.src_port);
         bit<32> bit_mask = 32w1 << (bit<8>)hdr.agg.sender;
         bit<32> d = hdr.agg.ref - stored_tag;
         bit<16> max_exp;

@@ -22,6 +22,8 @@ K = 64
 WORKERS = 4
 PARENT = "parent"
 FOREIGN = "foreign"
+#: worker 0's address at another UDP port: another process on its host
+MOVED = "moved"
 SWITCH_IP = "10.78.0.253"
 SWITCH_MAC = "02:a6:6e:00:00:fe"
 PARENT_IP = "10.78.0.200"
@@ -60,7 +62,8 @@ class HostAggregator:
     def __init__(self):
         self.socks = {}
         for ep, ip in [(i, f"127.0.0.{10 + i}") for i in range(WORKERS)] + [(PARENT, "127.0.0.200"),
-                                                                                (FOREIGN, "127.0.0.99")]:
+                                                                                (FOREIGN, "127.0.0.99"),
+                                                                                (MOVED, "127.0.0.10")]:
             s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             s.bind((ip, 0))
             self.socks[ep] = s
@@ -213,6 +216,7 @@ class Bmv2Aggregator:
         self.addr = {i: (f"10.78.0.{i + 1}", f"02:00:00:00:00:{i + 1:02x}", 40000 + i) for i in range(WORKERS)}
         self.addr[PARENT] = (PARENT_IP, PARENT_MAC, SWITCH_PORT)
         self.addr[FOREIGN] = ("10.78.0.99", "02:00:00:00:00:63", 40099)
+        self.addr[MOVED] = (self.addr[0][0], self.addr[0][1], 40050)  # sent from worker 0's port, read by no one
         for ep, p in self.port_of.items():
             s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
             s.bind((f"{self.ifaces[p]}p", 0))
@@ -244,13 +248,21 @@ class Bmv2Aggregator:
         up = Uplink(PARENT_IP, PARENT_MAC, self.port_of[PARENT], rack_id=1) if uplink else None
         self.ctl.install_job(name, members, slots=slots, uplink=up)
         self.job = name
+        # a member's PUSH and PROBE are admitted from the UDP port it joined
+        # from: each joins now, as on the host aggregator (the test then
+        # sends JOINs of its own too)
+        for rank in range(world):
+            h = Header(MsgType.JOIN, job_id=job_id_of(name), sender=rank, world=world)
+            payload = wire.json_payload({"name": name, "slots": slots, "elements": K})
+            self.send(rank, h.pack_for(payload) + payload)
+        self.collect(0.3)
 
     def remove(self) -> None:
         self.ctl.remove_job(self.job)
 
     def send(self, ep, data: bytes) -> None:
         ip, mac, port = self.addr[ep]
-        self.socks[ep].send(frame(mac, SWITCH_MAC, ip, SWITCH_IP, port, SWITCH_PORT, data))
+        self.socks[0 if ep == MOVED else ep].send(frame(mac, SWITCH_MAC, ip, SWITCH_IP, port, SWITCH_PORT, data))
 
     def collect(self, wait: float = 0.3) -> dict:
         def read(ep, s):

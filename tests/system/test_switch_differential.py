@@ -14,7 +14,7 @@ from aggnet.protocol.wire import job_id_of
 from aggnet.emulation.bmv2 import can_run_bmv2
 from aggnet.emulation.netns import can_emulate
 from aggnet.protocol.wire import HEADER_SIZE, DType, Flag, Header, MsgType, unpack_header
-from harness.switch import FOREIGN, K, PARENT, Bmv2Aggregator, HostAggregator, job_name
+from harness.switch import FOREIGN, K, MOVED, PARENT, Bmv2Aggregator, HostAggregator, job_name
 
 BMV2_OK, BMV2_WHY = can_run_bmv2()
 if BMV2_OK:
@@ -41,8 +41,8 @@ def final(job, slot, tag, data, next_exp=0) -> bytes:
     return h.pack() + data
 
 
-def probe(job, slot, tag) -> bytes:
-    return Header(MsgType.PROBE, job_id=job_id_of(job), index=slot, ref=tag,
+def probe(job, rank, slot, tag) -> bytes:
+    return Header(MsgType.PROBE, job_id=job_id_of(job), index=slot, ref=tag, sender=rank,
                   flags=Flag.VERSION if tag & 1 else 0).pack()
 
 
@@ -115,7 +115,17 @@ SCENARIOS = {
     "probe_names_the_missing": (3, False, lambda j: [
         (0, push(j, 0, 6, 1)),
         (2, push(j, 2, 6, 1)),
-        (1, probe(j, 6, 1)),
+        (1, probe(j, 1, 6, 1)),
+    ]),
+    "probe_answered_to_members_only": (2, False, lambda j: [
+        (0, push(j, 0, 6, 1)),
+        (FOREIGN, probe(j, 0, 6, 1)),
+        (0, probe(j, 1, 6, 1)),
+        (MOVED, probe(j, 0, 6, 1)),
+    ]),
+    "member_address_at_another_port": (2, False, lambda j: [
+        (MOVED, push(j, 0, 2, 1)),
+        (0, push(j, 0, 2, 1)),
     ]),
     "join_answers_in_the_header": (2, False, lambda j: [
         (1, join(j, 1, 2)),
@@ -224,6 +234,11 @@ def expect(name, outputs, drops):
         (raw,) = outputs[2][1]
         h = unpack_header(raw)
         assert h.msg_type == MsgType.PROBE_OK and h.nsum == 2 and h.ref == 0b101 and h.world == 3 and h.offset == 1
+    elif name == "probe_answered_to_members_only":
+        assert outputs == [{}, {}, {}, {}] and drops == {"not_admitted": 3}
+    elif name == "member_address_at_another_port":
+        # the process that joined is the one admitted: its own push counts
+        assert outputs == [{}, {}] and drops == {"not_admitted": 1}
     elif name == "join_answers_in_the_header":
         (raw,) = outputs[0][1]
         h = unpack_header(raw)

@@ -100,6 +100,20 @@ def test_a_probe_is_answered_with_the_slots_state(regs):
     assert ProbeOk.from_header(h) == ProbeOk(count=1, seen=0b10, tag=7, world=2)
 
 
+def test_a_probe_from_anyone_but_the_member_it_names_is_dropped_unanswered(regs):
+    run(regs, (WORKERS[1], push(1, 2, 7, [1])))
+    stranger = addr_key(("10.9.0.66", 4000))
+    probes = [(stranger, Header(MsgType.PROBE, job_id=JOB, index=2, ref=7, sender=0).pack()),
+              (WORKERS[0], Header(MsgType.PROBE, job_id=JOB, index=2, ref=7, sender=1).pack()),  # rank 1's name
+              (addr_key(("10.9.0.1", 4999)), Header(MsgType.PROBE, job_id=JOB, index=2, ref=7).pack()),  # other port
+              (WORKERS[0], Header(MsgType.PROBE, job_id=JOB, index=2, ref=7, sender=9).pack())]
+    _, out, packets = run(regs, *probes)
+    assert list(out.action) == [A_DROP] * 4
+    assert all(unpack_header(p).msg_type == MsgType.PROBE for p in packets)  # nothing was written into them
+    assert totals(regs)[drop_counter(Drop.NOT_ADMITTED)] == 4
+    assert event_counter(Event.PROBES) not in totals(regs)
+
+
 def test_a_slot_another_shard_serves_is_dropped_and_counted():
     regs = SwitchRegisters(pool=32, max_elements=K, shards=2)
     regs.install(0, JOB, base=14, slots=4, world=1, k=K)
