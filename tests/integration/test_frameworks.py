@@ -1,5 +1,6 @@
 """Lightning, Accelerate and the HF Trainer train on the aggnet backend by
-the recipes in docs/torch.md, two processes under torchrun each, and end
+the recipes in docs/torch.md (examples/frameworks_train.py, which users
+run as it is), two processes under torchrun each, and end
 with the weights the same run on gloo ends with: Lightning's
 ``self.log(..., sync_dist=True)`` (an integer average), Accelerate and
 the Trainer keeping the group ``aggnet.torch.init_process_group()``
@@ -17,16 +18,17 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 
-TESTS = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples/frameworks_train.py"
 MODULES = {"lightning": "lightning", "accelerate": "accelerate", "trainer": "transformers"}
 
 
 def _run(framework: str, backend: str, tmp_path) -> dict:
     out = tmp_path / f"{framework}-{backend}.json"
-    env = dict(os.environ, PYTHONPATH=str(TESTS), OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("AGGNET_ADDRESS", None)  # the embedded aggregator rank 0 starts
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
-                        "harness.frameworks", framework, "--backend", backend, "--out", str(out)],
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(EXAMPLE),
+                        framework, "--backend", backend, "--out", str(out)],
                        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return json.loads(out.read_text())

@@ -1,10 +1,13 @@
-"""A few training steps under frameworks nobody here wrote, each on the
-aggnet backend by its documented recipe (docs/torch.md), or on gloo.
+"""A few training steps under PyTorch Lightning, Hugging Face Accelerate
+or the Hugging Face Trainer, on the aggnet backend by the recipe of
+docs/torch.md, or on gloo to compare:
 
-    torchrun --nproc-per-node 2 -m harness.frameworks lightning --backend aggnet --out result.json
+    torchrun --nproc-per-node 2 examples/frameworks_train.py lightning --backend aggnet
+    torchrun --nproc-per-node 2 examples/frameworks_train.py accelerate --backend gloo --out gloo.json
 
-Rank 0 writes the final weights and the losses it saw, for the test to
-hold the aggnet run against the gloo run.
+Rank 0 prints (or writes, with --out) the final weights' first values and
+the losses it saw: the aggnet run and the gloo run end the same, bit for
+bit (tests/integration/test_frameworks.py holds them to it).
 """
 
 from __future__ import annotations
@@ -147,18 +150,22 @@ def trainer(backend: str) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description="a few training steps of a framework on the aggnet backend or gloo")
     p.add_argument("framework", choices=["lightning", "accelerate", "trainer"])
-    p.add_argument("--backend", choices=["aggnet", "gloo"], required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--backend", choices=["aggnet", "gloo"], default="aggnet")
+    p.add_argument("--out", default=None, help="write rank 0's result here as JSON (default: print it)")
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.backend == "gloo" and args.framework != "lightning":
         dist.init_process_group("gloo")
     result = {"lightning": lightning, "accelerate": accelerate, "trainer": trainer}[args.framework](args.backend)
     if int(os.environ.get("RANK", "0")) == 0:
-        with open(args.out, "w") as f:
-            json.dump(result, f)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f)
+        else:
+            print(f"{args.framework} on {result['group_backend']}: losses {result['losses']}, first weights "
+                  f"{result['weights']}, median step {result['step_s'] * 1e3:.1f} ms", flush=True)
     if dist.is_initialized():
         dist.barrier()
         if args.framework == "accelerate":
