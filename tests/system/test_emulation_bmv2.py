@@ -14,7 +14,9 @@ from aggnet.emulation.netns import Rack, can_emulate
 OK, WHY = can_emulate()
 if OK:
     OK, WHY = can_run_bmv2()
-pytestmark = [pytest.mark.requires_bmv2, pytest.mark.requires_netns,
+# each test starts BMv2, loads the program and runs processes in namespaces:
+# 55-75 s here beside the other pytest worker, so room past the default 120 s
+pytestmark = [pytest.mark.requires_bmv2, pytest.mark.requires_netns, pytest.mark.timeout(300),
               pytest.mark.skipif(not OK, reason=f"cannot run BMv2 in a rack here: {WHY}")]
 
 
