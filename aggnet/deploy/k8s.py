@@ -143,8 +143,9 @@ def render(topo: Topology, topology_text: str, *, image: str | None = None, name
         else:
             objects.append({"apiVersion": "apps/v1", "kind": "DaemonSet",
                             "metadata": {"name": name, "namespace": namespace, "labels": _labels(job, role)},
-                            "spec": {"selector": {"matchLabels": _selector(job, role)}, "template": pod,
-                                     "updateStrategy": {"type": "OnDelete"}}})
+                            # the default rolling update stops a node's old pod before
+                            # its new one starts: the host's ports are free again
+                            "spec": {"selector": {"matchLabels": _selector(job, role)}, "template": pod}})
     if training:
         objects.append(training_job(topo, job, namespace, image, keys_secret))
     return objects

@@ -22,6 +22,8 @@ K = 64
 WORKERS = 4
 PARENT = "parent"
 FOREIGN = "foreign"
+#: every protocol, for the packet sockets that capture what BMv2 sends
+ETH_P_ALL = 0x0003
 #: worker 0's address at another UDP port: another process on its host
 MOVED = "moved"
 SWITCH_IP = "10.78.0.253"
@@ -218,8 +220,11 @@ class Bmv2Aggregator:
         self.addr[FOREIGN] = ("10.78.0.99", "02:00:00:00:00:63", 40099)
         self.addr[MOVED] = (self.addr[0][0], self.addr[0][1], 40050)  # sent from worker 0's port, read by no one
         for ep, p in self.port_of.items():
-            s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
-            s.bind((f"{self.ifaces[p]}p", 0))
+            # protocol 0 until bound: a packet socket made for every protocol
+            # takes frames of every interface (loopback's aggnet traffic of
+            # the other pytest worker too) until bind() names its one
+            s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)
+            s.bind((f"{self.ifaces[p]}p", ETH_P_ALL))
             self.socks[ep] = s
         self.job = None
         self.ctl.set_flood(list(range(len(self.ifaces))))
@@ -269,6 +274,8 @@ class Bmv2Aggregator:
             data, info = s.recvfrom(65536)
             if info[2] == socket.PACKET_OUTGOING:
                 return None  # our own injection
+            if info[0] != f"{self.ifaces[self.port_of[ep]]}p":
+                return None  # another interface's frame
             if len(data) < 42 or data[12:14] != b"\x08\x00" or data[23] != 17:
                 return None  # not UDP over IPv4
             udp = 14 + (data[14] & 0xF) * 4
