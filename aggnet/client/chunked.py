@@ -475,13 +475,11 @@ class ChunkClient(Client):
                    count=mine.size, world=self.members)
         self._conn.send(shard, h.pack(), mine)
 
-    def _take_staging(self, enc=None):
+    def _take_staging(self, enc):
         # at most shards * window buffers ever exist (of each kind, host and
         # device): allocated on first use, then reused for the client's life
-        pool = self._staging if enc is None or enc.device is None else self._device_staging
-        if pool:
-            return pool.pop()
-        return np.empty(self.chunk_bytes // 4, np.int32) if enc is None else enc.new_staging(self.chunk_bytes // 4)
+        pool = self._staging if enc.device is None else self._device_staging
+        return pool.pop() if pool else enc.new_staging(self.chunk_bytes // 4)
 
     def _give_staging(self, staging) -> None:
         (self._staging if isinstance(staging, np.ndarray) else self._device_staging).append(staging)

@@ -105,9 +105,7 @@ class Encoding:
     def new_staging(self, elements: int):
         """A chunk-sized staging buffer (4 bytes an element) where this
         encoding's buffer lives: host memory, or the device's."""
-        if self.device is None:
-            return np.empty(elements, np.int32)
-        return self.device.empty(elements, self.device.int32)
+        return (self.device or np).empty(elements, np.int32)
 
     def encode(self, src, staging, shift: int = 0):
         """The wire payload for chunk ``src``: ``src`` itself when it can go
@@ -120,7 +118,7 @@ class Encoding:
         elif self.native_half:
             # avg on a 16-bit buffer: widen, divide, narrow (divide first so
             # that the float32 sum of fp16 values stays in fp16 range)
-            wide = (np if self.device is None else self.device).empty(src.size, np.float32)
+            wide = (self.device or np).empty(src.size, np.float32)
             self.k.from_half(src.view(np.uint16), wide, self.half_fmt)
             self.k.to_half(wide, out, self.half_fmt, self.multiplier)
         else:

@@ -26,7 +26,7 @@ import sys
 
 from aggnet.deploy.up import probe_address, roles, serve_argv
 from aggnet.protocol.address import parse
-from aggnet.protocol.topology import Aggregator, Rack, Topology, TopologyError
+from aggnet.protocol.topology import Aggregator, Topology, TopologyError, loads
 
 #: where the pods find the topology and the job keys
 TOPOLOGY_DIR = "/etc/aggnet/topology"
@@ -65,12 +65,10 @@ def main(args) -> int:
     except ImportError:
         print("aggnet k8s: rendering needs PyYAML: pip install 'aggnet[k8s]'", file=sys.stderr)
         return 2
-    from aggnet.protocol import topology as topo_mod
-
     try:
         with open(args.topology, encoding="utf-8") as f:
             text = f.read()
-        topo = topo_mod.loads(text, args.topology)
+        topo = loads(text, args.topology)
         objects = render(topo, text, image=args.image, namespace=args.namespace, node=args.node,
                          keys_secret=args.keys_secret, metrics_port=args.metrics_port,
                          training=args.training_job)

@@ -79,8 +79,8 @@ def profile(model, sample, *, reps: int = 3, optimizer_states: int = 1) -> Profi
     # on the CPU, this process's CPU time: what a layer costs a core, which
     # other processes on a busy machine (another job, a test beside it) do
     # not add to; elsewhere the wall clock
-    clock = time.process_time if sample.device.type == "cpu" else time.perf_counter
     on_cpu = sample.device.type == "cpu"
+    clock = time.process_time if on_cpu else time.perf_counter
     threads = torch.get_num_threads()
     if on_cpu:
         # one intra-op thread, so that the CPU time is one core's work: torch's
