@@ -360,8 +360,8 @@ class Shard:
         return "exponent agreement" if slot.key[1] == wire.SCALE_INDEX else (
             "buffer-size agreement" if slot.key[1] == wire.PLAN_INDEX else f"chunk {slot.key[1]}")
 
-    def _drop_job(self, job: Job) -> None:
-        if self.uplink is not None and not job.whole:
+    def _drop_job(self, job: Job, tell_root: bool = True) -> None:
+        if self.uplink is not None and not job.whole and tell_root:
             self.uplink.leave(job.job_id)
         job.slots.clear()
         if job.segment is not None:
@@ -370,9 +370,16 @@ class Shard:
         self.jobs.pop(job.job_id, None)
 
     def close(self) -> None:
-        """Release every job's resources (shared memory above all)."""
+        """Release every job's resources (shared memory above all).
+
+        A rack shard does not tell the root its jobs left: their workers
+        did not, and a rack that stops while they are members is one that
+        restarts (a supervisor, Ray, an operator) more often than one that
+        is gone. The root then keeps the rack's place as for a closed
+        connection, and its stall timeout names the rack if it never comes
+        back."""
         for job in list(self.jobs.values()):
-            self._drop_job(job)
+            self._drop_job(job, tell_root=False)
         if self.uplink is not None:
             self.uplink.close()
 

@@ -26,6 +26,26 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def free_port_block(n: int) -> int:
+    """A port P with P..P+n-1 free now: a service's control endpoint and
+    the consecutive ports its shards take."""
+    for _ in range(100):
+        base = free_port()
+        held = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def free_ports(n: int, kind=socket.SOCK_STREAM) -> list[int]:
     """``n`` distinct ports nobody holds now (held together so that they differ)."""
     socks = []

@@ -22,11 +22,11 @@ import pytest
 
 from aggnet import Client
 from aggnet.client import stats as stats_cli
-from aggnet.errors import AggregationError
+from aggnet.errors import AggregationError, AggregatorUnreachable
 from aggnet.processes import ServiceProcess
 from aggnet.protocol.limits import SWITCH_PORT
 from aggnet.bench.soak import kill_shard
-from harness.helpers import free_port, run_workers
+from harness.helpers import free_port, free_port_block, run_workers
 from harness.racks import Racks, topology_text
 
 N = 300_003  # not a multiple of any chunk or packet size
@@ -357,6 +357,62 @@ def test_a_restarted_rack_shard_is_taken_back_by_the_root_and_the_round_in_fligh
         for c in clients:
             c.close()
         r.stop()
+
+
+def _serve_at(address: str, args: list, timeout: float = 30.0) -> ServiceProcess:
+    """``aggnet serve`` at ``address``, again once the ports its stopped
+    predecessor held are free."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ServiceProcess(address, shards=2, args=args)
+        except AggregatorUnreachable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_a_rack_service_stopped_and_started_again_at_its_address_is_taken_back():
+    """A whole rack service stops (SIGTERM: an operator, or the Ray actor
+    that ran it died) with the round open and starts again at the same
+    address: it does not tell the root its job left (its workers did not),
+    so the root keeps the rack's place and the other rack's chunks wait for
+    it, and the round completes exactly on the new service."""
+    root = ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2)
+    address = f"zmq+tcp://127.0.0.1:{free_port_block(3)}"
+    rack_args = [["--parent", root.address, "--rack-id", str(i), "--racks", "2"] for i in range(2)]
+    racks = [_serve_at(address, rack_args[0]), ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2, args=rack_args[1])]
+    topology = topology_text("service", root.address, [p.address for p in racks], 2, 2)
+    clients = []
+    try:
+        import concurrent.futures
+
+        job = _job()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            clients = list(pool.map(lambda rank: Client(topology=topology, rank=rank, job=job, timeout=30,
+                                                        connect_timeout=30), range(4)))
+        bufs = [np.full(300_000, k + 1, np.int32) for k in range(4)]
+        _results([c.allreduce(b) for c, b in zip(clients, bufs)])
+        # ranks 0..2 start a round; rack 1 waits for rank 3 while rack 0 stops
+        bufs = [np.full(300_000, 3 * k, np.int32) for k in range(4)]
+        early = [c.allreduce(b) for c, b in zip(clients[:3], bufs[:3])]
+        assert racks[0].stop() == 0
+        racks[0] = _serve_at(address, rack_args[0])
+        _results(early + [clients[3].allreduce(bufs[3])])
+        assert all((b == 18).all() for b in bufs)
+        bufs = [np.full(1000, k, np.int32) for k in range(4)]
+        _results([c.allreduce(b) for c, b in zip(clients, bufs)])
+        assert all((b == 6).all() for b in bufs)
+        counters = [sh["counters"] for sh in stats_cli.query(root.address, 5.0)["shards"]]
+        assert sum(c.get("racks_back", 0) for c in counters) >= 1, counters
+        assert sum(c.get("dropped_member_left", 0) for c in counters) == 0, counters
+    finally:
+        for c in clients:
+            c.close()
+        for p in [*racks, root]:
+            p.stop()
 
 
 def test_sparse_buckets_through_racks_keep_torch_distributed_and_train_like_one_process():

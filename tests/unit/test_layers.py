@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...] | set[str]] = [
     ("aggnet",),  # the public API (aggnet/__init__.py) only: it re-exports the clients
     ("aggnet.pipeline",),  # pipelined stages and weight prediction (the stale-gradient hook predicts too)
     ("aggnet.torch", "aggnet.deploy"),
-    ("aggnet.parallel",),  # model-parallel stages on the torch pieces
+    ("aggnet.parallel", "aggnet.ray"),  # model-parallel stages; Ray actors and Ray Train, on the torch pieces
     {"aggnet.bench", "aggnet.emulation", "aggnet.sim"},
     {"aggnet.cli", "aggnet.demo", "aggnet.__main__"},
 ]
