@@ -68,6 +68,15 @@ class AggregatorActor:
         return self._service.stop()
 
 
+def require_ray():
+    """Ray, or an error that says how to get it."""
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("aggnet.ray needs Ray Train: pip install 'aggnet[ray]'") from None
+    return ray
+
+
 class Aggregators:
     """The aggregators of ``topology`` (a path, TOML text or a Topology)
     running as Ray actors on the connected Ray cluster.
@@ -78,8 +87,7 @@ class Aggregators:
 
     def __init__(self, topology, *, cpus_per_shard: float = 1.0, max_restarts: int = -1,
                  start_timeout: float = START_TIMEOUT):
-        import ray
-
+        ray = require_ray()
         if not ray.is_initialized():
             raise RuntimeError("aggnet.ray.Aggregators needs a Ray cluster: call ray.init() first")
         self.topology = topo_mod.load(topology)
@@ -114,8 +122,9 @@ class Aggregators:
 
             parent = replace(self.topology.root, address=addresses["root"])
         argv = agg.serve_argv(parent, role.rack_index, len(self.topology.racks))
-        # ["serve", "--listen", ADDRESS, *rest]: the actor listens on its node
-        args = [*argv[3:], "--restart"]
+        # ["serve", "--listen", ADDRESS, *rest]: the actor listens on its node;
+        # a service replaces a dead shard itself
+        args = [*argv[3:], *(["--restart"] if agg.kind == "service" else [])]
         options = {"num_cpus": cpus_per_shard * (agg.shards or 1), "max_restarts": max_restarts,
                    "max_task_retries": -1 if max_restarts != 0 else 0}
         if role.rack is not None or has_root_node:
@@ -179,4 +188,4 @@ class Aggregators:
         self.stop()
 
 
-__all__ = ["Aggregators", "AggregatorActor", "START_TIMEOUT"]
+__all__ = ["Aggregators", "AggregatorActor", "START_TIMEOUT", "require_ray"]

@@ -15,10 +15,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ray.train.torch import TorchConfig
-from ray.train.torch.config import _TorchBackend
-
+from aggnet.ray.actors import require_ray
 from aggnet.ray.placement import RACK_LABEL
+
+require_ray()
+from ray.train.torch import TorchConfig  # noqa: E402
+from ray.train.torch.config import _TorchBackend  # noqa: E402
 
 
 def _node_rack() -> str | None:
@@ -34,8 +36,9 @@ def _prepare_worker(topology_text: str | None, env: dict) -> None:
 
     os.environ.update({k: str(v) for k, v in env.items()})
     if topology_text is not None:
-        fd, path = tempfile.mkstemp(prefix="aggnet-ray-", suffix=".toml")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        # one file per worker process, rewritten when Ray Train restarts it
+        path = os.path.join(tempfile.gettempdir(), f"aggnet-ray-topology-{os.getpid()}.toml")
+        with open(path, "w", encoding="utf-8") as f:
             f.write(topology_text)
         os.environ["AGGNET_TOPOLOGY"] = path
         os.environ.pop("AGGNET_ADDRESS", None)
