@@ -48,8 +48,8 @@ def add_arguments(p) -> None:
     p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
     p.add_argument("--memory", choices=("host", "cuda"), default="host",
                    help="where the buffers live: cuda puts them on the GPU (CuPy); aggnet then sends them as they "
-                        "are over ucx (dev) and, on every transport, through a pinned host copy (copy); gloo "
-                        "all-reduces CUDA tensors (default %(default)s)")
+                        "are over ucx (dev), staged by the client through pinned memory (staged) and through a "
+                        "pinned host copy made by hand (copy); gloo all-reduces CUDA tensors (default %(default)s)")
     p.add_argument("--json", default=None, help="write the records to this file")
     p.add_argument("--collective", choices=("allreduce", "reduce_scatter"), default="allreduce",
                    help="reduce_scatter: the torch.distributed aggnet backend's reduce-scatter and all-reduce beside "
@@ -121,10 +121,13 @@ def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_p
                 else:
                     times = _timed(barrier, lambda: dist.all_reduce(t), reps)
             elif on_gpu:
-                key = (transport, chunk)
+                device_path = {"dev": "direct", "staged": "staged"}.get(point["path"])
+                key = (transport, chunk, device_path)
                 if key not in clients:
-                    clients[key] = Client(services[transport], job=f"bench-{world}-{transport}-{chunk}",
-                                          rank=rank, world_size=world, chunk_bytes=chunk, timeout=120)
+                    clients[key] = Client(services[transport],
+                                          job=f"bench-{world}-{transport}-{chunk}-{device_path or 'host'}",
+                                          rank=rank, world_size=world, chunk_bytes=chunk, timeout=120,
+                                          device_path=device_path)
                 times = _timed(barrier, _device_allreduce(clients[key], buf, point["path"],
                                                           "int32" if dtype == "q-int32" else None), reps, rank,
                                aggregator)
@@ -161,9 +164,10 @@ def _check(buf, world: int, reps: int, what: str) -> None:
 
 def _device_allreduce(client, buf: np.ndarray, path: str, codec):
     """An all-reduce of ``buf``'s values on the GPU, ``path`` "dev" (the
-    device buffer as it is, over ucx) or "copy" (through a pinned host
-    buffer, as one would stage it by hand); ``buf`` holds the result after
-    each call, for the check."""
+    device buffer as it is, over ucx), "staged" (the device buffer given to
+    a client that stages it through pinned memory) or "copy" (through a
+    pinned host buffer, as one would stage it by hand); ``buf`` holds the
+    result after each call, for the check."""
     import cupy
     import cupyx
 
@@ -179,7 +183,7 @@ def _device_allreduce(client, buf: np.ndarray, path: str, codec):
         dev.set(pinned)
         cupy.cuda.get_current_stream().synchronize()
 
-    fn = through_device if path == "dev" else through_copy
+    fn = through_copy if path == "copy" else through_device
 
     def timed():
         fn()
@@ -396,8 +400,9 @@ def _plan(group: str, sizes: list, dtypes: list, chunks: list, listen: dict, mem
             # the transport's default chunk size where none is asked for
             scheme = listen[group].split("://", 1)[0]
             # device buffers: as they are where the transport sends device
-            # memory (ucx), and through a pinned host copy everywhere
-            paths = [None] if memory == "host" else (["dev"] if group == "ucx" else []) + ["copy"]
+            # memory (ucx), staged by the client and through a pinned host
+            # copy by hand everywhere
+            paths = [None] if memory == "host" else (["dev"] if group == "ucx" else []) + ["staged", "copy"]
             plan += [{"system": "aggnet", "transport": group, "dtype": d, "bytes": nbytes,
                       "chunk_bytes": c or ClientConfig().chunk_bytes_for(scheme), "memory": memory, "path": path}
                      for d in dtypes for c in chunks for path in paths]

@@ -18,6 +18,7 @@ and what it is waiting on.
 from __future__ import annotations
 
 import collections
+import functools
 import importlib
 import itertools
 import logging
@@ -31,6 +32,7 @@ import numpy as np
 
 from aggnet.protocol import keys
 from aggnet.protocol.address import parse
+from aggnet.client import device
 from aggnet.client.codec import Encoding
 from aggnet.client.config import ClientConfig
 from aggnet.errors import ClientClosed
@@ -305,7 +307,11 @@ class Client(ABC):
         caller = buf
         on_device = hasattr(buf, "__cuda_array_interface__")
         if on_device:
-            buf = self._device_view(buf)
+            direct = self._sends_device_memory()
+            buf = device.device_view(buf)
+            if not direct:
+                return device.staged(buf, caller, self._pinned, lambda host: self.allreduce(
+                    host, op, codec, dtype=dtype, key=key, _wire_hint=_wire_hint))
         if dtype is not None:
             codec = _codec_for_dtype(buf, dtype, codec)
         if not on_device and not isinstance(buf, np.ndarray):
@@ -318,20 +324,25 @@ class Client(ABC):
     #: whether device (CUDA) buffers may be passed as they are: a client
     #: whose transport sends device memory says so
     device_buffers = False
+    _direct_default: bool | None = None
 
-    def _device_view(self, buf):
-        """A CuPy view of a device buffer (a CuPy array or anything with
-        ``__cuda_array_interface__``, a CUDA tensor), once the device has
-        finished what was queued to write it."""
-        if not self.device_buffers:
-            raise TypeError(f"{self.address} takes host (NumPy) buffers: device buffers go as they are over "
-                            f"ucx:// addresses; elsewhere copy to the host first (the DDP hook stages them)")
-        import cupy
+    def _sends_device_memory(self) -> bool:
+        """Whether a device buffer goes as it is (else through pinned host
+        memory: aggnet/client/device.py says when each pays)."""
+        path = self.config.device_path
+        if path == "direct" and not self.device_buffers:
+            raise TypeError(f"device_path='direct' (AGGNET_DEVICE_PATH) sends device buffers as they are, which only "
+                            f"ucx:// does; {self.address} takes them staged through host memory: leave device_path "
+                            f"unset")
+        if path is None:
+            if self._direct_default is None:
+                self._direct_default = self.device_buffers and device.gpudirect_rdma()
+            return self._direct_default
+        return path == "direct"
 
-        view = cupy.asarray(buf)
-        with view.device:
-            cupy.cuda.runtime.deviceSynchronize()  # the caller's kernels on any stream wrote it
-        return view
+    @functools.cached_property
+    def _pinned(self) -> device.PinnedPool:
+        return device.PinnedPool()
 
     #: whether this client can have each chunk's result sent to one rank
     #: (:meth:`reduce_scatter`); a client kind that can says so

@@ -90,7 +90,7 @@ def test_cupy_buffers_go_zero_copy_device_to_device():
         lst.close()
 
 
-def _device_worker(rank, address, world, job):
+def _device_worker(rank, address, world, job, device_path=None):
     """Each codec and op on a CuPy buffer and on the same values in host
     memory, through one client: the results must be the same bits."""
     import cupy
@@ -100,7 +100,8 @@ def _device_worker(rank, address, world, job):
     rng = np.random.default_rng(rank)
     x = (rng.standard_normal(300_000) * np.exp(rng.uniform(-6, 6, 300_000))).astype(np.float32)
     out = []
-    with Client(address, job=job, rank=rank, world_size=world, chunk_bytes=64 * 1024, timeout=30) as c:
+    with Client(address, job=job, rank=rank, world_size=world, chunk_bytes=64 * 1024, timeout=30,
+                device_path=device_path) as c:
         for codec in (None, "fp16", "bf16", "int32"):
             for op in ("sum", "avg"):
                 host = x.copy()
@@ -116,16 +117,27 @@ def _device_worker(rank, address, world, job):
             t = torch.from_numpy(x).cuda()
             host = x.copy()
             c.allreduce(host).result(30)
-            assert c.allreduce(t).result(30) is t  # a CUDA tensor as it is, no copy to the host
+            assert c.allreduce(t).result(30) is t  # the caller's own CUDA tensor holds the result
             out.append(("torch", "sum", host, t.cpu().numpy()))
+        # staged: one pinned buffer, reused by every all-reduce of that size
+        out.append(("pinned", c._sends_device_memory(), c._pinned.allocations))
     return out
 
 
 @pytest.mark.requires_gpu
 @pytest.mark.skipif(not _gpu(), reason="no CUDA GPU with CuPy on this machine")
-def test_device_buffers_all_reduce_over_ucx_to_the_same_bits_as_host_buffers(service_factory):
-    svc = service_factory("ucx", 2)
-    results = run_workers(svc.address, 2, _device_worker, svc.address, 2, "device-direct", timeout=120)
+@pytest.mark.parametrize("transport, device_path", [("ucx", "direct"), ("ucx", None), ("zmq+ipc", "staged")])
+def test_device_buffers_all_reduce_to_the_same_bits_as_host_buffers(service_factory, transport, device_path):
+    """Direct (UCX reads device memory) and staged (through pinned host
+    memory, on any transport; the default without GPUDirect RDMA)."""
+    from aggnet.client.device import gpudirect_rdma
+
+    svc = service_factory(transport, 2)
+    results = run_workers(svc.address, 2, _device_worker, svc.address, 2, f"device-{transport}-{device_path}",
+                          device_path, timeout=120, start_method="spawn")  # CUDA does not survive fork
+    direct = device_path == "direct" or (device_path is None and transport == "ucx" and gpudirect_rdma())
+    for rank_out in results:
+        assert rank_out.pop() == ("pinned", direct, 0 if direct else 1)
     for rank_out in results:
         assert len(rank_out) >= 8
         for codec, op, host, dev in rank_out:
@@ -141,12 +153,28 @@ class _DeviceStandIn:
     __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0, False), "version": 3}
 
 
-def test_a_device_buffer_given_to_a_host_transport_is_refused_naming_ucx(service_factory):
+def test_direct_device_buffers_on_a_host_transport_are_refused_naming_ucx(service_factory):
     from aggnet import Client
 
     svc = service_factory("zmq+ipc", 1)
-    with Client(svc.address, job="refuse-device", rank=0, world_size=1, timeout=10) as c:
-        with pytest.raises(TypeError, match=r"takes host \(NumPy\) buffers: device buffers go as they are over ucx://"):
+    with Client(svc.address, job="refuse-device", rank=0, world_size=1, timeout=10, device_path="direct") as c:
+        with pytest.raises(TypeError, match=r"sends device buffers as they are, which only ucx:// does; .* leave "
+                                            r"device_path unset"):
+            c.allreduce(_DeviceStandIn())
+
+
+def test_a_device_buffer_without_cupy_names_the_install(service_factory):
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("CuPy is installed here: device buffers are reached through it")
+    from aggnet import Client
+
+    svc = service_factory("zmq+ipc", 1)
+    with Client(svc.address, job="no-cupy", rank=0, world_size=1, timeout=10) as c:
+        with pytest.raises(TypeError, match=r"needs CuPy to reach it: pip install 'aggnet\[gpu\]'"):
             c.allreduce(_DeviceStandIn())
 
 
