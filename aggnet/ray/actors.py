@@ -105,7 +105,15 @@ class Aggregators:
             for role in self.roles:
                 self.actors[role.name] = self._start(role, addresses, cpus_per_shard, max_restarts, start_timeout,
                                                      has_root_node)
-                addresses[role.name] = ray.get(self.actors[role.name].address.remote(), timeout=start_timeout)
+                try:
+                    addresses[role.name] = ray.get(self.actors[role.name].address.remote(), timeout=start_timeout)
+                except ray.exceptions.GetTimeoutError:
+                    cpus = cpus_per_shard * (role.aggregator.shards or 1)
+                    where = (f"a node labeled {role.selector}" if role.rack is not None or has_root_node
+                             else "the driver's node")
+                    raise TimeoutError(
+                        f"{role.name}: no Ray node took its aggregator within {start_timeout:g}s; it asks for "
+                        f"{cpus:g} CPU(s) on {where}: free them, or pass a smaller cpus_per_shard") from None
         except BaseException:
             self.stop()
             raise
