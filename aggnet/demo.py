@@ -239,12 +239,34 @@ def _run(args, mode: str) -> dict:
     # a failed worker says why in one line; torch's note that it stops the
     # others is noise to the user
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    workers = mp.start_processes(_spawned, args=(args.workers, _free_port(), args, mode, report),
+                                 nprocs=args.workers, start_method="spawn", join=False)
     try:
-        mp.start_processes(_spawned, args=(args.workers, _free_port(), args, mode, report), nprocs=args.workers,
-                           start_method="spawn")
+        while not workers.join():
+            pass
     except (mp.ProcessExitedException, mp.ProcessRaisedException):
         return None  # the worker said why, above
+    except KeyboardInterrupt:
+        _stop(workers.processes)
+        raise
     return report.get(timeout=10)
+
+
+#: seconds Ctrl-C gives the workers (who got it too) before they are killed
+STOP_GRACE = 5.0
+
+
+def _stop(processes, grace: float = STOP_GRACE) -> None:
+    """Ctrl-C reached every worker, and each exits at once, unless it is
+    blocked in a collective whose peers left (it would hold the terminal
+    until that times out): those are killed after ``grace`` seconds."""
+    deadline = time.monotonic() + grace
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
 
 
 def main(args) -> int:

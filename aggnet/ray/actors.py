@@ -100,6 +100,8 @@ class Aggregators:
                 f"nodes with ray start --labels {missing[0]} (or Cluster.add_node(labels=...))")
         has_root_node = any((n.get("Labels") or {}).get(ROOT_LABEL) == "true" for n in live)
         self.actors: dict[str, object] = {}
+        #: the roles whose service answered once
+        self._serving: set[str] = set()
         addresses: dict[str, str] = {}
         try:
             for role in self.roles:
@@ -107,6 +109,7 @@ class Aggregators:
                                                      has_root_node)
                 try:
                     addresses[role.name] = ray.get(self.actors[role.name].address.remote(), timeout=start_timeout)
+                    self._serving.add(role.name)
                 except ray.exceptions.GetTimeoutError:
                     cpus = cpus_per_shard * (role.aggregator.shards or 1)
                     where = (f"a node labeled {role.selector}" if role.rack is not None or has_root_node
@@ -181,11 +184,12 @@ class Aggregators:
         """Stop every aggregator (their services first, then the actors)."""
         import ray
 
-        for actor in self.actors.values():
-            try:
-                ray.get(actor.stop.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - dead already, or Ray is going
-                pass
+        for role, actor in self.actors.items():
+            if role in self._serving:  # one never placed has nothing to stop
+                try:
+                    ray.get(actor.stop.remote(), timeout=30)
+                except Exception:  # noqa: BLE001 - dead already, or Ray is going
+                    pass
             ray.kill(actor, no_restart=True)
         self.actors = {}
 

@@ -47,20 +47,31 @@ def test_ray_train_through_aggregator_actors_matches_gloo_and_survives_an_actor_
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_a_rack_no_ray_node_is_labeled_for_is_refused_naming_the_label(tmp_path):
+def test_aggregators_ray_cannot_place_are_refused_naming_the_label_or_the_cpus(tmp_path):
+    one_rack = ('job = "r"\n[[racks]]\nname = "rack0"\nranks = "0"\n[racks.aggregator]\nkind = "service"\n'
+                'address = "zmq+tcp://127.0.0.1:0"\nshards = 4\n')
     script = (
         "import ray, sys\n"
         "from aggnet.protocol.topology import TopologyError\n"
         "from aggnet.ray import Aggregators\n"
-        "ray.init(num_cpus=1, include_dashboard=False, logging_level='ERROR')\n"
+        "ray.init(num_cpus=2, include_dashboard=False, logging_level='ERROR', labels={'aggnet.io/rack': 'rack0'})\n"
         "try:\n"
         f"    Aggregators({str(ROOT / 'examples/topologies/service-racks.toml')!r})\n"
         "except TopologyError as exc:\n"
+        "    print(exc)\n"
+        "try:\n"
+        f"    Aggregators({one_rack!r}, start_timeout=5)\n"
+        "except TimeoutError as exc:\n"
         "    print(exc)\n"
         "    sys.exit(3)\n"
     )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=150, env=_env(),
                        cwd=tmp_path)
     assert r.returncode == 3, (r.stdout + r.stderr)[-4000:]
-    assert "no live Ray node is labeled aggnet.io/rack=rack0, aggnet.io/rack=rack1" in r.stdout
-    assert "ray start --labels aggnet.io/rack=rack0" in r.stdout
+    said = r.stdout.splitlines()  # Ray's scheduler prints tips of its own between
+    assert any(line.endswith(": no live Ray node is labeled aggnet.io/rack=rack1; start each rack's nodes with ray "
+                             "start --labels aggnet.io/rack=rack1 (or Cluster.add_node(labels=...))")
+               for line in said), said
+    # four shards ask four CPUs of a two-CPU node
+    assert ("rack rack0: no Ray node took its aggregator within 5s; it asks for 4 CPU(s) on a node labeled "
+            "{'aggnet.io/rack': 'rack0'}: free them, or pass a smaller cpus_per_shard") in said, said
