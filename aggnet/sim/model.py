@@ -139,8 +139,10 @@ def aggnet_host(hw: Hardware, shape: Shape, nbytes: float) -> Prediction:
     two_level = shape.racks > 1
     lost = 1 - (1 - shape.loss) ** (4 if two_level else 2)
     w = shape.workers_per_rack
+    # under a root the rack aggregator's own link also carries its partial
+    # up and the final down: W + 1 buffers each way, not W
     terms = {"host link": nbytes * (1 + lost) / (eff * hw.host_rate),
-             "rack aggregator link": w * nbytes / (eff * agg_link),
+             "rack aggregator link": (w + (1 if shape.racks > 1 else 0)) * nbytes / (eff * agg_link),
              "rack aggregator packets": w * nbytes / (4 * k * agg_packets)}
     if two_level:
         terms["uplink"] = nbytes * (1 + lost) / (eff * shape.uplink_rate(hw))
