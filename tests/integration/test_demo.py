@@ -88,8 +88,11 @@ def test_ctrl_c_stops_the_demo_with_one_line_and_no_traceback():
     the parent and its workers."""
     import signal
 
+    # Ctrl-C as in a terminal even where this test runs in the background
+    # (a background job inherits SIGINT ignored, and Python keeps it so)
     p = subprocess.Popen([sys.executable, "-m", "aggnet", "demo", "--epochs", "200"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
+                         stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in p.stdout:  # training is under way once an epoch is printed
             if line.startswith("[aggnet] epoch"):

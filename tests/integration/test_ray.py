@@ -16,6 +16,11 @@ import pytest
 
 pytest.importorskip("ray.train", reason="Ray is not installed (pip install 'aggnet[ray]')")
 
+# a Ray cluster keeps both of this machine's cores busy for a minute: it
+# runs in the system tests' lane (one at a time), never beside an
+# emulation whose shaped links and timeouts it would disturb
+pytestmark = pytest.mark.xdist_group("system")
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples/ray_train.py"
 
