@@ -40,12 +40,40 @@ TRANSPORTS = ["inproc", "zmq+ipc", "zmq+tcp", "shm",
                                                            reason="ucxx is not installed (pip install aggnet[rdma])"))]
 
 
+@pytest.fixture(scope="session")
+def _services():
+    """One service per transport for this pytest process: starting one costs
+    about two seconds, and over a hundred tests ask for one. Tests keep apart
+    by job name and read counters as increments (``service.new_counts()``)."""
+    running: dict[str, RunningService] = {}
+    yield running
+    for svc in running.values():
+        svc.stop()
+
+
+def _pooled(services: dict, kind: str, shards: int) -> RunningService:
+    key = kind if shards == 2 else f"{kind}/{shards}"
+    svc = services.get(key)
+    if svc is None or not svc.alive():
+        if svc is not None:
+            svc.stop()
+        svc = services[key] = RunningService(kind, shards)
+    svc.mark_counts()
+    return svc
+
+
 @pytest.fixture(params=TRANSPORTS)
-def service(request):
-    """An aggregator service with 2 shards on each transport."""
-    svc = RunningService(request.param, shards=2)
-    yield svc
-    svc.stop()
+def service(request, _services):
+    """An aggregator service with 2 shards on each transport, shared by the
+    tests of this process (one that a test left dead is started again)."""
+    return _pooled(_services, request.param, 2)
+
+
+@pytest.fixture
+def shared_service(_services):
+    """``shared_service(kind, shards)``: a service shared by the tests of
+    this process that do not stop it, its counters marked for the caller."""
+    return lambda kind="zmq+ipc", shards=2: _pooled(_services, kind, shards)
 
 
 @pytest.fixture

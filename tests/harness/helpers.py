@@ -3,6 +3,7 @@ real processes (forked) for socket transports."""
 
 from __future__ import annotations
 
+import collections
 import multiprocessing
 import os
 import queue
@@ -213,6 +214,21 @@ class RunningService:
             msg = conn.recv(10.0)
         assert msg is not None, f"no STATS answer from {self.address}"
         return wire.parse_json(msg.payload)
+
+    def alive(self) -> bool:
+        return self.kind == "inproc" or self._svc.alive()
+
+    def mark_counts(self) -> None:
+        """Remember the counters now: a shared service's earlier tests bumped
+        them, and a test asserts what it caused (``new_counts``)."""
+        self._marked = dict(self.stats()["totals"])
+
+    def new_counts(self) -> collections.Counter:
+        """Each counter's increase since ``mark_counts`` (0 for one never bumped)."""
+        now = self.stats()["totals"]
+        marked = getattr(self, "_marked", {})
+        return collections.Counter({k: v - marked.get(k, 0) for k, v in now.items()
+                                    if isinstance(v, (int, float)) and not isinstance(v, bool)})
 
     def stop(self):
         if self.kind == "inproc":

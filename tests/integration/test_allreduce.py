@@ -79,8 +79,8 @@ def test_sums_are_exact_on_every_transport(service, world):
 @pytest.mark.parametrize("kind", ["inproc", "zmq+ipc", "shm"])
 @pytest.mark.parametrize("shards", [1, 3])
 @pytest.mark.parametrize("chunk_bytes", [256, 65536, 1 << 20])
-def test_sums_identical_across_chunk_sizes_and_shard_counts(service_factory, kind, shards, chunk_bytes):
-    svc = service_factory(kind, shards)
+def test_sums_identical_across_chunk_sizes_and_shard_counts(shared_service, kind, shards, chunk_bytes):
+    svc = shared_service(kind, shards)
     job = f"grid-{uuid.uuid4().hex[:6]}"
     results = run_workers(svc.address, 3, _exact_worker, svc.address, 3, job, chunk_bytes, 7)
     _check_exact(results, 3, 7)
@@ -144,6 +144,7 @@ def _two_jobs_worker(rank, address):
     return job, world, outs
 
 
+@pytest.mark.slow
 def test_two_jobs_concurrently_get_independent_exact_results(service):
     results = run_workers(service.address, 5, _two_jobs_worker, service.address)
     for job, world, outs in results:
@@ -200,13 +201,13 @@ def test_malformed_messages_are_dropped_counted_and_answered(service):
         # header (zero-filled) and the short payload go unseen there, and
         # those messages fail on their job, which nobody joined
         assert codes.count("malformed") == 2 and codes.count("not_joined") == 3, errors
-        assert service.stats()["totals"]["dropped_unknown_job"] == 3
+        assert service.new_counts()["dropped_unknown_job"] == 3
         return
     assert any("bad magic" in m for _, m in errors)
     assert any("version 99" in m for _, m in errors)
     assert any("shorter than the 48-byte" in m for _, m in errors)
     assert any("does not match count=4" in m for _, m in errors)
-    c = service.stats()["totals"]
+    c = service.new_counts()
     assert c["dropped_malformed_magic"] == 1
     assert c["dropped_malformed_version"] == 1
     assert c["dropped_malformed_short"] == 1
@@ -282,10 +283,10 @@ os.kill(os.getpid(), signal.SIGKILL)  # no LEAVE, no close: as a crash
 
 
 @pytest.mark.parametrize("kind", ["zmq+tcp", "zmq+ipc", "shm", "udp"])
-def test_a_killed_worker_is_reported_to_the_survivor_at_once(service_factory, kind):
+def test_a_killed_worker_is_reported_to_the_survivor_at_once(shared_service, kind):
     """The service hears the connection close; a host in switch mode
     (udp, two shard ports) hears the worker's heartbeats stop."""
-    svc = service_factory(kind)
+    svc = shared_service(kind)
     job = f"killed-{uuid.uuid4().hex[:6]}"
     other = subprocess.Popen([sys.executable, "-c", _KILLED_WORKER, svc.address, job], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
@@ -305,17 +306,17 @@ def test_a_killed_worker_is_reported_to_the_survivor_at_once(service_factory, ki
     finally:
         if other.poll() is None:
             other.kill()
-    assert svc.stats()["totals"]["members_disconnected"] >= 1
+    assert svc.new_counts()["members_disconnected"] >= 1
 
 
 @pytest.mark.parametrize("kind", ["inproc", "zmq+tcp", "shm", "udp"])
-def test_a_world_size_mismatch_is_told_to_every_rank_at_once(service_factory, kind):
+def test_a_world_size_mismatch_is_told_to_every_rank_at_once(shared_service, kind):
     """Rank 1 joins with another world size than the job rank 0 registered
     (on the service, and on a host in switch mode over udp://):
     rank 1 is refused, and rank 0, already a member, hears the same verdict
     at once (its all-reduce fails naming both sizes, and so does the next),
     not a timeout that blames a missing rank."""
-    svc = service_factory(kind)
+    svc = shared_service(kind)
     job = f"world-{uuid.uuid4().hex[:6]}"
     with Client(svc.address, job=job, rank=0, world_size=2, timeout=30) as first:
         pending = first.allreduce(np.ones(50_000, np.float32))
@@ -436,6 +437,7 @@ def _nan_worker(rank, address, job):
         return first, y
 
 
+@pytest.mark.slow
 def test_nan_and_inf_are_reported_not_quantized(service):
     job = f"nan-{uuid.uuid4().hex[:6]}"
     (msg0, y0), (msg1, y1) = run_workers(service.address, 2, _nan_worker, service.address, job)

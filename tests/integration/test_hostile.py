@@ -61,10 +61,9 @@ def _allreduce_pair(address: str, job: str, size=(1000, 1000), **opts):
         return list(pool.map(run, range(2)))
 
 
-@pytest.fixture(scope="module")
-def service():
-    with ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2) as svc:
-        yield svc
+@pytest.fixture
+def service(shared_service):
+    return shared_service("zmq+tcp")
 
 
 def _alive_and_serving(address: str) -> None:
@@ -94,8 +93,8 @@ def test_a_malformed_join_is_refused_naming_the_field_and_the_service_goes_on(se
     code, text = wire.parse_error(reply)
     assert code == "malformed" and field in text, text
     assert service.alive()
-    stats = query(service.address)
-    assert stats["totals"].get(f"dropped_field_{field}", 0) >= 1, stats["totals"]
+    counts = service.new_counts()
+    assert counts[f"dropped_field_{field}"] == 1, counts
 
 
 def test_a_huge_shared_memory_join_leaves_no_file_and_no_crash():
@@ -137,8 +136,8 @@ def test_the_control_endpoint_counts_what_it_drops(service):
         conn.send(0, Header(MsgType.PUSH).pack())
         for _ in range(2):
             assert conn.recv(5.0) is not None
-    totals = query(service.address)["totals"]
-    assert totals.get("dropped_malformed_short", 0) >= 1 and totals.get("dropped_unexpected_type", 0) >= 1
+    counts = service.new_counts()
+    assert counts["dropped_malformed_short"] >= 1 and counts["dropped_unexpected_type"] >= 1, counts
 
 
 def test_an_internal_error_is_counted_and_the_shard_goes_on():
@@ -293,6 +292,7 @@ def test_serve_listens_on_this_machine_only_by_default():
 # -- CURVE ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_curve_protects_a_tcp_service():
     path = os.path.join(_tmpdir(), "curve")
     from aggnet.transport.zmq import make_curve_keys

@@ -52,8 +52,9 @@ os._exit(0)  # the process group cannot be destroyed cleanly with a peer gone
 
 
 @pytest.mark.parametrize("kind", ["zmq+tcp", "udp"])
-def test_ddp_on_the_backend_names_a_killed_worker_within_2s(service_factory, tmp_path, kind):
-    svc = service_factory(kind)
+@pytest.mark.slow
+def test_ddp_on_the_backend_names_a_killed_worker_within_2s(shared_service, tmp_path, kind):
+    svc = shared_service(kind)
     init = f"file://{tmp_path}/init-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "AGGNET_JOB": f"ddp-killed-{uuid.uuid4().hex[:6]}"}
     procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(r), svc.address, init], stdin=subprocess.PIPE,

@@ -153,17 +153,17 @@ class _DeviceStandIn:
     __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0, False), "version": 3}
 
 
-def test_direct_device_buffers_on_a_host_transport_are_refused_naming_ucx(service_factory):
+def test_direct_device_buffers_on_a_host_transport_are_refused_naming_ucx(shared_service):
     from aggnet import Client
 
-    svc = service_factory("zmq+ipc", 1)
+    svc = shared_service("zmq+ipc", 1)
     with Client(svc.address, job="refuse-device", rank=0, world_size=1, timeout=10, device_path="direct") as c:
         with pytest.raises(TypeError, match=r"sends device buffers as they are, which only ucx:// does; .* leave "
                                             r"device_path unset"):
             c.allreduce(_DeviceStandIn())
 
 
-def test_a_device_buffer_without_cupy_names_the_install(service_factory):
+def test_a_device_buffer_without_cupy_names_the_install(shared_service):
     try:
         import cupy  # noqa: F401
     except ImportError:
@@ -172,7 +172,7 @@ def test_a_device_buffer_without_cupy_names_the_install(service_factory):
         pytest.skip("CuPy is installed here: device buffers are reached through it")
     from aggnet import Client
 
-    svc = service_factory("zmq+ipc", 1)
+    svc = shared_service("zmq+ipc", 1)
     with Client(svc.address, job="no-cupy", rank=0, world_size=1, timeout=10) as c:
         with pytest.raises(TypeError, match=r"needs CuPy to reach it: pip install 'aggnet\[gpu\]'"):
             c.allreduce(_DeviceStandIn())
