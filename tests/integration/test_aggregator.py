@@ -41,6 +41,7 @@ def _switch():
 
 
 @pytest.mark.parametrize("make", [_service, _switch], ids=["service", "switch"])
+@pytest.mark.slow
 def test_each_kind_serves_until_told_and_reports_in_the_one_shape(make):
     before = set(_children(os.getpid()))
     agg = make()

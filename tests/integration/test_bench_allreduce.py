@@ -10,6 +10,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow
 def test_bench_reports_cpu_seconds_per_gb_beside_gloo(tmp_path):
     pytest.importorskip("torch", reason="gloo's side of the benchmark needs PyTorch")
     out = tmp_path / "bench.json"

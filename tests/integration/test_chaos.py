@@ -26,6 +26,7 @@ def _root_results(r: Racks) -> int:
     return sum(s["counters"].get("results", 0) for s in r.stats(r.root, timeout=30)["shards"] if s is not None)
 
 
+@pytest.mark.slow
 def test_ddp_through_racks_survives_shard_kills_bit_for_bit():
     r = Racks("service", root_args=["--restart"], rack_args=["--restart"])
     try:

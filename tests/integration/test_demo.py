@@ -33,6 +33,7 @@ def test_demo_trains_through_aggnet_and_compares_with_gloo():
     assert len(acc) == 2 and min(acc) > 90
 
 
+@pytest.mark.slow
 def test_a_small_model_s_gradients_are_counted_in_kib():
     out = subprocess.run([sys.executable, "-m", "aggnet", "demo", "--epochs", "1", "--hidden", "4"],
                          capture_output=True, text=True, timeout=300, env=_env())
@@ -41,6 +42,7 @@ def test_a_small_model_s_gradients_are_counted_in_kib():
     assert "0.0 MiB" not in head and "KiB of gradients per step" in head, head
 
 
+@pytest.mark.slow
 def test_demo_runs_under_torchrun():
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m", "aggnet.demo", "--epochs", "2"],
@@ -49,6 +51,7 @@ def test_demo_runs_under_torchrun():
     assert "[aggnet] epoch   2" in out.stdout and "test accuracy" in out.stdout
 
 
+@pytest.mark.slow
 def test_demo_against_a_keyed_service_says_to_name_the_job_in_one_line(tmp_path):
     """A keyed service refuses the demo's own job name: the demo says to
     give --job (not to create a key for a name it made up), once per rank,
@@ -66,6 +69,7 @@ def test_demo_against_a_keyed_service_says_to_name_the_job_in_one_line(tmp_path)
     assert r.stderr.strip().endswith("aggnet demo: a worker failed; its error is above")
 
 
+@pytest.mark.slow
 def test_a_diverging_run_names_the_nan_in_one_line_per_rank():
     """A learning rate that overflows the weights: the int32 codec cannot
     quantize NaN/Inf, and each rank says so in one line. The hook's error
@@ -83,6 +87,7 @@ def test_a_diverging_run_names_the_nan_in_one_line_per_rank():
     assert len(lines) == len(failed) + 1, lines
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_demo_with_one_line_and_no_traceback():
     """A terminal's Ctrl-C reaches every process of the foreground group:
     the parent and its workers."""

@@ -41,6 +41,7 @@ def rel_diff(a, b) -> float:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_float32_buckets_train_like_one_process_on_their_device(service, device):
     world = 2
     reference = W.single_process(world, STEPS, device=device)
@@ -51,6 +52,7 @@ def test_float32_buckets_train_like_one_process_on_their_device(service, device)
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("codec", ["int32", "fp16", "bf16"])
+@pytest.mark.slow
 def test_codecs_on_the_device_send_what_the_host_codec_sends(service, device, codec):
     """Staged (narrowed on the device, or quantized on the host from pinned
     memory) and synchronous (copied to the CPU, encoded by the client) put

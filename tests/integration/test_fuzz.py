@@ -36,7 +36,6 @@ from aggnet.client.stats import query
 from aggnet.transport.zmq import zmq_endpoint
 from aggnet.protocol.wire import Header, MsgType
 
-pytestmark = pytest.mark.slow
 
 K = 64
 SIZE = 3001  # not a multiple of K: every all-reduce has a padded tail block

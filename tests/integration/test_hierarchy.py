@@ -415,6 +415,7 @@ def test_a_rack_service_stopped_and_started_again_at_its_address_is_taken_back()
             p.stop()
 
 
+@pytest.mark.slow
 def test_sparse_buckets_through_racks_keep_torch_distributed_and_train_like_one_process():
     """Sparse tables need one service every worker reaches; through racks
     the hook's sparse buckets take torch.distributed's path instead of

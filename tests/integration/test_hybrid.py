@@ -63,6 +63,7 @@ def _check_equal(results, stages: int):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_stage_per_rack_trains_like_one_process_and_keeps_gradients_in_the_rack(racks):
     # 4 ranks: two micro-batches a step (GPipe); 8 ranks: the paper's one
     micro_batches = 2 if racks.world == 4 else 1
@@ -82,6 +83,7 @@ def test_stage_per_rack_trains_like_one_process_and_keeps_gradients_in_the_rack(
     assert all(len(r["losses"][0]) == micro_batches for r in last)
 
 
+@pytest.mark.slow
 def test_pipeline_in_rack_trains_like_one_process_through_the_root(racks):
     # 4 ranks: two stages in each rack, 1F1B over two micro-batches;
     # 8 ranks: four stages in each rack, four micro-batches

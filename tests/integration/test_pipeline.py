@@ -40,6 +40,7 @@ def test_distributed_pipeline_equals_the_emulator_in_every_mode(stages):
         _assert_identical(results, stages, mode)
 
 
+@pytest.mark.slow
 def test_a_replicated_stage_averages_its_gradients_through_aggnet():
     service = RunningService("zmq+tcp", shards=1)
     try:
@@ -61,6 +62,7 @@ def test_a_replicated_stage_averages_its_gradients_through_aggnet():
 
 
 @pytest.mark.parametrize("backward,optimizer", [("reuse", "sgd"), ("recompute", "adam")])
+@pytest.mark.slow
 def test_reused_graphs_and_other_optimizers_stay_identical_to_the_emulator(backward, optimizer):
     results = _run(2, 2, ["spectrain"], backward=backward, optimizer=optimizer)
     _assert_identical(results, 2, "spectrain", backward=backward, optimizer=optimizer)

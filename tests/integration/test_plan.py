@@ -26,6 +26,7 @@ def _plan(*args, timeout=60):
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_a_narrow_cut_goes_to_a_stage_per_rack_and_wide_activations_to_data_parallelism(tmp_path):
     out = _plan("--topology", TWO_RACKS, "--model", "aggnet.parallel.models:narrow_cut", "--json",
                 str(tmp_path / "narrow.json"))

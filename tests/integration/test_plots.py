@@ -18,6 +18,7 @@ def _aggnet(*args, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "aggnet", *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_a_bench_udp_run_is_drawn(tmp_path):
     data, png = tmp_path / "udp.json", tmp_path / "udp.png"
     r = _aggnet("bench-udp", "--elements", "64,512", "--size", "1MiB", "--reps", "1", "--seconds", "0.2",
@@ -28,6 +29,7 @@ def test_a_bench_udp_run_is_drawn(tmp_path):
     assert png.read_bytes().startswith(PNG) and png.stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_a_bench_sparse_run_is_drawn(tmp_path):
     pytest.importorskip("torch", reason="gloo's side of the sparse benchmark needs PyTorch")
     data, png = tmp_path / "sparse.json", tmp_path / "sparse.png"

@@ -32,8 +32,8 @@ def _env() -> dict:
     return env
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(700)
+@pytest.mark.slow
 def test_ray_train_through_aggregator_actors_matches_gloo_and_survives_an_actor_kill(tmp_path):
     out = tmp_path / "ray.json"
     r = subprocess.run([sys.executable, str(EXAMPLE), "--kill-at", "8", "--out", str(out)], capture_output=True,
@@ -50,8 +50,8 @@ def test_ray_train_through_aggregator_actors_matches_gloo_and_survives_an_actor_
     assert len({aggs[role]["node_id"] for role in aggs}) == 3, "each aggregator on its own labeled node"
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_aggregators_ray_cannot_place_are_refused_naming_the_label_or_the_cpus(tmp_path):
     one_rack = ('job = "r"\n[[racks]]\nname = "rack0"\nranks = "0"\n[racks.aggregator]\nkind = "service"\n'
                 'address = "zmq+tcp://127.0.0.1:0"\nshards = 4\n')

@@ -80,6 +80,7 @@ def test_embedding_rows_route_equals_single_process_and_dense_route(service):
     assert "another rank's gradients" in nan[0]["error"], nan[0]["error"]
 
 
+@pytest.mark.slow
 def test_three_workers_rows_route_equals_single_process(service):
     world = 3
     res = run_workers("spawn://", world, W.run, world, free_port(), service.address, [(SMALL_ALPHA, 0.1)], STEPS,

@@ -244,6 +244,7 @@ def test_a_table_past_the_memory_bound_is_refused(tmp_path):
 
 @pytest.mark.parametrize("world,opt,hosts", [(2, "sgd", 0), (3, "sgd", 0), (2, "adagrad", 0), (3, "adagrad", 0),
                                              (4, "adagrad", 2)])
+@pytest.mark.slow
 def test_ddp_sparse_buckets_through_tables_match_torch_and_single_process(service, world, opt, hosts):
     """``hosts``: 2 x 2 workers that torchrun's variables place on two
     hosts, so each host's rows are combined before they are pushed."""
@@ -307,6 +308,7 @@ def test_auto_partitions_agree_on_every_rank_and_train_the_same(service):
         assert rel_diff(r["adagrad"]["embed"], ref_embed) <= 1e-5
 
 
+@pytest.mark.slow
 def test_checkpoint_restart_restore_continues_identically(tmp_path):
     pytest.importorskip("torch")
     from harness import sparse_workers as W

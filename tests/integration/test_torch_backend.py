@@ -167,6 +167,7 @@ def test_every_collective_equals_gloo(suite, world):
         assert res[r]["collectives"]["share_received"] == 4 * 4099
 
 
+@pytest.mark.slow
 def test_integer_averages_are_nccls_sum_then_truncated_division(suite):
     # Lightning's self.log(..., sync_dist=True) sends AVG of an int64 counter
     world = 2
@@ -253,6 +254,7 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_torchrun_starts_the_backend_with_the_embedded_default(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN_SCRIPT)

@@ -76,6 +76,7 @@ def test_ddp_options_train_like_single_process(service, options):
     assert rel_diff(agg[1]["params"][0], reference) <= 1e-6
 
 
+@pytest.mark.slow
 def test_int32_codec_within_derived_bound(service):
     """Bound: with N workers, chunk exponent E (max |g| < 2**E) and
     shift s = 30 - E - ceil(log2 N), each worker's rounding is at most
@@ -112,6 +113,7 @@ def test_global_norm_clipping_after_aggregation_matches_single_process(service):
     assert rel_diff(reference, unclipped) > 1e-3  # the clip was active
 
 
+@pytest.mark.slow
 def test_several_ddp_models_in_one_process_get_distinct_jobs(service):
     agg = ddp(2, "aggnet", address=service.address, models=2)
     gloo = ddp(2, "gloo", models=2)

@@ -36,6 +36,7 @@ def _weights(lines: list[str]) -> str:
     return done[0].split("(weights ")[1].rstrip(")")
 
 
+@pytest.mark.slow
 def test_ddp_across_racks_survives_link_and_shard_faults_bit_for_bit():
     pytest.importorskip("torch", reason="the demo trains with PyTorch")
     pytest.importorskip("sklearn", reason="the demo's data set ships with scikit-learn")
@@ -84,6 +85,7 @@ def test_ddp_across_racks_survives_link_and_shard_faults_bit_for_bit():
     assert sum(c.get("uplink_rejoins", 0) for r in racks for c in counters(r)) >= 1
 
 
+@pytest.mark.slow
 def test_the_chaos_command_checks_every_allreduce_and_reports_each_fault(tmp_path):
     out = tmp_path / "chaos.json"
     r = subprocess.run([sys.executable, "-m", "aggnet", "emulate", "--topology", SERVICE_RACKS, "chaos",

@@ -30,6 +30,7 @@ def _walkthrough() -> str:
     return section[start:section.index("```", start)]
 
 
+@pytest.mark.slow
 def test_the_p4_docs_walkthrough_runs_as_written():
     ns = f"agdoc{uuid.uuid4().hex[:6]}"
     subprocess.run(["ip", "netns", "add", ns], check=True)

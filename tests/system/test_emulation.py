@@ -56,6 +56,7 @@ def test_allreduce_in_the_rack_is_exact_under_drop_and_duplication(drop, duplica
     assert sum(s["retransmissions"] for s in lossy["client_stats"]) > 0
 
 
+@pytest.mark.slow
 def test_each_worker_moves_S_up_and_S_down_where_gloo_moves_2S_N_1_over_N():
     torch = pytest.importorskip("torch", reason="the gloo side of the comparison needs PyTorch")
     assert torch
@@ -118,6 +119,7 @@ def test_packets_fit_the_path_mtu_and_never_fragment():
             agg.stop()
 
 
+@pytest.mark.slow
 def test_ddp_demo_runs_with_one_worker_per_namespace():
     pytest.importorskip("torch", reason="the demo trains with PyTorch")
     pytest.importorskip("sklearn", reason="the demo's data set ships with scikit-learn")
@@ -140,6 +142,7 @@ def test_ddp_demo_runs_with_one_worker_per_namespace():
     assert acc and float(acc[0].split("test accuracy")[1].split("%")[0]) > 85, lines
 
 
+@pytest.mark.slow
 def test_stale_gradient_ddp_steps_in_the_rack_beside_their_halves():
     pytest.importorskip("torch", reason="DDP needs PyTorch")
     systems = "aggnet-int32,aggnet-int32-stale1-predict,compute,comm-int32"

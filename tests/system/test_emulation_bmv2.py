@@ -42,6 +42,7 @@ def test_allreduce_through_bmv2_equals_the_host_switch_mode():
     assert set(counters["drops"]) <= {"type", "duplicate"}  # LEAVEs go to the control plane; retransmissions
 
 
+@pytest.mark.slow
 def test_ddp_demo_through_bmv2():
     pytest.importorskip("torch", reason="the demo trains with PyTorch")
     pytest.importorskip("sklearn", reason="the demo's data set ships with scikit-learn")
@@ -93,6 +94,7 @@ print(sent)
 """
 
 
+@pytest.mark.slow
 def test_bmv2_admits_only_installed_members():
     """A host the control plane did not install can neither join a job nor
     add to its sums (the admission table keys on the job, the rank and the
@@ -142,6 +144,7 @@ with SwitchControl(switch_ip=sys.argv[1]) as ctl:
 """
 
 
+@pytest.mark.slow
 def test_the_control_plane_installs_a_job_all_or_nothing():
     """A bad value is refused before anything is written; a write that fails
     half-way is taken back; errors are one line; remove-job removes what

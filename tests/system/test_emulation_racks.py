@@ -38,6 +38,7 @@ def unshaped(racks: int = 2, workers: int = 2):
     return plan(TWO_RACKS, racks=racks, workers=workers, host_mbit=0, uplink_mbit=0)
 
 
+@pytest.mark.slow
 def test_two_racks_of_host_switches_under_a_root_sum_int32_exactly():
     with Fabric(unshaped(), prefix="agr") as fabric:
         fabric.start_aggregators()
@@ -56,6 +57,7 @@ def test_two_racks_of_host_switches_under_a_root_sum_int32_exactly():
 
 
 @pytest.mark.parametrize("drop", [0.01, 0.10], ids=["drop1%", "drop10%"])
+@pytest.mark.slow
 def test_racks_under_a_root_stay_exact_under_drops_on_rack_and_spine_links(drop):
     with Fabric(unshaped(), prefix="agl") as fabric:
         fabric.start_aggregators()
@@ -73,6 +75,7 @@ def test_racks_under_a_root_stay_exact_under_drops_on_rack_and_spine_links(drop)
     assert sum(r["totals"].get("uplink_resent", 0) for r in racks) > 0, racks
 
 
+@pytest.mark.slow
 def test_bench_writes_cross_rack_bytes_near_R_times_S_for_aggnet(tmp_path):
     pytest.importorskip("torch", reason="gloo's side of the benchmark needs PyTorch")
     out = tmp_path / "fabric.json"
@@ -99,6 +102,7 @@ def test_bench_writes_cross_rack_bytes_near_R_times_S_for_aggnet(tmp_path):
     assert not namespaces("agw")
 
 
+@pytest.mark.slow
 def test_ddp_demo_trains_across_racks():
     pytest.importorskip("torch", reason="the demo trains with PyTorch")
     pytest.importorskip("sklearn", reason="the demo's data set ships with scikit-learn")
@@ -156,6 +160,7 @@ def _mininet_unavailable() -> str | None:
 
 
 @pytest.mark.skipif(_mininet_unavailable() is not None, reason=str(_mininet_unavailable()))
+@pytest.mark.slow
 def test_the_same_topology_in_mininet_sums_exactly():
     r = subprocess.run(["/usr/bin/python3", str(REPO / "emulation" / "mininet_topo.py"), TWO_RACKS, "--workers", "2",
                         "--size", "4MiB", "--prefix", "mk", "--python", sys.executable],
@@ -169,6 +174,7 @@ def test_the_same_topology_in_mininet_sums_exactly():
 
 
 @pytest.mark.timeout(330)  # 31 s alone; three times that and more beside the other pytest worker
+@pytest.mark.slow
 def test_bench_hybrid_keeps_gradients_in_the_racks_and_moves_what_the_plan_predicts(tmp_path):
     pytest.importorskip("torch", reason="the hybrid benchmark trains with PyTorch")
     out = tmp_path / "hybrid.json"

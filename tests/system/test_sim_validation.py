@@ -17,6 +17,7 @@ OK, WHY = can_emulate()
 pytestmark = [pytest.mark.requires_netns, pytest.mark.skipif(not OK, reason=f"no network namespaces here: {WHY}")]
 
 
+@pytest.mark.slow
 def test_validate_puts_the_model_beside_the_emulated_rack_and_they_agree_where_the_link_binds(tmp_path):
     hw = tmp_path / "hw.json"
     hw.write_text(json.dumps({"base": "emulation", "name": "uncalibrated"}))

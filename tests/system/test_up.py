@@ -133,6 +133,7 @@ def test_up_starts_the_root_then_the_racks_and_again_changes_nothing(one_machine
         assert _alive(pids[role], recs[role]["argv"])
 
 
+@pytest.mark.slow
 def test_up_restarts_only_what_died_or_changed(one_machine):
     _ok(one_machine.up())
     before = one_machine.records()
@@ -205,6 +206,7 @@ def test_an_allreduce_across_two_racks_runs_through_what_up_started(one_machine)
     assert query(f"udp://127.0.0.1:{one_machine.ports[0]}", timeout=5)["totals"].get("completed", 0) > 0
 
 
+@pytest.mark.slow
 def test_down_stops_everything_and_a_second_down_does_nothing(one_machine):
     _ok(one_machine.up())
     recs = one_machine.records()
