@@ -57,6 +57,9 @@ log = logging.getLogger("aggnet.transport.ucx")
 RECONNECT_INTERVAL = 0.1
 #: sends posted and not yet complete, per endpoint
 MAX_INFLIGHT_SENDS = 16
+#: seconds between checks that UCX's worker is armed while the loop waits
+#: (see _keep_armed)
+REARM_INTERVAL = 0.25
 #: UCX peer-failure handling: a vanished peer becomes an error instead of
 #: taking the process down, but UCX then uses only transports that detect
 #: failures (rc, dc, tcp), never shared memory (posix, cma); on one host,
@@ -82,7 +85,23 @@ class _Loop:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
+        self.loop.create_task(self._keep_armed())
         self.loop.run_forever()
+
+    async def _keep_armed(self) -> None:
+        """ucxx's blocking progress (0.52) arms the UCX worker once: after
+        the first message the worker's descriptor stays readable, and the
+        loop progresses the worker without pause for the rest of the
+        process (two thirds of a core per process, idle or not; a service
+        and its two shards took two cores). Each event here progresses the
+        worker and arms it again, so an idle process sleeps."""
+        from ucxx._lib_async import application_context
+
+        while True:
+            await asyncio.sleep(REARM_INTERVAL)
+            progress = application_context.ProgressTasks.get(self.loop)
+            if progress is not None and hasattr(progress, "_arm_worker"):
+                _arm_after_each_event(progress, self.loop)
 
     @classmethod
     def get(cls) -> "_Loop":
@@ -96,6 +115,28 @@ class _Loop:
 
     def run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+def _arm_after_each_event(progress, loop: asyncio.AbstractEventLoop) -> None:
+    """Make ucxx's blocking progress arm its worker after every event (see
+    _Loop._keep_armed), and arm it now if nothing is arming it."""
+    if not getattr(progress, "_aggnet_arms_again", False):
+        fd = progress.worker.epoll_file_descriptor
+
+        def on_event():
+            progress.worker.progress()
+            _arm(progress, loop)
+
+        loop.remove_reader(fd)
+        loop.add_reader(fd, on_event)
+        progress._aggnet_arms_again = True
+    _arm(progress, loop)
+
+
+def _arm(progress, loop: asyncio.AbstractEventLoop) -> None:
+    task = progress.arm_task
+    if task is None or task.done():
+        progress.arm_task = loop.create_task(progress._arm_worker())
 
 
 def _pool(memory: str) -> BufferPool:

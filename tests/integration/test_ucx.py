@@ -5,6 +5,10 @@ aggregator conformance tests run over UCX in test_allreduce.py."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import time
+
 import numpy as np
 import pytest
 
@@ -64,6 +68,35 @@ def test_messages_keep_their_order_and_framing_across_sizes():
     finally:
         conn.close()
         lst.close()
+
+
+def _sum_ones(rank, address):
+    from aggnet import Client
+
+    with Client(address, job="idle", rank=rank, world_size=2, timeout=20) as c:
+        x = np.ones(4096, np.float32)
+        c.allreduce(x).result(30)
+        return float(x[0])
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_service_that_served_sleeps_when_idle(service_factory):
+    """After its first workers, an idle UCX service and its shards stay
+    asleep: ucxx left the worker unarmed after an event, and each process
+    then spun at two thirds of a core."""
+    svc = service_factory("ucx")
+    assert run_workers(svc.address, 2, _sum_ones, svc.address) == [2.0, 2.0]
+    pids = [int(p) for p in subprocess.run(["pgrep", "-g", str(svc._svc.pid)], capture_output=True,
+                                           text=True).stdout.split()]
+    assert len(pids) == 3, pids  # the service and its two shards
+    before = {p: _cpu_seconds(p) for p in pids}
+    time.sleep(3)  # the span measured: nothing happens in it
+    spent = {p: _cpu_seconds(p) - before[p] for p in pids}
+    assert all(s < 0.3 for s in spent.values()), f"CPU-seconds over 3 idle seconds: {spent}"
 
 
 def test_active_transports_are_reported():
