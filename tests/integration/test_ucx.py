@@ -85,11 +85,13 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def test_a_service_that_served_sleeps_when_idle(service_factory):
-    """After its first workers, an idle UCX service and its shards stay
-    asleep: ucxx left the worker unarmed after an event, and each process
-    then spun at two thirds of a core."""
+    """After its first workers and a STATS (which leaves the service's
+    connections to its shards open), an idle UCX service and its shards
+    stay asleep: ucxx's blocking progress waited for a posted receive by
+    spinning the event loop, at half a core or more per process."""
     svc = service_factory("ucx")
     assert run_workers(svc.address, 2, _sum_ones, svc.address) == [2.0, 2.0]
+    assert svc.stats()["shards"]
     pids = [int(p) for p in subprocess.run(["pgrep", "-g", str(svc._svc.pid)], capture_output=True,
                                            text=True).stdout.split()]
     assert len(pids) == 3, pids  # the service and its two shards
