@@ -327,6 +327,7 @@ def test_a_restarted_root_shard_takes_the_racks_back_and_the_round_in_flight_fin
         r.stop()
 
 
+@pytest.mark.slow
 def test_a_restarted_rack_shard_is_taken_back_by_the_root_and_the_round_in_flight_finishes():
     """A rack's shard dies with the round open: the root keeps the rack's
     place (its open chunks wait), the rack's successor joins the root

@@ -100,5 +100,6 @@ def test_pipeline_in_rack_trains_like_one_process_through_the_root(racks):
 
 
 @pytest.mark.parametrize("racks", [2], indirect=True, ids=["2x2-ranks"])
+@pytest.mark.slow
 def test_gloo_gradients_give_the_same_training(racks):
     _check_equal(_run(racks, "stage-per-rack", 2, 1, gradients="gloo"), 2)

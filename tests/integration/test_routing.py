@@ -110,6 +110,7 @@ def test_alpha_settings_are_checked():
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_large_table_of_few_moving_rows_stays_rows_where_they_are_faster(service):
     """A million-row embedding of which a step moves a few dozen rows:
     the dense all-reduce moves 32 MB a step, the rows route a few KB and

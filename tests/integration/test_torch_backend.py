@@ -205,6 +205,7 @@ def test_ddp_without_a_hook_trains_like_gloo(suite, world):
         assert ddp["aggnet_ops"] == B.STEPS  # one bucket per step, through aggnet
 
 
+@pytest.mark.slow
 def test_fsdp2_trains_a_small_transformer_like_gloo(suite):
     world = 2
     res = suite(world)
