@@ -100,6 +100,8 @@ class _Loop:
         Each event here progresses the worker and arms it again."""
         from ucxx._lib_async import application_context
 
+        if os.environ.get("UCXPY_PROGRESS_MODE") != "blocking":
+            return
         while True:
             await asyncio.sleep(REARM_INTERVAL)
             progress = application_context.ProgressTasks.get(self.loop)
