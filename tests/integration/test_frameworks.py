@@ -34,9 +34,9 @@ def _run(framework: str, backend: str, tmp_path) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)  # two torchrun runs of up to 240 s each; Lightning's took 84 s beside the other worker
 @pytest.mark.parametrize("framework", ["lightning", "accelerate", "trainer"])
-@pytest.mark.slow
 def test_framework_trains_on_aggnet_like_on_gloo(framework, tmp_path):
     pytest.importorskip(MODULES[framework], reason=f"{MODULES[framework]} is not installed (pip install "
                                                    f"'aggnet[frameworks]')")

@@ -13,8 +13,8 @@ import pytest
 from aggnet.bench.soak import problems, proc_sample, run_soak
 
 
-@pytest.mark.parametrize("kind", ["switch", "service"])
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["switch", "service"])
 def test_short_soak_is_correct_and_bounded(kind):
     r = run_soak(kind, allreduces=300, loss=0.01, elements=65536, workers=2)
     assert "error" not in r, r["error"]
@@ -44,8 +44,8 @@ def test_problems_names_growth_beyond_the_limit():
     assert problems(record, max_rss_growth_mb=30) == ["switch: worker 0 RSS grew 48.8 MB (> 30)"]
 
 
-@pytest.mark.timeout(300)
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_chaos_soak_of_racks_kills_shards_and_every_result_is_right():
     """``aggnet soak --kind racks --kill-every``: shards of the root and the
     racks are killed while the workers all-reduce; none of it shows in a

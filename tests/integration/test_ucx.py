@@ -5,8 +5,6 @@ aggregator conformance tests run over UCX in test_allreduce.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 
 import numpy as np
@@ -14,6 +12,7 @@ import pytest
 
 ucxx = pytest.importorskip("ucxx", reason="ucxx is not installed (pip install aggnet[rdma])")
 
+from aggnet.bench.cpu import cpu_seconds, descendants  # noqa: E402
 from aggnet.protocol import wire  # noqa: E402
 from aggnet.transport import connect, listen  # noqa: E402
 from aggnet.transport import ucx  # noqa: E402
@@ -79,11 +78,6 @@ def _sum_ones(rank, address):
         return float(x[0])
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_a_service_that_served_sleeps_when_idle(service_factory):
     """After its first workers and a STATS (which leaves the service's
     connections to its shards open), an idle UCX service and its shards
@@ -92,12 +86,11 @@ def test_a_service_that_served_sleeps_when_idle(service_factory):
     svc = service_factory("ucx")
     assert run_workers(svc.address, 2, _sum_ones, svc.address) == [2.0, 2.0]
     assert svc.stats()["shards"]
-    pids = [int(p) for p in subprocess.run(["pgrep", "-g", str(svc._svc.pid)], capture_output=True,
-                                           text=True).stdout.split()]
+    pids = [svc._svc.pid, *descendants(svc._svc.pid)]
     assert len(pids) == 3, pids  # the service and its two shards
-    before = {p: _cpu_seconds(p) for p in pids}
+    before = {p: cpu_seconds(p) for p in pids}
     time.sleep(3)  # the span measured: nothing happens in it
-    spent = {p: _cpu_seconds(p) - before[p] for p in pids}
+    spent = {p: cpu_seconds(p) - before[p] for p in pids}
     assert all(s < 0.3 for s in spent.values()), f"CPU-seconds over 3 idle seconds: {spent}"
 
 

@@ -238,8 +238,8 @@ def stop_capture(p: subprocess.Popen, path) -> None:
 
 
 @pytest.mark.requires_netns
-@pytest.mark.skipif(not OK, reason=f"no network namespaces here: {WHY}")
 @pytest.mark.slow
+@pytest.mark.skipif(not OK, reason=f"no network namespaces here: {WHY}")
 def test_a_capture_of_a_rack_job_decodes(tmp_path):
     from aggnet.emulation import rack_runs
 
