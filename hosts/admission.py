@@ -17,6 +17,7 @@ them (:mod:`aggnet.hosts.parent`).
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from aggnet.protocol.control import ControlError
@@ -43,20 +44,44 @@ def check_rank(h: Header, max_world: int | None = None) -> None:
 
 
 def admit(keyring: Keyring, h: Header, name: str, info: dict, peer, job=None,
-          max_world: int | None = None) -> None:
+          max_world: int | None = None) -> bool:
     """Every check a JOIN passes before an aggregator kind looks at it:
     the rank, the job key's signature, and, for a job this aggregator
-    holds (``job``, with ``name`` and ``world``), the name and world size."""
+    holds (``job``, with ``name`` and ``world``), the name and world size.
+    True when the job key signed it."""
     check_rank(h, max_world)
-    keyring.verify("JOIN", h.job_id, h.sender, h.world, name, info, peer)
+    signed = keyring.verify("JOIN", h.job_id, h.sender, h.world, name, info, peer)
     if job is None:
-        return
+        return signed
     if job.name != name:
         raise ControlError(ErrorCode.JOB_MISMATCH, f"job id {h.job_id:08x} belongs to job {job.name!r}, not "
                                                    f"{name!r}; choose another job name", "job_name_clash")
     if job.world != h.world:
         raise Disagreement(f"job {name!r} is registered with world size {job.world} but rank {h.sender} joined "
                            f"with world size {h.world}; all workers must agree", "world_mismatch")
+    return signed
+
+
+def data_address(info: dict, src: tuple) -> tuple:
+    """Where a member's datagrams come from and its results go: the JOIN's
+    own source, or the ``data`` address it names when it joins on another
+    machine's behalf (a P4 switch's control plane joining the root for
+    the switch). An open aggregator takes the word of whoever reaches it,
+    as it does for any JOIN; a keyed one has already checked the job key
+    signed the JOIN, ``data`` included."""
+    text = info.get("data")
+    if text is None:
+        return src
+    host, _, port = text.rpartition(":")
+    try:
+        ip = str(ipaddress.IPv4Address(host))
+        number = int(port)
+    except ValueError:
+        number, ip = -1, None
+    if ip is None or not 1 <= number <= 65535:
+        raise ControlError(ErrorCode.MALFORMED, f"the JOIN's data address {text!r} is not IPv4:PORT, like "
+                                                f"10.77.1.254:42606", "field_data")
+    return ip, number
 
 
 @dataclass

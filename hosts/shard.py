@@ -198,6 +198,10 @@ class Shard:
         timeout = info["timeout"]
         job = self.jobs.get(h.job_id)
         admit(self.keyring, h, name, info, peer, job)
+        if "data" in info:
+            raise ControlError(ErrorCode.REFUSED, f"the JOIN for job {name!r} names a data address "
+                                                  f"({info['data']}); only a switch-mode aggregator (udp://) takes "
+                                                  f"members that send datagrams from elsewhere", "bad_join")
         shm = info.get("shm")
         whole = self._check_join_path(h, info, job)
         created = job is None

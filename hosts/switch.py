@@ -41,7 +41,7 @@ from aggnet.protocol.pool import Placement, SlotPool
 from aggnet.transport.udp import BATCH_BYTES, DatagramSocket, addr_key, key_addr
 from aggnet.protocol.wire import HEADER_SIZE, ErrorCode, Header, MsgType
 
-from aggnet.hosts.admission import Disagreement, PendingJoin, admit
+from aggnet.hosts.admission import Disagreement, PendingJoin, admit, data_address
 from aggnet.hosts.parent import Joins, Standing, refusal, whole_here
 from aggnet.hosts.switch_datapath import A_CONTROL, COUNTERS, SendPlan, SwitchRegisters, verdicts_for
 from aggnet.hosts.aggregator import STOP_POLL, Aggregator
@@ -358,6 +358,9 @@ class SwitchService(Aggregator):
         # a rack joining its parent is not a worker: it holds no job key,
         # and the parent is configured with the racks' addresses instead
         admit(self.keyring, h, name, info, src, job, max_world=MAX_WORKERS)
+        # a P4 switch under this root is joined by its control plane: its
+        # partials come from, and its finals go to, the switch's address
+        member = data_address(info, src)
         kmax = self.regs.max_elements
         asked = info["elements"]
         fits = info.get("max_elements", kmax)
@@ -396,14 +399,14 @@ class SwitchService(Aggregator):
                                f"workers; give every worker the same world size", "world_mismatch")
         if layout.shard_slots:
             try:
-                check_shard_layout(layout.base, job.slots, layout.shard_slots, src[1])
+                check_shard_layout(layout.base, job.slots, layout.shard_slots, member[1])
             except ValueError as exc:
                 if created:
                     self._remove(job)  # a refused JOIN installs nothing
                 raise ControlError(ErrorCode.MALFORMED, f"JOIN's shard layout for job {name!r}: {exc}") from None
         old = job.members.get(h.sender)
         heard = job.heard.get(h.sender)
-        if old is not None and old != src and heard is not None and not self.keyring.enforced:
+        if old is not None and old != member and heard is not None and not self.keyring.enforced:
             # its heartbeats say the member is alive: taking it over would
             # fail both runs (a job key holder may: a signed JOIN is the job's own)
             raise ControlError(
@@ -411,10 +414,12 @@ class SwitchService(Aggregator):
                 f"rank {h.sender} of job {name!r} is running at another address ({old[0]}:{old[1]}, heard "
                 f"{time.monotonic() - heard:.1f}s ago): two runs use the same job name; give each its own (job=... "
                 f"of AggnetState or Client), or start this one after the other finishes", "rank_in_use")
-        if old is not None and old != src:
-            log.warning("switch: job %r rank %d re-joined from %s (was %s)", name, h.sender, src, old)
+        if old is not None and old != member:
+            log.warning("switch: job %r rank %d re-joined from %s (was %s)", name, h.sender, member, old)
             self.control_counters["rejoins"] += 1
-        job.members[h.sender] = src
+        if member != src:
+            log.info("switch: job %r rank %d joined by %s:%d for %s:%d", name, h.sender, *src, *member)
+        job.members[h.sender] = member
         if info["heartbeats"] and self.heartbeat_lapse:
             # a JOIN is a sign of life too: the member is judged from now on
             # (it sends JOIN again until answered, then heartbeats)
@@ -422,7 +427,7 @@ class SwitchService(Aggregator):
         else:
             job.heard.pop(h.sender, None)
         job.last_active = time.monotonic()
-        self.regs.set_member(job.index, h.sender, addr_key(src), layout.base, layout.shard_slots)
+        self.regs.set_member(job.index, h.sender, addr_key(member), layout.base, layout.shard_slots)
         # the reply is the JOIN itself, answered in its header as the P4
         # program does; a sharded host adds its pool slots per shard
         JoinOk(job.slots, job.elements, job.base, world, self.shard_slots_advertised).to_header(h)

@@ -7,7 +7,10 @@ import json
 import logging
 import sys
 
+from aggnet.protocol.limits import SWITCH_PORT
+
 from aggnet.p4.control import Member, SwitchControl, SwitchControlError, Uplink, _one_line
+from aggnet.p4.parent import ParentJoinError, RackAtParent, join_parent
 
 
 def _switch_options(p, defaults: bool = True) -> None:
@@ -35,6 +38,13 @@ def add_arguments(p) -> None:
     a.add_argument("--base", type=int, default=None, help="first slot of the slice (default: first free run)")
     a.add_argument("--uplink", default=None, metavar="PARENT_IP,PARENT_MAC,PORT,RACK_ID",
                    help="send this rack's partial sums to a parent aggregator")
+    _parent_options(a, required=False)
+    j = sub.add_parser("join-parent", help="join an installed job at the parent for the switch (again after the "
+                                           "root restarted)")
+    j.add_argument("name", help="the job's name")
+    j.add_argument("--slots", type=int, default=128, help="the job's slice on the switch (default %(default)s)")
+    j.add_argument("--rack-id", type=int, required=True, help="this rack's number at the root (0..racks-1)")
+    _parent_options(j, required=True)
     r = sub.add_parser("remove-job", help="remove a job")
     r.add_argument("name", help="the job's name")
     sub.add_parser("jobs", help="list installed jobs")
@@ -49,6 +59,28 @@ def add_arguments(p) -> None:
     rs.add_argument("--slots", type=int, required=True, help="the slice's slots")
     for command in sub.choices.values():
         _switch_options(command, defaults=False)
+
+
+def _parent_options(p, required: bool) -> None:
+    p.add_argument("--parent", required=required, default=None, metavar=f"udp://IP:{SWITCH_PORT}",
+                   help="the root (a switch-mode aggregator): join the job there on the switch's behalf"
+                        + ("" if required else " (with --uplink)"))
+    p.add_argument("--racks", type=int, required=required, default=None, help="racks under the root")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the root (default 10)")
+
+
+def _join_parent(args, name: str, rack_id: int, slots: int) -> dict:
+    """Join at the root for the switch; the job key, if the root wants
+    one, comes from AGGNET_JOB_KEY as a worker's does."""
+    import os
+
+    from aggnet.protocol.keys import parse_key
+
+    text = os.environ.get("AGGNET_JOB_KEY")
+    key = parse_key(text, "AGGNET_JOB_KEY") if text else None
+    rack = RackAtParent(args.parent, rack_id, args.racks, args.switch_ip)
+    ok = join_parent(name, rack, slots, key=key, timeout=args.timeout)
+    return {"parent": args.parent, "rack_id": rack_id, "racks": args.racks, "parent_base": ok.base}
 
 
 def _member(text: str) -> Member:
@@ -82,16 +114,36 @@ def main(args) -> int:
     ctl = SwitchControl(args.grpc, args.device_id, switch_ip=args.switch_ip, switch_mac=args.switch_mac,
                         thrift_port=args.thrift_port)
     cmd = args.switch_command
+    if cmd == "join-parent":  # the root only: the switch's control plane is not needed
+        try:
+            print(json.dumps({"job": args.name, **_join_parent(args, args.name, args.rack_id, args.slots)}))
+        except (ParentJoinError, ValueError) as exc:
+            print(f"aggnet switch {cmd}: {exc}", file=sys.stderr)
+            return 1
+        return 0
     try:
         ctl.connect(load_pipeline=cmd == "load")
         try:
             if cmd == "load":
                 print(f"aggnet pipeline loaded into {args.grpc}")
             elif cmd == "add-job":
+                uplink = _uplink(args.uplink)
+                if (args.parent is None) != (args.racks is None) or (args.parent and uplink is None):
+                    raise ValueError("--parent and --racks go together, with --uplink (where the switch sends the "
+                                     "rack's partials)")
+                if args.parent:
+                    RackAtParent(args.parent, uplink.rack_id, args.racks, args.switch_ip).check()
                 job = ctl.install_job(args.name, [_member(m) for m in args.member], args.slots, base=args.base,
-                                      uplink=_uplink(args.uplink))
-                print(json.dumps({"job": job.name, "id": f"{job.job_id:08x}", "row": job.row, "base": job.base,
-                                  "slots": job.slots, "world": job.world, "group": job.group}))
+                                      uplink=uplink)
+                out = {"job": job.name, "id": f"{job.job_id:08x}", "row": job.row, "base": job.base,
+                       "slots": job.slots, "world": job.world, "group": job.group}
+                if args.parent:
+                    try:
+                        out.update(_join_parent(args, job.name, uplink.rack_id, job.slots))
+                    except ParentJoinError:
+                        ctl.remove_job(job.name)  # all or nothing: a job the root lacks cannot complete
+                        raise
+                print(json.dumps(out))
             elif cmd == "remove-job":
                 print(json.dumps({"job": args.name, "entries_removed": ctl.remove_job(args.name)}))
             elif cmd == "jobs":
@@ -107,7 +159,7 @@ def main(args) -> int:
                 ctl.reset_slice(args.base, args.slots)
         finally:
             ctl.close()
-    except (SwitchControlError, ValueError) as exc:
+    except (SwitchControlError, ParentJoinError, ValueError) as exc:
         print(f"aggnet switch {cmd}: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # a P4Runtime or gRPC error the checks above did not foresee

@@ -116,6 +116,11 @@ JOIN = (
     #: 1: the worker sends heartbeats if the aggregator wants them (an
     #: aggregator host in switch mode says so in its JOIN_OK)
     Field("heartbeats", "int", 0, 1, default=0),
+    #: IPv4:port the member's datagrams come from and its results go to,
+    #: when another machine joins on its behalf: a P4 switch sends no JOIN
+    #: of its own, so its control plane joins the root for it
+    #: (aggnet/p4/parent.py); a switch-mode aggregator only
+    Field("data", "str", 9, 21),
     AUTH,
 )
 
