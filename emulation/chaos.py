@@ -76,7 +76,7 @@ class Injector:
         self._thread = threading.Thread(target=self._run, name="aggnet-chaos", daemon=True)
 
     def services(self) -> dict:
-        out = {f"rack {i}": agg for i, agg in enumerate(self.fabric.aggregators)}
+        out = {f"rack {i}": agg for i, agg in enumerate(self.fabric.aggregators) if agg is not None}
         if self.fabric.root is not None:
             out["root"] = self.fabric.root
         return out

@@ -15,6 +15,13 @@ cross-rack bytes.
              agg ───────┤ N x host_mbit          spine (router, root at 10.77.0.1)
                         ToR (br0) ── uplink ═══ uplink_mbit both ways ═══ r<i>
 
+A P4 rack (kind = "p4") has BMv2 in its ToR's place instead of the
+bridge and no aggregator host: the switch's ports are the workers' cables
+and the uplink, it forwards ordinary frames by MAC, and a job is
+installed on it for each run (``switch_jobs``), with its uplink to the
+root, which the control plane joins on the switch's behalf (from the
+spine, where the root is reachable; aggnet/p4/parent.py).
+
 Namespaces are named from one prefix (``agf0-w1``, ``agf0-tor``,
 ``agf-spine``); a crashed run's leftovers under the prefix are removed
 when the next one starts, and everything goes on exit, error, Ctrl-C and
@@ -23,6 +30,7 @@ SIGTERM.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -36,7 +44,9 @@ from concurrent.futures import ThreadPoolExecutor
 from aggnet.protocol.address import parse
 from aggnet.processes import ServiceProcess
 
-from aggnet.emulation.fabric_plan import GATEWAY_HOST, ROOT_IP, Names, Plan
+from aggnet.protocol.limits import SWITCH_PORT
+
+from aggnet.emulation.fabric_plan import GATEWAY_HOST, ROOT_IP, Names, Plan, RackPlan
 from aggnet.emulation.netns import Emulated, EmulationError, Host, Rack, name_hosts, remove_namespaces, sh, shape
 
 log = logging.getLogger("aggnet.emulation")
@@ -54,7 +64,10 @@ class Fabric(Emulated):
         self.queue_bytes = queue_bytes
         self.spine = self.names.spine()
         self.racks: list[Rack] = []
-        self.aggregators: list[ServiceProcess] = []  #: rack aggregators, in rack order
+        #: rack aggregators, in rack order (None: a P4 rack's, its switch)
+        self.aggregators: list[ServiceProcess | None] = []
+        #: BMv2 of each P4 rack, by rack index
+        self.switches: dict = {}
         self.root: ServiceProcess | None = None
         self.topology_path: str | None = None
         self._dir: str | None = None
@@ -87,11 +100,15 @@ class Fabric(Emulated):
         for rp in p.racks:
             # Rack.__enter__ also installs its own SIGTERM teardown; the
             # fabric's (below) replaces it once every rack stands
+            p4 = rp.aggregator.kind == "p4"
             rack = Rack(rp.workers, rate_mbit=p.host_mbit, mtu=p.mtu, prefix=f"{self.prefix}{rp.index}",
-                        queue_bytes=self.queue_bytes, subnet=rp.subnet, gateway=GATEWAY_HOST)
+                        queue_bytes=self.queue_bytes, subnet=rp.subnet, gateway=GATEWAY_HOST, aggregator=not p4,
+                        bridge=not p4)
             self.racks.append(rack)
             rack.__enter__()
             self._cable_uplink(rp.index, rack, rp.gateway_ip)
+            if p4:
+                self._start_switch(rp, rack)
         # every host named in every namespace, across the racks
         name_hosts([h for rack in self.racks for h in rack.hosts])
         signal.signal(signal.SIGTERM, self._on_term)
@@ -112,11 +129,88 @@ class Fabric(Emulated):
         sh("ip", "link", "set", "tmpup", "name", spine_end, ns=self.spine)
         sh("ip", "addr", "add", f"{gateway_ip}/24", "dev", spine_end, ns=self.spine)
         sh("ip", "link", "set", spine_end, "up", ns=self.spine)
-        sh("ip", "link", "set", "uplink", "master", "br0", ns=rack.tor)
+        if rack.bridge:
+            sh("ip", "link", "set", "uplink", "master", "br0", ns=rack.tor)
+        else:
+            # BMv2's port: it sees frames as sent (see Rack._build)
+            sh("sysctl", "-qw", "net.ipv6.conf.uplink.disable_ipv6=1", ns=rack.tor)
+            for ns, dev in ((rack.tor, "uplink"), (self.spine, spine_end)):
+                sh("ethtool", "-K", dev, "tx", "off", "rx", "off", "tso", "off", "gso", "off", "gro", "off", ns=ns,
+                   check=False)
         sh("ip", "link", "set", "uplink", "up", ns=rack.tor)
         if self.plan.uplink_mbit:
             shape(rack.tor, "uplink", self.plan.uplink_mbit, self.plan.mtu, self.queue_bytes)
             shape(self.spine, spine_end, self.plan.uplink_mbit, self.plan.mtu, self.queue_bytes)
+
+    def _start_switch(self, rp: RackPlan, rack: Rack) -> None:
+        """BMv2 on the rack's ports and the uplink, forwarding by MAC; every
+        host and the spine reach the switch's own address by a static
+        neighbour entry (nothing answers ARP for it)."""
+        from aggnet.emulation.bmv2 import Bmv2Switch
+
+        agg = rp.aggregator
+        ports = {i: h.port for i, h in enumerate(rack.workers)}
+        ports[agg.uplink_port] = "uplink"
+        self.switches[rp.index] = Bmv2Switch(ports, netns=rack.tor)
+        self.switch_ctl(rp.index, "load")
+        for i, h in enumerate(rack.workers):
+            self.switch_ctl(rp.index, "add-host", rack.mac(h), str(i))
+            sh("ip", "neigh", "replace", agg.switch_ip, "lladdr", agg.switch_mac, "dev", h.dev, "nud", "permanent",
+               ns=h.name)
+        self.switch_ctl(rp.index, "add-host", self._gateway_mac(rp.index), str(agg.uplink_port))
+        self.switch_ctl(rp.index, "flood", ",".join(str(i) for i in sorted(ports)))
+        sh("ip", "neigh", "replace", agg.switch_ip, "lladdr", agg.switch_mac, "dev", self.uplink(rp.index), "nud",
+           "permanent", ns=self.spine)
+
+    def _gateway_mac(self, index: int) -> str:
+        return sh("cat", f"/sys/class/net/{self.uplink(index)}/address", ns=self.spine).stdout.strip()
+
+    def switch_ctl(self, index: int, *args: str) -> str:
+        """``aggnet switch ARGS`` for rack ``index``'s switch, run beside it
+        (its P4Runtime and Thrift servers listen on the ToR's loopback)."""
+        agg = self.plan.racks[index].aggregator
+        cmd = [sys.executable, "-m", "aggnet", "switch", "--switch-ip", agg.switch_ip, "--switch-mac", agg.switch_mac,
+               *args]
+        r = sh(*cmd, ns=self.racks[index].tor, timeout=120, check=False)
+        if r.returncode != 0:
+            raise EmulationError(f"aggnet switch {' '.join(args)} (rack {index}) failed: {r.stderr.strip()[-1500:]}")
+        return r.stdout
+
+    @contextlib.contextmanager
+    def switch_jobs(self, job: str):
+        """``job`` installed on every P4 rack's switch, uplink to the root
+        included, for the ``with`` block (a host aggregator installs a job
+        when its workers join; a switch's control plane does it before)."""
+        installed = []
+        try:
+            for rp in self.plan.racks:
+                if rp.aggregator.kind != "p4":
+                    continue
+                self._install(rp, job)
+                installed.append(rp.index)
+            yield
+        finally:
+            for index in installed:
+                with contextlib.suppress(EmulationError):
+                    self.switch_ctl(index, "remove-job", job)
+
+    def _install(self, rp: RackPlan, job: str) -> None:
+        agg, rack = rp.aggregator, self.racks[rp.index]
+        slots = str(agg.slots or 128)
+        members = [f"{h.ip},{rack.mac(h)},{i}" for i, h in enumerate(rack.workers)]
+        args = ["add-job", job, "--slots", slots, *[x for m in members for x in ("--member", m)]]
+        if self.plan.root is not None:
+            args += ["--uplink", f"{ROOT_IP},{self._gateway_mac(rp.index)},{agg.uplink_port},{rp.index}"]
+        self.switch_ctl(rp.index, *args)
+        if self.plan.root is None:
+            return
+        # the root is reachable from the spine, not from the switch's namespace
+        r = sh(sys.executable, "-m", "aggnet", "switch", "--switch-ip", agg.switch_ip, "join-parent", job, "--slots",
+               slots, "--rack-id", str(rp.index), "--racks", str(len(self.plan.racks)), "--parent",
+               f"udp://{ROOT_IP}:{SWITCH_PORT}", ns=self.spine, timeout=60, check=False)
+        if r.returncode != 0:
+            self.switch_ctl(rp.index, "remove-job", job)
+            raise EmulationError(r.stderr.strip()[-1500:])
 
     def start_aggregators(self, start_timeout: float = 60.0, restart: bool = False) -> None:
         """The root on the spine (with two racks or more) and each rack's
@@ -129,7 +223,8 @@ class Fabric(Emulated):
             return p.serve_args(rp) + (["--restart"] if restart and kind == "service" else [])
 
         # all at once: a rack asks its root only when a job arrives
-        wanted = [(rp.aggregator.address, rack.aggregator.name, args(rp)) for rp, rack in zip(p.racks, self.racks)]
+        hosted = [(rp, rack) for rp, rack in zip(p.racks, self.racks) if rp.aggregator.kind != "p4"]
+        wanted = [(rp.aggregator.address, rack.aggregator.name, args(rp)) for rp, rack in hosted]
         if p.root is not None:
             wanted.append((p.root.address, self.spine, args(None)))
         with ThreadPoolExecutor(len(wanted)) as pool:
@@ -140,11 +235,12 @@ class Fabric(Emulated):
         if failed:
             _stop_all(started)
             raise failed[0]
-        self.aggregators = started[:len(p.racks)]
-        self.root = started[len(p.racks)] if p.root is not None else None
+        by_rack = iter(started[:len(hosted)])
+        self.aggregators = [None if rp.aggregator.kind == "p4" else next(by_rack) for rp in p.racks]
+        self.root = started[len(hosted)] if p.root is not None else None
 
     def stop_aggregators(self) -> None:
-        _stop_all(self.aggregators + ([self.root] if self.root else []))
+        _stop_all([a for a in self.aggregators if a is not None] + ([self.root] if self.root else []))
         self.aggregators, self.root = [], None
 
     def wait_reachable(self, timeout: float = 15.0) -> None:
@@ -162,16 +258,20 @@ class Fabric(Emulated):
                                      f"through the spine: {r.stdout.strip()} {r.stderr.strip()}")
         if self.plan.root is not None:
             for rack in self.racks:
-                r = sh("ping", "-c", "1", "-W", str(max(1, int(timeout))), ROOT_IP, ns=rack.aggregator.name,
-                       check=False)
+                # a P4 rack's switch is reached by static entries: its first worker stands in
+                host = rack.aggregator or rack.workers[0]
+                r = sh("ping", "-c", "1", "-W", str(max(1, int(timeout))), ROOT_IP, ns=host.name, check=False)
                 if r.returncode != 0:
-                    raise EmulationError(f"{rack.aggregator.name} cannot reach the root at {ROOT_IP}: "
+                    raise EmulationError(f"{host.name} cannot reach the root at {ROOT_IP}: "
                                          f"{r.stdout.strip()} {r.stderr.strip()}")
 
     def teardown(self) -> None:
         """Stop the aggregators and delete every namespace of the fabric
         (and with them their veths, qdiscs and filter rules)."""
         self.stop_aggregators()
+        for switch in self.switches.values():
+            switch.stop()
+        self.switches = {}
         for rack in self.racks:
             rack.teardown()
         self.racks = []
@@ -194,6 +294,8 @@ class Fabric(Emulated):
     def stats(self, rack: int | None = None) -> dict:
         """The STATS of the root (None) or of rack ``rack``'s aggregator,
         asked from the namespace it serves in (``aggnet stats``)."""
+        if rack is not None and rack in self.switches:
+            return json.loads(self.switch_ctl(rack, "counters"))
         agg = self.root if rack is None else self.aggregators[rack]
         if agg is None:
             raise EmulationError("this fabric has no root: one rack reduces by itself")
@@ -221,11 +323,11 @@ class Fabric(Emulated):
         if not drop:
             return
         kinds = {rp.aggregator.kind for rp in self.plan.racks}
-        if kinds != {"host-switch"}:
+        if "service" in kinds:
             raise EmulationError(f"--drop drops the switch protocol's datagrams; this fabric's racks are "
-                                 f"{', '.join(sorted(kinds))} (TCP): use host-switch racks")
+                                 f"{', '.join(sorted(kinds))} (TCP): use host-switch or P4 racks")
         for rack, rp, agg in zip(self.racks, self.plan.racks, self.aggregators):
-            rack.impair(drop=drop, port=parse(rp.aggregator.address).port, ports=agg.shards)
+            rack.impair(drop=drop, port=parse(rp.aggregator.address).port, ports=agg.shards if agg else 1)
         if self.root is not None:
             top = parse(self.plan.root.address).port
             ports = f"{top}:{top + self.root.shards - 1}" if self.root.shards > 1 else str(top)

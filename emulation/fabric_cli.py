@@ -86,8 +86,8 @@ def _refused(args) -> str | None:
     if args.what not in WHATS:
         return f"{args.what} runs in one rack; across racks: {', '.join(WHATS)}"
     if args.switch != "host":
-        return ("--switch bmv2 puts BMv2 in one rack's ToR; a topology file says each rack's kind, and P4 racks "
-                "under a root are not emulated yet")
+        return ("--switch bmv2 puts BMv2 in one rack's ToR; with a topology file each rack's kind says it "
+                "(kind = \"p4\" runs BMv2 in that rack's ToR, examples/topologies/p4-racks.toml)")
     if args.duplicate:
         return "--duplicate is a one-rack impairment; across racks use --drop"
     if args.shards is not None or args.elements is not None:

@@ -10,8 +10,10 @@ from it, and the workers find their aggregators in the topology file the
 plan writes with the emulated addresses.
 
 Addresses: rack ``i`` is ``10.77.<i+1>.0/24``, its workers ``.1`` up, its
-aggregator host ``.254``; the spine routes between racks from ``.250`` of
-every rack and holds the root at ``10.77.0.1``.
+aggregator host ``.254`` (a P4 rack's switch ``.253``, MAC
+``02:a6:6e:00:<i+1>:fe``); the spine routes between racks from ``.250``
+of every rack and holds the root at ``10.77.0.1``. A P4 rack's fallback
+is not emulated: its switch is always there.
 """
 
 from __future__ import annotations
@@ -29,12 +31,15 @@ ROOT_IP = "10.77.0.1"
 GATEWAY_HOST = 250
 AGGREGATOR_HOST = 254
 DEFAULT_MTU = 9000
-#: aggregator kinds a fabric can emulate, with why the others cannot be
-EMULATED_KINDS = ("host-switch", "service")
-_UNSUPPORTED = {
-    "p4": "P4 racks under a root are not emulated yet (a BMv2 ToR cannot join the root by itself); use "
-          "kind = \"host-switch\" for a multi-rack emulation, or `aggnet emulate --switch bmv2` for one P4 rack",
-}
+#: a P4 rack's switch: BMv2 in the ToR's place, at this host number of the rack
+SWITCH_HOST = 253
+#: an emulated switch's slots per job where the file gives none. BMv2 sums
+#: about 1,000 packets a second: a worker's window of 128 slots (a real
+#: switch's default) would queue there past the largest retransmission
+#: timeout (limits.RTO_MAX), and every packet would go twice or more
+BMV2_SLOTS = 16
+#: aggregator kinds a fabric can emulate (P4: BMv2 in the ToR's place)
+EMULATED_KINDS = ("host-switch", "service", "p4")
 
 
 class PlanError(ValueError):
@@ -142,9 +147,12 @@ class Plan:
 
 def _aggregator_lines(agg: Aggregator, host: str) -> list[str]:
     lines = [f"kind = {json.dumps(agg.kind)}", f"host = {json.dumps(host)}", f"address = {json.dumps(agg.address)}"]
-    for key in ("shards", "pool", "elements", "slots"):
+    for key in ("shards", "pool", "elements", "slots", "uplink_port"):
         if getattr(agg, key) is not None:
             lines.append(f"{key} = {getattr(agg, key)}")
+    if agg.kind == "p4":
+        lines += [f"p4runtime = {json.dumps(agg.p4runtime)}", f"ports = {list(agg.ports)}",
+                  f"switch_ip = {json.dumps(agg.switch_ip)}", f"switch_mac = {json.dumps(agg.switch_mac)}"]
     return lines
 
 
@@ -175,6 +183,20 @@ def _moved(agg: Aggregator, ip: str) -> Aggregator:
     return dataclasses.replace(agg, address=f"{a.scheme}://{ip}:{a.port}", host=None)
 
 
+def switch_mac(index: int) -> str:
+    """The MAC of rack ``index``'s P4 switch (its results come from it)."""
+    return f"02:a6:6e:00:{index + 1:02x}:fe"
+
+
+def _switch(agg: Aggregator, index: int, workers: int) -> Aggregator:
+    """A P4 rack's switch as emulated: BMv2 in the ToR's namespace, its
+    workers on ports 0..W-1 and the uplink on port W."""
+    ip = f"{rack_subnet(index)}.{SWITCH_HOST}"
+    return dataclasses.replace(_moved(agg, ip), p4runtime="127.0.0.1:9559", ports=tuple(range(workers)),
+                               uplink_port=workers, switch_ip=ip, switch_mac=switch_mac(index), thrift_port=9090,
+                               slots=agg.slots or BMV2_SLOTS)
+
+
 def plan(topology, *, racks: int | None = None, workers: int | None = None, host_mbit: float | None = None,
          uplink_mbit: float | None = None, mtu: int | None = None) -> Plan:
     """The emulation of ``topology`` (a path or a loaded one). ``racks`` and
@@ -190,9 +212,10 @@ def plan(topology, *, racks: int | None = None, workers: int | None = None, host
     if n > 1 and topo.root is None:
         raise PlanError(f"{topo.source} has one rack and no [root]; {n} racks need one: add a [root] table "
                         f"(kind = \"host-switch\")")
-    for what, agg in [("root", topo.root)] + [(f"rack {r.name!r}", r.aggregator) for r in topo.racks]:
-        if agg is not None and agg.kind not in EMULATED_KINDS:
-            raise PlanError(f"{topo.source}: the {what} is kind = {agg.kind!r}: {_UNSUPPORTED[agg.kind]}")
+    p4 = [r.name for r in topo.racks if r.aggregator.kind == "p4"]
+    if p4 and n > 1 and topo.root.kind != "host-switch":
+        raise PlanError(f"{topo.source}: P4 racks ({', '.join(p4)}) send their partial sums as datagrams; their root "
+                        f"must be kind = \"host-switch\", not {topo.root.kind!r}")
     out, rank = [], 0
     for i in range(n):
         src = topo.racks[i % len(topo.racks)]
@@ -200,7 +223,11 @@ def plan(topology, *, racks: int | None = None, workers: int | None = None, host
         w = src.members if workers is None else workers
         if w > 32:
             raise PlanError(f"rack {name!r} has {w} workers; an emulated rack holds at most 32")
-        out.append(RackPlan(i, name, w, rank, _moved(src.aggregator, rack_subnet(i) + f".{AGGREGATOR_HOST}")))
+        if src.aggregator.kind == "p4":
+            agg = _switch(src.aggregator, i, w)
+        else:
+            agg = _moved(src.aggregator, rack_subnet(i) + f".{AGGREGATOR_HOST}")
+        out.append(RackPlan(i, name, w, rank, agg))
         rank += w
     root = _moved(topo.root, ROOT_IP) if n > 1 else None
     links = topo.links
@@ -231,6 +258,11 @@ def main(argv=None) -> int:
                   uplink_mbit=args.uplink_mbit, mtu=args.mtu)
     except (TopologyError, PlanError) as exc:
         print(f"aggnet emulation plan: {exc}", file=sys.stderr)
+        return 2
+    p4 = [r.name for r in pl.racks if r.aggregator.kind == "p4"]
+    if p4:
+        print(f"aggnet emulation plan: P4 racks ({', '.join(p4)}) are emulated in network namespaces (`aggnet "
+              f"emulate --topology FILE`), not in Mininet", file=sys.stderr)
         return 2
     json.dump(pl.to_json(Names(args.prefix, args.style)), sys.stdout, indent=1)
     print()

@@ -10,6 +10,7 @@ other racks through the spine.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import subprocess
 import sys
@@ -37,23 +38,12 @@ def run_system(fabric: Fabric, system: str, nbytes: int, reps: int = 1, *, dtype
     repetition as it goes."""
     from aggnet.bench.cpu import per_gb
 
-    workers = fabric.workers
-    world = len(workers)
-    master = f"{workers[0][2].ip}:{GLOO_PORT}"
+    world = len(fabric.workers)
     job = f"fabric-{uuid.uuid4().hex[:8]}"
-    env = _env({"AGGNET_TIMEOUT": "120"})
-    before = fabric.uplink_counters()
-    procs = []
-    for rank, rack, h in workers:
-        cmd = [sys.executable, "-m", "aggnet.emulation.worker", system, "--rank", str(rank), "--world", str(world),
-               "--bytes", str(nbytes), "--reps", str(reps), "--master", master, "--job", job, "--dtype", dtype]
-        if system == "aggnet":
-            cmd += ["--topology", fabric.topology_path]
-        shown = progress and rank == 0
-        procs.append(rack.popen(h, cmd + (["--progress"] if shown else []), env=env, stdout=subprocess.PIPE,
-                                stderr=None if shown else subprocess.PIPE, text=True))
-    outs = collect(procs, timeout, f"{system} all-reduce across racks")
-    after = fabric.uplink_counters()
+    with fabric.switch_jobs(job) if system == "aggnet" else contextlib.nullcontext():
+        before = fabric.uplink_counters()
+        outs = _run_workers(fabric, system, nbytes, reps, job, dtype, timeout, progress)
+        after = fabric.uplink_counters()
     times = [max(o["times"][i] for o in outs) for i in range(reps)]
     uplinks = [{k: (a[k] - b[k]) / reps for k in a} for a, b in zip(after, before)]
     return {"system": system, "racks": len(fabric.racks), "workers": world, "bytes": nbytes, "times": times,
@@ -64,12 +54,39 @@ def run_system(fabric: Fabric, system: str, nbytes: int, reps: int = 1, *, dtype
             "worker_cpu_s_per_gb": per_gb(sum(o["cpu_s"] for o in outs) / world, nbytes, reps)}
 
 
+def _run_workers(fabric: Fabric, system: str, nbytes: int, reps: int, job: str, dtype: str, timeout: float,
+                 progress: bool) -> list[dict]:
+    workers = fabric.workers
+    world = len(workers)
+    master = f"{workers[0][2].ip}:{GLOO_PORT}"
+    env = _env({"AGGNET_TIMEOUT": "120"})
+    procs = []
+    for rank, rack, h in workers:
+        cmd = [sys.executable, "-m", "aggnet.emulation.worker", system, "--rank", str(rank), "--world", str(world),
+               "--bytes", str(nbytes), "--reps", str(reps), "--master", master, "--job", job, "--dtype", dtype]
+        if system == "aggnet":
+            cmd += ["--topology", fabric.topology_path]
+        shown = progress and rank == 0
+        procs.append(rack.popen(h, cmd + (["--progress"] if shown else []), env=env, stdout=subprocess.PIPE,
+                                stderr=None if shown else subprocess.PIPE, text=True))
+    return collect(procs, timeout, f"{system} all-reduce across racks")
+
+
 def run_demo(fabric: Fabric, epochs: int, codec: str, timeout: float = 1800, extra: list[str] = (),
              on_line=None) -> list[str]:
     """The DDP demo, one worker per namespace across the racks (torchrun's
     environment, gloo rendezvous at rank 0, the aggnet hook placed by the
     topology file); returns rank 0's output lines, each handed to
     ``on_line`` as it is printed."""
+    if fabric.switches:
+        # a switch's job is installed before its workers join: name it
+        job = f"demo-{uuid.uuid4().hex[:8]}"
+        with fabric.switch_jobs(job):
+            return _run_demo(fabric, epochs, codec, timeout, [*extra, "--job", job], on_line)
+    return _run_demo(fabric, epochs, codec, timeout, extra, on_line)
+
+
+def _run_demo(fabric: Fabric, epochs: int, codec: str, timeout: float, extra, on_line) -> list[str]:
     workers = fabric.workers
     world = len(workers)
     procs = []

@@ -10,7 +10,7 @@ import sys
 from aggnet.protocol.limits import SWITCH_PORT
 
 from aggnet.p4.control import Member, SwitchControl, SwitchControlError, Uplink, _one_line
-from aggnet.p4.parent import ParentJoinError, RackAtParent, join_parent
+from aggnet.p4.parent import ParentJoinError, RackAtParent, job_key_from_env, join_parent
 
 
 def _switch_options(p, defaults: bool = True) -> None:
@@ -70,16 +70,9 @@ def _parent_options(p, required: bool) -> None:
 
 
 def _join_parent(args, name: str, rack_id: int, slots: int) -> dict:
-    """Join at the root for the switch; the job key, if the root wants
-    one, comes from AGGNET_JOB_KEY as a worker's does."""
-    import os
-
-    from aggnet.protocol.keys import parse_key
-
-    text = os.environ.get("AGGNET_JOB_KEY")
-    key = parse_key(text, "AGGNET_JOB_KEY") if text else None
+    """Join at the root for the switch (with AGGNET_JOB_KEY's key, where set)."""
     rack = RackAtParent(args.parent, rack_id, args.racks, args.switch_ip)
-    ok = join_parent(name, rack, slots, key=key, timeout=args.timeout)
+    ok = join_parent(name, rack, slots, key=job_key_from_env(), timeout=args.timeout)
     return {"parent": args.parent, "rack_id": rack_id, "racks": args.racks, "parent_base": ok.base}
 
 

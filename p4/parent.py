@@ -18,12 +18,14 @@ at install time instead of a job whose partials are dropped.
 from __future__ import annotations
 
 import ipaddress
+import os
 import select
 import socket
 import time
 from dataclasses import dataclass
 
 from aggnet.protocol import keys, wire
+from aggnet.protocol.keys import parse_key
 from aggnet.protocol.address import parse
 from aggnet.protocol.limits import DEFAULT_ELEMENTS, MAX_WORKERS, SWITCH_PORT
 from aggnet.protocol.messages import JoinOk
@@ -70,6 +72,12 @@ class RackAtParent:
             return socket.gethostbyname(a.host), a.port
         except OSError as exc:
             raise ValueError(f"cannot resolve the parent {self.parent}: {exc}") from None
+
+
+def job_key_from_env() -> bytes | None:
+    """The job key a keyed root wants, from AGGNET_JOB_KEY as a worker's."""
+    text = os.environ.get("AGGNET_JOB_KEY")
+    return parse_key(text, "AGGNET_JOB_KEY") if text else None
 
 
 def join_parent(job: str, rack: RackAtParent, slots: int, *, key: bytes | None = None,

@@ -5,7 +5,11 @@ never touches one already there, ``down`` removes only what ``up``
 recorded. A switch whose control plane does not answer is not an error of
 the run: the rack's workers go to its fallback, so the run says so and
 goes on. The pipeline itself (and ordinary forwarding) is the switch's
-own set-up (``aggnet switch load``), not the job's.
+own set-up (``aggnet switch load``), not the job's. Under a root, the
+control plane joins the job at the root for the switch too
+(aggnet/p4/parent.py); a root that does not take it leaves the job off
+the switch, and a run of ``up`` with the job already there joins again
+(a restarted root forgot it).
 """
 
 from __future__ import annotations
@@ -94,6 +98,20 @@ def members_and_uplink(topo: Topology, rack: Rack):
     return members, uplink
 
 
+def _at_parent(topo: Topology, rack: Rack):
+    """How the control plane joins the rack's job at its root for the
+    switch (None without a root); raises ValueError naming what is wrong."""
+    from aggnet.p4.parent import RackAtParent
+
+    parent = topo.parent_of(rack)
+    if parent is None:
+        return None
+    agg = rack.aggregator
+    at = RackAtParent(parent.address, rack.index, len(topo.racks), agg.switch_ip or _ip_of(agg.address))
+    at.check()
+    return at
+
+
 def _control(rack: Rack):
     from aggnet.p4.control import SwitchControl
 
@@ -125,14 +143,9 @@ def install(topo: Topology, rack: Rack, *, dry_run: bool = False, timeout: float
     from aggnet.protocol.wire import job_id_of
 
     agg = rack.aggregator
-    if topo.parent_of(rack) is not None:
-        # a host root admits a rack that JOINs it and lines its slots up
-        # with the rack's; a P4 switch does neither by itself yet
-        return Outcome("not installed: P4 racks under a root are not supported yet",
-                       f"a root does not yet take the partial sums of a P4 switch (the switch cannot join it); "
-                       f"{_fallback_text(rack)}", failed=rack.fallback is None)
     try:
         members, uplink = members_and_uplink(topo, rack)
+        at_parent = _at_parent(topo, rack)
     except ValueError as exc:
         return Outcome("not installed: the topology lacks what the switch needs",
                        f"{exc}; until then {_fallback_text(rack)}", failed=True)
@@ -148,18 +161,34 @@ def install(topo: Topology, rack: Rack, *, dry_run: bool = False, timeout: float
                                              f"({why}); {_fallback_text(rack)}")
     from aggnet.p4.control import SwitchControlError
 
+    from aggnet.p4.parent import ParentJoinError, job_key_from_env, join_parent
+
     record = {"p4runtime": agg.p4runtime, "device_id": agg.device_id, "thrift_port": agg.thrift_port,
               "job": topo.job}
+    slots = agg.slots or DEFAULT_SLOTS
     root, level = _quiet_grpc()
     ctl = _control(rack)
     try:
         ctl.connect()
         if any(j.job_id == job_id_of(topo.job) for j in ctl.jobs()):
+            if at_parent is not None:
+                # again: a root that restarted forgot the job (joining twice is harmless)
+                join_parent(topo.job, at_parent, slots, key=job_key_from_env())
             return Outcome("already installed on switch")
-        job = ctl.install_job(topo.job, members, agg.slots or DEFAULT_SLOTS, uplink=uplink)
+        job = ctl.install_job(topo.job, members, slots, uplink=uplink)
         up = f", uplink to {uplink.parent_ip} as rack {uplink.rack_id}" if uplink else ""
+        if at_parent is not None:
+            try:
+                join_parent(topo.job, at_parent, slots, key=job_key_from_env())
+            except ParentJoinError:
+                ctl.remove_job(topo.job)  # a job the root lacks cannot complete: all or nothing
+                raise
+            up += f", joined at the root {at_parent.parent}"
         return Outcome("installed on switch", f"job {topo.job!r} installed on {agg.p4runtime}: slots {job.base}.."
                                               f"{job.base + job.slots - 1}, {job.world} members{up}", record=record)
+    except ParentJoinError as exc:
+        return Outcome("not installed: the root did not take the job", f"{exc}; {_fallback_text(rack)}",
+                       failed=rack.fallback is None)
     except (SwitchControlError, OSError, ValueError) as exc:
         return Outcome("switch unreachable", f"the switch of rack {rack.name!r} at {agg.p4runtime} did not take the "
                                              f"job ({exc}; a switch without the aggnet pipeline needs `aggnet switch "

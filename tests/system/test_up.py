@@ -341,11 +341,12 @@ def _p4_solo(tmp_path, request, grpc: int, thrift: int) -> Deployment:
     return d
 
 
-def test_a_p4_rack_under_a_root_is_left_to_its_fallback(tmp_path, request):
-    grpc, thrift = free_ports(2)
+def test_a_p4_rack_under_a_root_whose_switch_is_dead_is_left_to_its_fallback(tmp_path, request):
+    pytest.importorskip("p4runtime_sh", reason="without p4runtime-shell no switch is asked at all")
+    grpc, thrift = free_ports(2)  # nothing listens there
     d = _p4_deployment(tmp_path, request, grpc, thrift)
     out = _ok(d.up())
-    assert _row(out, "rack rack0").endswith("not installed: P4 racks under a root are not supported yet")
+    assert _row(out, "rack rack0").endswith("switch unreachable")
     assert f"the workers of rack 'rack0' will use its fallback {d.fallback}" in out
     assert _row(out, "fallback rack0").endswith("started")
     assert set(d.records()) == {"root", "fallback rack0", "rack rack1"}
@@ -427,3 +428,42 @@ def test_up_installs_the_job_on_a_switch_once_and_down_removes_it(tmp_path, requ
     out = _ok(d.down())
     assert f"rack rack0: job '{d.job}' removed from the switch at 127.0.0.1:{grpc}" in out
     assert jobs() == {}
+
+
+@pytest.mark.requires_bmv2
+@pytest.mark.skipif(not _bmv2_ok()[0], reason=_bmv2_ok()[1])
+def test_up_installs_a_p4_racks_job_with_its_uplink_and_joins_the_root_for_the_switch(tmp_path, request):
+    from aggnet.protocol.wire import job_id_of
+    from aggnet.emulation.bmv2 import Bmv2Switch
+    from aggnet.p4.control import SwitchControl
+
+    grpc, thrift = free_ports(2)
+    switch = Bmv2Switch({}, grpc_port=grpc, thrift_port=thrift)
+    request.addfinalizer(switch.stop)
+    SwitchControl(switch.grpc_addr, thrift_port=thrift).connect(load_pipeline=True).close()
+    d = _p4_deployment(tmp_path, request, grpc, thrift)
+
+    out = _ok(d.up())
+    assert _row(out, "rack rack0").endswith("installed on switch")
+    assert f"uplink to {d.root_ip} as rack 0, joined at the root udp://{d.root_ip}:42606" in out
+    with SwitchControl(switch.grpc_addr, thrift_port=thrift) as ctl:
+        assert [j.job_id for j in ctl.jobs()] == [job_id_of(d.job)]
+    # the root holds the job, rack 0 joined (tests/integration/test_p4_parent.py: at the switch's address)
+    job = query(f"udp://{d.root_ip}:42606", timeout=5)["jobs"][d.job]
+    assert (job["world"], job["slots"], job["elements"], job["members"]) == (2, 32, 64, [0]), job
+
+    _ok(d.down())
+    with SwitchControl(switch.grpc_addr, thrift_port=thrift) as ctl:
+        assert ctl.jobs() == []
+
+    # with the root gone, an install under it is taken back off the switch: all or nothing
+    r = aggnet("switch", "--grpc", switch.grpc_addr, "--thrift-port", str(thrift), "--switch-ip", "10.79.0.253",
+               "add-job", "orphan", "--member", "10.79.0.1,02:00:00:00:79:01,1", "--uplink",
+               f"{d.root_ip},02:00:00:00:79:64,3,0", "--parent", f"udp://{d.root_ip}:42606", "--racks", "2",
+               "--timeout", "1")
+    assert r.returncode == 1
+    assert r.stderr.strip() == (f"aggnet switch add-job: the parent udp://{d.root_ip}:42606 did not answer rack 0's "
+                                f"JOIN for job 'orphan' within 1s; start it (`aggnet serve --mode switch --listen "
+                                f"udp://{d.root_ip}:42606`) or check the route to {d.root_ip}")
+    with SwitchControl(switch.grpc_addr, thrift_port=thrift) as ctl:
+        assert ctl.jobs() == []
