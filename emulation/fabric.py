@@ -37,6 +37,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +69,7 @@ class Fabric(Emulated):
         self.aggregators: list[ServiceProcess | None] = []
         #: BMv2 of each P4 rack, by rack index
         self.switches: dict = {}
+        self._keepers: list[subprocess.Popen] = []  #: control planes keeping jobs joined at the root
         self.root: ServiceProcess | None = None
         self.topology_path: str | None = None
         self._dir: str | None = None
@@ -181,36 +183,49 @@ class Fabric(Emulated):
         """``job`` installed on every P4 rack's switch, uplink to the root
         included, for the ``with`` block (a host aggregator installs a job
         when its workers join; a switch's control plane does it before)."""
-        installed = []
+        installed, keepers = [], []
         try:
             for rp in self.plan.racks:
                 if rp.aggregator.kind != "p4":
                     continue
                 self._install(rp, job)
                 installed.append(rp.index)
+                if self.plan.root is not None:
+                    keepers.append(self._keep_joined(rp, job))
             yield
         finally:
+            for keeper in keepers:
+                keeper.terminate()
+                keeper.communicate(timeout=10)
+                self._keepers.remove(keeper)
             for index in installed:
                 with contextlib.suppress(EmulationError):
                     self.switch_ctl(index, "remove-job", job)
 
     def _install(self, rp: RackPlan, job: str) -> None:
         agg, rack = rp.aggregator, self.racks[rp.index]
-        slots = str(agg.slots or 128)
         members = [f"{h.ip},{rack.mac(h)},{i}" for i, h in enumerate(rack.workers)]
-        args = ["add-job", job, "--slots", slots, *[x for m in members for x in ("--member", m)]]
+        args = ["add-job", job, "--slots", str(agg.slots), *[x for m in members for x in ("--member", m)]]
         if self.plan.root is not None:
             args += ["--uplink", f"{ROOT_IP},{self._gateway_mac(rp.index)},{agg.uplink_port},{rp.index}"]
         self.switch_ctl(rp.index, *args)
-        if self.plan.root is None:
-            return
-        # the root is reachable from the spine, not from the switch's namespace
-        r = sh(sys.executable, "-m", "aggnet", "switch", "--switch-ip", agg.switch_ip, "join-parent", job, "--slots",
-               slots, "--rack-id", str(rp.index), "--racks", str(len(self.plan.racks)), "--parent",
-               f"udp://{ROOT_IP}:{SWITCH_PORT}", ns=self.spine, timeout=60, check=False)
-        if r.returncode != 0:
-            self.switch_ctl(rp.index, "remove-job", job)
-            raise EmulationError(r.stderr.strip()[-1500:])
+
+    def _keep_joined(self, rp: RackPlan, job: str) -> subprocess.Popen:
+        """The control plane joining the job at the root for the switch,
+        and again every second while the run lasts (a restarted root forgot
+        it), from the spine: the root is not reachable from the switch's
+        namespace. Returns once the first join was answered."""
+        agg = rp.aggregator
+        cmd = [sys.executable, "-m", "aggnet", "switch", "--switch-ip", agg.switch_ip, "join-parent", job, "--slots",
+               str(agg.slots), "--rack-id", str(rp.index), "--racks", str(len(self.plan.racks)), "--parent",
+               f"udp://{ROOT_IP}:{SWITCH_PORT}", "--keep", "1"]
+        keeper = subprocess.Popen(["ip", "netns", "exec", self.spine, *cmd], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        self._keepers.append(keeper)  # a teardown kills it, whatever ends the run
+        if not keeper.stdout.readline():  # the first join's answer, or its end
+            _, err = keeper.communicate(timeout=10)
+            raise EmulationError(err.strip()[-1500:])
+        return keeper
 
     def start_aggregators(self, start_timeout: float = 60.0, restart: bool = False) -> None:
         """The root on the spine (with two racks or more) and each rack's
@@ -238,6 +253,16 @@ class Fabric(Emulated):
         by_rack = iter(started[:len(hosted)])
         self.aggregators = [None if rp.aggregator.kind == "p4" else next(by_rack) for rp in p.racks]
         self.root = started[len(hosted)] if p.root is not None else None
+
+    def restart_root(self, start_timeout: float = 60.0) -> None:
+        """Stop the root and start it again at its address: it comes back
+        without jobs, as after a crash, and each rack joins it again (a
+        host rack by itself, a P4 rack through its control plane's keeper)."""
+        if self.root is None:
+            raise EmulationError("this fabric has no root: one rack reduces by itself")
+        self.root.stop()
+        self.root = ServiceProcess(self.plan.root.address, prefix=["ip", "netns", "exec", self.spine],
+                                   args=self.plan.serve_args(None), start_timeout=start_timeout)
 
     def stop_aggregators(self) -> None:
         _stop_all([a for a in self.aggregators if a is not None] + ([self.root] if self.root else []))
@@ -268,6 +293,11 @@ class Fabric(Emulated):
     def teardown(self) -> None:
         """Stop the aggregators and delete every namespace of the fabric
         (and with them their veths, qdiscs and filter rules)."""
+        for keeper in self._keepers:
+            if keeper.poll() is None:
+                keeper.kill()
+                keeper.wait()
+        self._keepers = []
         self.stop_aggregators()
         for switch in self.switches.values():
             switch.stop()

@@ -10,7 +10,7 @@ import sys
 from aggnet.protocol.limits import SWITCH_PORT
 
 from aggnet.p4.control import Member, SwitchControl, SwitchControlError, Uplink, _one_line
-from aggnet.p4.parent import ParentJoinError, RackAtParent, job_key_from_env, join_parent
+from aggnet.p4.parent import ParentJoinError, RackAtParent, job_key_from_env, join_parent, keep_joined
 
 
 def _switch_options(p, defaults: bool = True) -> None:
@@ -44,6 +44,8 @@ def add_arguments(p) -> None:
     j.add_argument("name", help="the job's name")
     j.add_argument("--slots", type=int, default=128, help="the job's slice on the switch (default %(default)s)")
     j.add_argument("--rack-id", type=int, required=True, help="this rack's number at the root (0..racks-1)")
+    j.add_argument("--keep", type=float, default=None, metavar="SECONDS",
+                   help="stay, joining again every SECONDS (a restarted root forgot the job) until stopped")
     _parent_options(j, required=True)
     r = sub.add_parser("remove-job", help="remove a job")
     r.add_argument("name", help="the job's name")
@@ -74,6 +76,19 @@ def _join_parent(args, name: str, rack_id: int, slots: int) -> dict:
     rack = RackAtParent(args.parent, rack_id, args.racks, args.switch_ip)
     ok = join_parent(name, rack, slots, key=job_key_from_env(), timeout=args.timeout)
     return {"parent": args.parent, "rack_id": rack_id, "racks": args.racks, "parent_base": ok.base}
+
+
+def _keep(args) -> None:
+    """Join again every --keep seconds until SIGTERM or Ctrl-C."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    rack = RackAtParent(args.parent, args.rack_id, args.racks, args.switch_ip)
+    keep_joined(args.name, rack, args.slots, key=job_key_from_env(), every=args.keep, stop=stop,
+                say=lambda line: print(f"aggnet switch join-parent: {line}", file=sys.stderr, flush=True))
 
 
 def _member(text: str) -> Member:
@@ -109,7 +124,12 @@ def main(args) -> int:
     cmd = args.switch_command
     if cmd == "join-parent":  # the root only: the switch's control plane is not needed
         try:
-            print(json.dumps({"job": args.name, **_join_parent(args, args.name, args.rack_id, args.slots)}))
+            if args.keep is not None and args.keep <= 0:
+                raise ValueError(f"--keep wants a positive number of seconds, got {args.keep:g}")
+            print(json.dumps({"job": args.name, **_join_parent(args, args.name, args.rack_id, args.slots)}),
+                  flush=True)
+            if args.keep is not None:
+                _keep(args)
         except (ParentJoinError, ValueError) as exc:
             print(f"aggnet switch {cmd}: {exc}", file=sys.stderr)
             return 1

@@ -13,14 +13,21 @@ the rack and at the root alike); so the root must give the job the
 switch's number of slots, at 64 values a packet, all on that one port.
 The root's answer is checked for each, so a mismatch is a one-line error
 at install time instead of a job whose partials are dropped.
+
+A root that restarts forgets its jobs; a host rack notices and joins
+again, a switch cannot. ``keep_joined`` (``aggnet switch join-parent
+--keep``) joins again on a timer, so the switch's partials, which its
+workers' retransmissions make it resend, find the job at the new root.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import select
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -30,6 +37,8 @@ from aggnet.protocol.address import parse
 from aggnet.protocol.limits import DEFAULT_ELEMENTS, MAX_WORKERS, SWITCH_PORT
 from aggnet.protocol.messages import JoinOk
 from aggnet.protocol.wire import HEADER_SIZE, Header, MsgType, job_id_of
+
+log = logging.getLogger("aggnet.p4.parent")
 
 #: seconds between JOINs while the root has not answered
 RESEND = 0.5
@@ -135,3 +144,26 @@ def _checked(ok: JoinOk, job: str, slots: int, where: str) -> JoinOk:
                               f"{ok.base + ok.slots - 1}, {ok.shard_slots} a port); the switch sends to port "
                               f"{SWITCH_PORT} only: run the root with --shards 1")
     return ok
+
+
+def keep_joined(job: str, rack: RackAtParent, slots: int, *, key: bytes | None = None, every: float = 2.0,
+                stop: threading.Event | None = None, say=log.info) -> None:
+    """Join ``job`` at the parent every ``every`` seconds until ``stop``
+    is set: a root that restarted forgot the job, and the switch's
+    partials are dropped there until it is joined again; joining a root
+    that still holds it changes nothing. ``say`` hears each change of
+    standing (lost, taken again), one line each."""
+    stop = stop or threading.Event()
+    lost: str | None = None
+    while not stop.is_set():
+        try:
+            join_parent(job, rack, slots, key=key, timeout=max(every, 2 * RESEND))
+        except ParentJoinError as exc:
+            if lost is None:
+                say(f"rack {rack.rack_id}'s job {job!r}: {exc}; joining again every {every:g}s")
+            lost = str(exc)
+        else:
+            if lost is not None:
+                say(f"rack {rack.rack_id}'s job {job!r}: {rack.parent} took it again")
+            lost = None
+        stop.wait(every)

@@ -8,6 +8,8 @@ bytes); tests/system/test_emulation_bmv2.py runs the real thing."""
 from __future__ import annotations
 
 import socket
+import threading
+import time
 import uuid
 
 import numpy as np
@@ -19,7 +21,7 @@ from aggnet.protocol.keys import new_key, parse_key, write_job_key
 from aggnet.protocol.limits import DEFAULT_ELEMENTS as K
 from aggnet.protocol.limits import SWITCH_PORT
 from aggnet.protocol.wire import DType, Flag, Header, MsgType, job_id_of
-from aggnet.p4.parent import ParentJoinError, RackAtParent, join_parent
+from aggnet.p4.parent import ParentJoinError, RackAtParent, join_parent, keep_joined
 
 SLOTS = 8
 
@@ -150,3 +152,56 @@ def test_a_keyed_root_takes_the_switch_only_with_the_jobs_key(tmp_path, switches
         assert join_parent(job, rack, SLOTS, key=key).slots == SLOTS
     finally:
         svc.stop()
+
+
+def test_a_root_that_restarts_is_joined_again_and_the_round_in_flight_finishes(switches):
+    """The keeper joins again on its timer; the switches' partials, resent
+    as the program resends them (on its workers' retransmissions), then
+    find the job at the new root."""
+    probe = _loopback_at_switch_port()
+    ip = probe.getsockname()[0]
+    probe.close()
+    address = f"udp://{ip}:{SWITCH_PORT}"
+    args = ["--mode", "switch", "--shards", "1"]
+    root = ServiceProcess(address, args=args)
+    job = job_name()
+    said: list[str] = []
+    stop = threading.Event()
+    keepers = [threading.Thread(target=keep_joined, args=(job, RackAtParent(address, r, 2, s.getsockname()[0]), SLOTS),
+                                kwargs={"every": 0.2, "stop": stop, "say": said.append}, daemon=True)
+               for r, s in enumerate(switches)]
+    for t in keepers:
+        t.start()
+    target = (ip, SWITCH_PORT)
+    try:
+        from aggnet.client.switch import query_stats
+
+        deadline = time.monotonic() + 10
+        while query_stats(address)["jobs"].get(job, {}).get("members") != [0, 1]:
+            assert time.monotonic() < deadline, "the keepers did not join both racks"
+            time.sleep(0.05)
+        switches[0].sendto(partial(job, 0, 1, 1, [5]), target)  # rack 0's partial, then the root goes
+        root.stop()
+        root = ServiceProcess(address, args=args)
+        for s in switches:
+            s.settimeout(0.3)
+        got = {}
+        deadline = time.monotonic() + 15
+        while len(got) < 2 and time.monotonic() < deadline:
+            for r, s in enumerate(switches):  # each rack resends its partial until its final comes
+                if r in got:
+                    continue
+                s.sendto(partial(job, r, 1, 1, [5 + 10 * r]), target)
+                try:
+                    got[r] = s.recv(65536)
+                except socket.timeout:
+                    pass
+        assert sorted(got) == [0, 1], said  # without the keeper the new root drops every partial
+        for data in got.values():
+            assert wire.unpack_header(data).msg_type == MsgType.RESULT
+            assert np.frombuffer(data[wire.HEADER_SIZE:], ">i4")[0] == 5 + 15
+    finally:
+        stop.set()
+        for t in keepers:
+            t.join(5)
+        root.stop()

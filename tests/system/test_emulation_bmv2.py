@@ -4,6 +4,8 @@ DDP demo through it, end to end, and two P4 racks under a host root."""
 from __future__ import annotations
 
 import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from aggnet.emulation.fabric_plan import plan
 from aggnet.emulation.bmv2 import can_run_bmv2
 from aggnet.emulation.netns import Rack, can_emulate
 
+P4_RACKS = Path(__file__).resolve().parents[2] / "examples" / "topologies" / "p4-racks.toml"
 OK, WHY = can_emulate()
 if OK:
     OK, WHY = can_run_bmv2()
@@ -52,8 +55,7 @@ def test_two_p4_racks_under_a_host_root_reduce_through_their_switches_exactly_un
     protocol's datagrams dropped on rack and spine links: every lost one
     recovered, through the switch's own resend of its partial."""
     size = 256 * 1024
-    topology = Path(__file__).resolve().parents[2] / "examples" / "topologies" / "p4-racks.toml"
-    with Fabric(plan(topology, host_mbit=0, uplink_mbit=0), prefix="agy") as fabric:
+    with Fabric(plan(P4_RACKS, host_mbit=0, uplink_mbit=0), prefix="agy") as fabric:
         fabric.start_aggregators()
         fabric.wait_reachable()
         fabric.impair(0.01)
@@ -74,6 +76,30 @@ def test_two_p4_racks_under_a_host_root_reduce_through_their_switches_exactly_un
     assert root["totals"]["completed"] >= packets
     for u in res["uplinks"]:  # S up and S down per rack, plus what the drops cost
         assert size <= u["up"] < 2 * size and size <= u["down"] < 2 * size, res["uplinks"]
+
+
+@pytest.mark.slow
+def test_p4_racks_finish_their_all_reduce_through_a_restart_of_the_root():
+    """The root comes back without the job; each switch's control plane
+    joins it again (its keeper), and the partials the switches resend on
+    their workers' retransmissions complete there."""
+    size = 512 * 1024
+    with Fabric(plan(P4_RACKS, host_mbit=0, uplink_mbit=0), prefix="agz") as fabric:
+        fabric.start_aggregators()
+        fabric.wait_reachable()
+        with ThreadPoolExecutor(1) as pool:
+            run = pool.submit(fabric_runs.run_system, fabric, "aggnet", size, dtype="int32")
+            deadline = time.monotonic() + 60
+            # a part of the buffer went up: the root holds the job, mid-round
+            while sum(u["up"] for u in fabric.uplink_counters()) < size // 4:
+                assert time.monotonic() < deadline and not run.done(), "the all-reduce did not start"
+                time.sleep(0.05)
+            fabric.restart_root()
+            res = run.result(timeout=300)
+        root = fabric.stats()
+    assert res["exact"] == [True] * 4
+    assert len({tuple(c) for c in res["checksums"]}) == 1
+    assert root["totals"]["completed"] > 0  # the new root completed what was left
 
 
 @pytest.mark.slow
