@@ -211,20 +211,21 @@ class Fabric(Emulated):
         self.switch_ctl(rp.index, *args)
 
     def _keep_joined(self, rp: RackPlan, job: str) -> subprocess.Popen:
-        """The control plane joining the job at the root for the switch,
-        and again every second while the run lasts (a restarted root forgot
-        it), from the spine: the root is not reachable from the switch's
-        namespace. Returns once the first join was answered."""
+        """The control plane joining the job at the root for the switch
+        (once, failing the run if the root does not take it), then again
+        every second while the run lasts (a restarted root forgot it);
+        from the spine: the root is not reachable from the switch's
+        namespace."""
         agg = rp.aggregator
         cmd = [sys.executable, "-m", "aggnet", "switch", "--switch-ip", agg.switch_ip, "join-parent", job, "--slots",
                str(agg.slots), "--rack-id", str(rp.index), "--racks", str(len(self.plan.racks)), "--parent",
-               f"udp://{ROOT_IP}:{SWITCH_PORT}", "--keep", "1"]
-        keeper = subprocess.Popen(["ip", "netns", "exec", self.spine, *cmd], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
+               f"udp://{ROOT_IP}:{SWITCH_PORT}"]
+        r = sh(*cmd, ns=self.spine, timeout=60, check=False)
+        if r.returncode != 0:
+            raise EmulationError(r.stderr.strip()[-1500:])
+        keeper = subprocess.Popen(["ip", "netns", "exec", self.spine, *cmd, "--keep", "1"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self._keepers.append(keeper)  # a teardown kills it, whatever ends the run
-        if not keeper.stdout.readline():  # the first join's answer, or its end
-            _, err = keeper.communicate(timeout=10)
-            raise EmulationError(err.strip()[-1500:])
         return keeper
 
     def start_aggregators(self, start_timeout: float = 60.0, restart: bool = False) -> None:

@@ -79,15 +79,26 @@ def _join_parent(args, name: str, rack_id: int, slots: int) -> dict:
 
 
 def _keep(args) -> None:
-    """Join again every --keep seconds until SIGTERM or Ctrl-C."""
+    """Join every --keep seconds until SIGTERM or Ctrl-C (a root not up yet
+    is waited for); the first answer is printed as a one-shot join's is."""
     import signal
     import threading
 
+    if args.keep <= 0:
+        raise ValueError(f"--keep wants a positive number of seconds, got {args.keep:g}")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     rack = RackAtParent(args.parent, args.rack_id, args.racks, args.switch_ip)
-    keep_joined(args.name, rack, args.slots, key=job_key_from_env(), every=args.keep, stop=stop,
+    first = []
+
+    def joined(ok) -> None:
+        if not first:
+            first.append(ok)
+            print(json.dumps({"job": args.name, "parent": args.parent, "rack_id": args.rack_id, "racks": args.racks,
+                              "parent_base": ok.base}), flush=True)
+
+    keep_joined(args.name, rack, args.slots, key=job_key_from_env(), every=args.keep, stop=stop, joined=joined,
                 say=lambda line: print(f"aggnet switch join-parent: {line}", file=sys.stderr, flush=True))
 
 
@@ -124,12 +135,10 @@ def main(args) -> int:
     cmd = args.switch_command
     if cmd == "join-parent":  # the root only: the switch's control plane is not needed
         try:
-            if args.keep is not None and args.keep <= 0:
-                raise ValueError(f"--keep wants a positive number of seconds, got {args.keep:g}")
-            print(json.dumps({"job": args.name, **_join_parent(args, args.name, args.rack_id, args.slots)}),
-                  flush=True)
             if args.keep is not None:
                 _keep(args)
+            else:
+                print(json.dumps({"job": args.name, **_join_parent(args, args.name, args.rack_id, args.slots)}))
         except (ParentJoinError, ValueError) as exc:
             print(f"aggnet switch {cmd}: {exc}", file=sys.stderr)
             return 1

@@ -147,17 +147,19 @@ def _checked(ok: JoinOk, job: str, slots: int, where: str) -> JoinOk:
 
 
 def keep_joined(job: str, rack: RackAtParent, slots: int, *, key: bytes | None = None, every: float = 2.0,
-                stop: threading.Event | None = None, say=log.info) -> None:
+                stop: threading.Event | None = None, say=log.info, joined=None) -> None:
     """Join ``job`` at the parent every ``every`` seconds until ``stop``
     is set: a root that restarted forgot the job, and the switch's
     partials are dropped there until it is joined again; joining a root
-    that still holds it changes nothing. ``say`` hears each change of
-    standing (lost, taken again), one line each."""
+    that still holds it changes nothing. A root that is not there yet is
+    waited for. ``say`` hears each change of standing (lost, taken again),
+    one line each; ``joined`` gets each JoinOk."""
+    rack.check()  # a wrong value is an error at once, not a line every few seconds
     stop = stop or threading.Event()
     lost: str | None = None
     while not stop.is_set():
         try:
-            join_parent(job, rack, slots, key=key, timeout=max(every, 2 * RESEND))
+            ok = join_parent(job, rack, slots, key=key, timeout=max(every, 2 * RESEND))
         except ParentJoinError as exc:
             if lost is None:
                 say(f"rack {rack.rack_id}'s job {job!r}: {exc}; joining again every {every:g}s")
@@ -166,4 +168,6 @@ def keep_joined(job: str, rack: RackAtParent, slots: int, *, key: bytes | None =
             if lost is not None:
                 say(f"rack {rack.rack_id}'s job {job!r}: {rack.parent} took it again")
             lost = None
+            if joined is not None:
+                joined(ok)
         stop.wait(every)

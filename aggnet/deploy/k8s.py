@@ -12,7 +12,10 @@ travels as a ConfigMap (the training pods read it through
 are annotated for Prometheus, and the readiness and liveness probes ask the
 aggregator itself (``aggnet stats``). P4 switches are not pods: their jobs
 are installed by ``aggnet switch`` (or ``aggnet up``) from a machine that
-reaches their P4Runtime port.
+reaches their P4Runtime port. A P4 rack under a root gets a small
+Deployment that keeps its job joined at the root on the switch's behalf
+(``aggnet switch join-parent --keep``): the root is a Deployment that
+Kubernetes restarts, and a restarted root forgets the job.
 
 ``--training-job`` adds a Kubeflow Trainer ``PyTorchJob`` that trains the
 demo model through aggnet, each rank finding its aggregator in the
@@ -129,7 +132,11 @@ def render(topo: Topology, topology_text: str, *, image: str | None = None, name
     ]
     for role, rack, agg in roles(topo):
         if agg.kind == "p4":
-            continue  # a switch, not a pod: aggnet switch (or aggnet up) installs its jobs
+            # a switch, not a pod: aggnet switch (or aggnet up) installs its jobs
+            if role.startswith("rack ") and topo.parent_of(rack) is not None:
+                objects.append(_joiner(topo, rack, f"{job}-{_name(role)}-joiner", namespace, job, role, image,
+                                       keys_secret))
+            continue
         argv = serve_argv(topo, rack, agg) + ["--restart", "--metrics-port", str(metrics_port),
                                               "--metrics-host", "0.0.0.0"]
         if keys_secret:
@@ -147,6 +154,32 @@ def render(topo: Topology, topology_text: str, *, image: str | None = None, name
     if training:
         objects.append(training_job(topo, job, namespace, image, keys_secret))
     return objects
+
+
+#: seconds between a joiner's JOINs at the root
+JOIN_EVERY = 2
+
+
+def _joiner(topo: Topology, rack, name: str, namespace: str, job: str, role: str, image: str,
+            keys_secret: str | None) -> dict:
+    """The control plane's side of a P4 rack under a root: joins the job at
+    the root for the switch, again every JOIN_EVERY seconds."""
+    from aggnet.deploy.switches import DEFAULT_SLOTS
+
+    agg, root = rack.aggregator, topo.parent_of(rack)
+    args = ["switch", "--switch-ip", agg.switch_ip or parse(agg.address).host, "join-parent", topo.job, "--parent",
+            root.address, "--rack-id", str(rack.index), "--racks", str(len(topo.racks)), "--slots",
+            str(agg.slots or DEFAULT_SLOTS), "--keep", str(JOIN_EVERY)]
+    container = {"name": "joiner", "image": image, "command": ["aggnet"], "args": args,
+                 "resources": {"requests": {"cpu": "10m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}}}
+    if keys_secret:  # a keyed root takes the JOIN signed with the job's key, as a worker's
+        container["env"] = [{"name": "AGGNET_JOB_KEY",
+                             "valueFrom": {"secretKeyRef": {"name": keys_secret, "key": JOB_KEY}}}]
+    pod = {"metadata": {"labels": _selector(job, f"{role} joiner")},
+           "spec": {"terminationGracePeriodSeconds": 5, "containers": [container]}}
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": name, "namespace": namespace, "labels": _labels(job, f"{role} joiner")},
+            "spec": {"replicas": 1, "selector": {"matchLabels": _selector(job, f"{role} joiner")}, "template": pod}}
 
 
 def _root(name: str, namespace: str, job: str, agg: Aggregator, pod: dict) -> list[dict]:

@@ -17,6 +17,7 @@ kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is n
 from aggnet.deploy.k8s import TOPOLOGY_PATH  # noqa: E402
 from aggnet.deploy.up import roles, serve_argv  # noqa: E402
 from aggnet.protocol import topology  # noqa: E402
+from aggnet.protocol.address import parse  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples/topologies").glob("*.toml"))
@@ -62,6 +63,8 @@ def test_the_pods_run_what_aggnet_up_starts_on_the_machines_it_starts_it(path):
     assert r.returncode == 0, r.stderr
     objects = _objects(r.stdout)
     workloads = _workloads(objects)
+    joiners = {name: w for name, w in workloads.items() if name.endswith("-joiner")}
+    workloads = {name: w for name, w in workloads.items() if name not in joiners}
     expected = [(role, rack, agg) for role, rack, agg in roles(topo) if agg.kind != "p4"]
     assert len(workloads) == len(expected)
     topo_text = next(o for o in objects if o["kind"] == "ConfigMap")["data"]["topology.toml"]
@@ -82,9 +85,18 @@ def test_the_pods_run_what_aggnet_up_starts_on_the_machines_it_starts_it(path):
         assert c["readinessProbe"]["exec"]["command"][:2] == ["aggnet", "stats"]
         assert c["resources"]["requests"]["cpu"] == str(agg.shards or 1)
     # P4 switches are not pods, and the command says how they get their jobs
-    p4 = [role for role, _, agg in roles(topo) if agg.kind == "p4"]
-    for role in p4:
+    p4 = [(role, rack) for role, rack, agg in roles(topo) if agg.kind == "p4"]
+    for role, _ in p4:
         assert f"{role}'s P4 switch is not a pod" in r.stderr
+    # under a root, a joiner per P4 rack keeps its job joined there for the switch
+    under_root = [(role, rack) for role, rack in p4 if topo.parent_of(rack) is not None]
+    assert len(joiners) == len(under_root)
+    for role, rack in under_root:
+        (c,) = joiners[f"{topo.job}-{role.replace(' ', '-')}-joiner"]["spec"]["template"]["spec"]["containers"]
+        assert c["args"] == ["switch", "--switch-ip", rack.aggregator.switch_ip or
+                             parse(rack.aggregator.address).host, "join-parent", topo.job,
+                             "--parent", topo.root.address, "--rack-id", str(rack.index), "--racks",
+                             str(len(topo.racks)), "--slots", str(rack.aggregator.slots or 128), "--keep", "2"]
     training = _objects(_render(path, "--node", "node-a", "--training-job").stdout)[-1]
     specs = training["spec"]["pytorchReplicaSpecs"]
     assert specs["Master"]["replicas"] + specs.get("Worker", {}).get("replicas", 0) == topo.world

@@ -7,7 +7,11 @@ bytes); tests/system/test_emulation_bmv2.py runs the real thing."""
 
 from __future__ import annotations
 
+import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -205,3 +209,21 @@ def test_a_root_that_restarts_is_joined_again_and_the_round_in_flight_finishes(s
         for t in keepers:
             t.join(5)
         root.stop()
+
+
+def test_join_parent_keep_prints_the_first_answer_and_stops_on_sigterm(root, switches):
+    job = job_name()
+    cmd = [sys.executable, "-m", "aggnet", "switch", "--switch-ip", switches[0].getsockname()[0], "join-parent", job,
+           "--parent", root.address, "--rack-id", "0", "--racks", "2", "--slots", str(SLOTS), "--keep", "0.2"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(p.stdout.readline())
+        assert (first["job"], first["rack_id"], first["racks"]) == (job, 0, 2)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(10) == 0
+        assert p.stderr.read() == ""  # the root never went away: nothing to say
+    finally:
+        p.kill()
+    bad = subprocess.run(cmd[:-1] + ["0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1
+    assert bad.stderr == "aggnet switch join-parent: --keep wants a positive number of seconds, got 0\n"
