@@ -219,6 +219,9 @@ class ZmqListener(Listener):
 
 #: a connection's security handshake failed: a missing or wrong CURVE key
 #: (ZeroMQ retries for ever; the worker should hear it at once)
+#: connections a peer may close before its first word before the worker
+#: takes it for a refused handshake
+SILENT_CLOSES = 3
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
@@ -258,6 +261,10 @@ class ZmqConnection(Connection):
             self._poller.register(m, zmq.POLLIN)
         self._gone: set[int] = set()
         self._refused: dict[int, str] = {}
+        #: endpoints that sent something; and, of the others, how often each
+        #: closed a connection before saying a word (see _drain_monitor)
+        self._heard: set[int] = set()
+        self._closed_silent: collections.Counter = collections.Counter()
         self._curve = curve is not None
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller.register(self._wake_fd, zmq.POLLIN)
@@ -286,6 +293,7 @@ class ZmqConnection(Connection):
                 continue
             # drain what is there so one poll serves many messages
             i = self._index[sock]
+            self._heard.add(i)
             while True:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -304,8 +312,19 @@ class ZmqConnection(Connection):
             i = self._monitors[monitor]
             if event["event"] & _HANDSHAKE_FAILED:
                 self._refused[i] = self._why_refused(event["event"])
-            else:
-                self._gone.add(i)
+                continue
+            self._gone.add(i)
+            if i not in self._heard:
+                # a peer that takes the connection and drops it before a
+                # word, again and again (ZeroMQ reconnects every 100 ms), is
+                # refusing this worker's security mechanism: a loaded peer's
+                # close can come before the handshake's failure is seen, and
+                # the event then says only "disconnected"
+                self._closed_silent[i] += 1
+                if self._closed_silent[i] >= SILENT_CLOSES and i not in self._refused:
+                    self._refused[i] = self._why_refused(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL) + (
+                        f" (it closed {SILENT_CLOSES} connections before answering; or what listens there is not "
+                        f"an aggnet service)")
 
     def _why_refused(self, event: int) -> str:
         # the event's kind races with the peer closing: what this side

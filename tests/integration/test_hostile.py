@@ -315,6 +315,62 @@ def test_curve_protects_a_tcp_service():
         assert time.monotonic() - t0 < 10
 
 
+def _zmtp_greeting() -> bytes:
+    """ZMTP 3.0's greeting with the NULL mechanism, as a server."""
+    return b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + b"\x01" + bytes(31)
+
+
+def _zmtp_ready() -> bytes:
+    prop = b"Socket-Type"
+    body = b"\x05READY" + bytes([len(prop)]) + prop + (6).to_bytes(4, "big") + b"ROUTER"
+    return bytes([0x04, len(body)]) + body
+
+
+def test_a_peer_that_drops_every_connection_before_a_word_is_named_at_once():
+    """What a CURVE service can look like to a worker without its key when
+    the close outruns the handshake's failure (a loaded machine): each
+    connection taken and dropped before a word, which ZeroMQ reports only as
+    a disconnection. The peer here completes ZMTP's handshake and hangs up.
+    The worker says so within seconds instead of waiting out its connect
+    timeout."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def drop_all():
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(2)
+                try:
+                    conn.sendall(_zmtp_greeting())
+                    got = b""
+                    while len(got) < 64:  # the worker's greeting
+                        got += conn.recv(64 - len(got)) or b"x" * 64
+                    conn.sendall(_zmtp_ready())
+                    conn.recv(256)  # the worker's READY
+                except OSError:
+                    pass
+
+    t = threading.Thread(target=drop_all, daemon=True)
+    t.start()
+    try:
+        from aggnet.errors import AggregatorUnreachable
+
+        t0 = time.monotonic()
+        with pytest.raises(AggregatorUnreachable, match="encrypts with CURVE .* closed 3 connections before answering"):
+            Client(f"zmq+tcp://127.0.0.1:{listener.getsockname()[1]}", job=_job(), rank=0, world_size=1,
+                   connect_timeout=30)
+        assert time.monotonic() - t0 < 10
+    finally:
+        stop.set()
+        t.join(5)
+        listener.close()
+
+
 # -- faults ---------------------------------------------------------------------------------
 
 
