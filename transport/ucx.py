@@ -55,6 +55,8 @@ log = logging.getLogger("aggnet.transport.ucx")
 
 #: seconds between attempts to reach a listener that is not up yet
 RECONNECT_INTERVAL = 0.1
+#: seconds an endpoint's close may take (a service stops within its grace period)
+EP_CLOSE_TIMEOUT = 1.0
 #: sends posted and not yet complete, per endpoint
 MAX_INFLIGHT_SENDS = 16
 #: seconds between checks that UCX's worker is armed while the loop waits
@@ -266,7 +268,9 @@ class _Peer:
             t.cancel()
         if self.ep is not None:
             try:
-                await self.ep.close()
+                # a peer that stopped answering must not hold a service's
+                # stop past its grace period: the close is bounded
+                await asyncio.wait_for(self.ep.close(), EP_CLOSE_TIMEOUT)
             except Exception:
                 pass
 
@@ -325,8 +329,8 @@ class UcxListener(Listener):
 
     def close(self) -> None:
         async def shutdown():
-            for p in list(self._peers.values()):
-                await p.close()
+            # side by side: each close is bounded, and a service's stop waits for all
+            await asyncio.gather(*(p.close() for p in list(self._peers.values())), return_exceptions=True)
             # each accept handler ends once its peer's tasks did: a listener
             # closed before them warns of handlers still alive
             deadline = self._loop.loop.time() + 1.0
