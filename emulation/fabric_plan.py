@@ -38,8 +38,6 @@ SWITCH_HOST = 253
 #: switch's default) would queue there past the largest retransmission
 #: timeout (limits.RTO_MAX), and every packet would go twice or more
 BMV2_SLOTS = 16
-#: aggregator kinds a fabric can emulate (P4: BMv2 in the ToR's place)
-EMULATED_KINDS = ("host-switch", "service", "p4")
 
 
 class PlanError(ValueError):
@@ -212,10 +210,6 @@ def plan(topology, *, racks: int | None = None, workers: int | None = None, host
     if n > 1 and topo.root is None:
         raise PlanError(f"{topo.source} has one rack and no [root]; {n} racks need one: add a [root] table "
                         f"(kind = \"host-switch\")")
-    p4 = [r.name for r in topo.racks if r.aggregator.kind == "p4"]
-    if p4 and n > 1 and topo.root.kind != "host-switch":
-        raise PlanError(f"{topo.source}: P4 racks ({', '.join(p4)}) send their partial sums as datagrams; their root "
-                        f"must be kind = \"host-switch\", not {topo.root.kind!r}")
     out, rank = [], 0
     for i in range(n):
         src = topo.racks[i % len(topo.racks)]
