@@ -196,7 +196,11 @@ class Fabric(Emulated):
         finally:
             for keeper in keepers:
                 keeper.terminate()
-                keeper.communicate(timeout=10)
+                try:
+                    keeper.communicate(timeout=10)
+                except subprocess.TimeoutExpired:
+                    keeper.kill()
+                    keeper.communicate()
                 self._keepers.remove(keeper)
             for index in installed:
                 with contextlib.suppress(EmulationError):
@@ -324,7 +328,8 @@ class Fabric(Emulated):
 
     def stats(self, rack: int | None = None) -> dict:
         """The STATS of the root (None) or of rack ``rack``'s aggregator,
-        asked from the namespace it serves in (``aggnet stats``)."""
+        asked from the namespace it serves in (``aggnet stats``); of a P4
+        rack, its switch's counters (``aggnet switch counters``)."""
         if rack is not None and rack in self.switches:
             return json.loads(self.switch_ctl(rack, "counters"))
         agg = self.root if rack is None else self.aggregators[rack]

@@ -39,6 +39,12 @@ def main(args) -> int:
     except (TopologyError, PlanError) as exc:
         print(f"aggnet emulate: {exc}", file=sys.stderr)
         return 2
+    p4 = [rp.name for rp in pl.racks if rp.aggregator.kind == "p4"]
+    if p4 and args.what == "bench-hybrid":
+        print(f"aggnet emulate: bench-hybrid's stages all-reduce in groups that are jobs of their own, which the P4 "
+              f"switches of {', '.join(p4)} would need installed one by one; use host-switch racks "
+              f"(examples/topologies/two-racks.toml)", file=sys.stderr)
+        return 2
     switched = sorted({rp.name for rp in pl.racks if rp.aggregator.kind != "service"})
     if args.codec in ("fp16", "bf16") and (switched or (pl.root is not None and pl.root.kind != "service")):
         print(f"aggnet emulate: --codec {args.codec} cannot travel the switch protocol (it adds int32) of "

@@ -44,22 +44,20 @@ def check_rank(h: Header, max_world: int | None = None) -> None:
 
 
 def admit(keyring: Keyring, h: Header, name: str, info: dict, peer, job=None,
-          max_world: int | None = None) -> bool:
+          max_world: int | None = None) -> None:
     """Every check a JOIN passes before an aggregator kind looks at it:
     the rank, the job key's signature, and, for a job this aggregator
-    holds (``job``, with ``name`` and ``world``), the name and world size.
-    True when the job key signed it."""
+    holds (``job``, with ``name`` and ``world``), the name and world size."""
     check_rank(h, max_world)
-    signed = keyring.verify("JOIN", h.job_id, h.sender, h.world, name, info, peer)
+    keyring.verify("JOIN", h.job_id, h.sender, h.world, name, info, peer)
     if job is None:
-        return signed
+        return
     if job.name != name:
         raise ControlError(ErrorCode.JOB_MISMATCH, f"job id {h.job_id:08x} belongs to job {job.name!r}, not "
                                                    f"{name!r}; choose another job name", "job_name_clash")
     if job.world != h.world:
         raise Disagreement(f"job {name!r} is registered with world size {job.world} but rank {h.sender} joined "
                            f"with world size {h.world}; all workers must agree", "world_mismatch")
-    return signed
 
 
 def data_address(info: dict, src: tuple) -> tuple:

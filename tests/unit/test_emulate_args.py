@@ -19,7 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
     (["chaos"], "runs across the racks of a topology: add --topology FILE"),
     (["--topology", str(REPO / "examples/topologies/service-racks.toml"), "chaos", "--minutes", "0"],
      "--minutes and --every must be positive"),
-], ids=["fp16-one-rack", "bf16-switch-racks", "chaos-without-topology", "chaos-no-time"])
+    (["--topology", str(REPO / "examples/topologies/p4-racks.toml"), "bench-hybrid"],
+     "bench-hybrid's stages all-reduce in groups that are jobs of their own"),
+], ids=["fp16-one-rack", "bf16-switch-racks", "chaos-without-topology", "chaos-no-time", "hybrid-on-p4"])
 def test_emulate_refuses_in_one_line_before_building_anything(argv, says):
     r = subprocess.run([sys.executable, "-m", "aggnet", "emulate", *argv], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
