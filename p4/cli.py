@@ -74,7 +74,11 @@ def _parent_options(p, required: bool) -> None:
 def _join_parent(args, name: str, rack_id: int, slots: int) -> dict:
     """Join at the root for the switch (with AGGNET_JOB_KEY's key, where set)."""
     rack = RackAtParent(args.parent, rack_id, args.racks, args.switch_ip)
-    ok = join_parent(name, rack, slots, key=job_key_from_env(), timeout=args.timeout)
+    return _joined(args, rack_id, join_parent(name, rack, slots, key=job_key_from_env(), timeout=args.timeout))
+
+
+def _joined(args, rack_id: int, ok) -> dict:
+    """What a join printed: where, as which rack, the root's base."""
     return {"parent": args.parent, "rack_id": rack_id, "racks": args.racks, "parent_base": ok.base}
 
 
@@ -95,8 +99,7 @@ def _keep(args) -> None:
     def joined(ok) -> None:
         if not first:
             first.append(ok)
-            print(json.dumps({"job": args.name, "parent": args.parent, "rack_id": args.rack_id, "racks": args.racks,
-                              "parent_base": ok.base}), flush=True)
+            print(json.dumps({"job": args.name, **_joined(args, args.rack_id, ok)}), flush=True)
 
     keep_joined(args.name, rack, args.slots, key=job_key_from_env(), every=args.keep, stop=stop, joined=joined,
                 say=lambda line: print(f"aggnet switch join-parent: {line}", file=sys.stderr, flush=True))
