@@ -84,7 +84,7 @@ def test_p4_racks_finish_their_all_reduce_through_a_restart_of_the_root():
     joins it again (its keeper), and the partials the switches resend on
     their workers' retransmissions complete there."""
     size = 512 * 1024
-    with Fabric(plan(P4_RACKS, host_mbit=0, uplink_mbit=0), prefix="agz") as fabric:
+    with Fabric(plan(P4_RACKS, host_mbit=0, uplink_mbit=0), prefix="age") as fabric:
         fabric.start_aggregators()
         fabric.wait_reachable()
         with ThreadPoolExecutor(1) as pool:
