@@ -146,6 +146,22 @@ def _arm(progress, loop: asyncio.AbstractEventLoop) -> None:
         progress.arm_task = loop.create_task(progress._arm_worker())
 
 
+def _posted(coro) -> asyncio.Future:
+    """A send or receive posted to UCX, whose failure is read even when
+    nobody awaits it any more: a connection that ends leaves receives
+    posted ahead (the next header's), which UCX then fails (a LEAVE's
+    header matched to a payload's buffer is "Message truncated"); unread,
+    asyncio would print each as a task exception never retrieved."""
+    fut = asyncio.ensure_future(coro)
+    fut.add_done_callback(_read_failure)
+    return fut
+
+
+def _read_failure(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.debug("UCX request ended: %s", fut.exception())
+
+
 def _pool(memory: str) -> BufferPool:
     """Receive buffers in host memory, or on the GPU (``memory="cuda"``:
     UCX then receives device to device, GPUDirect where the fabric has it)."""
@@ -192,10 +208,10 @@ class _Peer:
                     await inflight.popleft()
                     continue
                 header, payload = await self.sends.get()
-                inflight.append(asyncio.ensure_future(self.ep.send(np.frombuffer(header, np.uint8))))
+                inflight.append(_posted(self.ep.send(np.frombuffer(header, np.uint8))))
                 if payload is not None and len(payload):
                     body = payload if hasattr(payload, "__cuda_array_interface__") else np.frombuffer(payload, np.uint8)
-                    inflight.append(asyncio.ensure_future(self.ep.send(body)))
+                    inflight.append(_posted(self.ep.send(body)))
         except asyncio.CancelledError:
             for f in inflight:
                 f.cancel()
@@ -206,7 +222,7 @@ class _Peer:
     def _post_header(self):
         # zeroed, so a short message cannot leave stale bytes behind
         hbuf = np.zeros(wire.HEADER_SIZE, np.uint8)
-        return hbuf, asyncio.ensure_future(self.ep.recv(hbuf))
+        return hbuf, _posted(self.ep.recv(hbuf))
 
     async def _recv_loop(self) -> None:
         """Receive header, then payload; the next header's receive is posted
@@ -234,7 +250,7 @@ class _Peer:
                     break
                 if n:
                     payload = self.pool.take(n)[:n]
-                    body = asyncio.ensure_future(self.ep.recv(payload))
+                    body = _posted(self.ep.recv(payload))
                     hbuf, pending = self._post_header()
                     await body
                 else:
