@@ -42,6 +42,9 @@ log = logging.getLogger("aggnet.p4.parent")
 
 #: seconds between JOINs while the root has not answered
 RESEND = 0.5
+#: seconds of a root's silence before a keeper says it lost the job (it
+#: sends the JOIN every RESEND meanwhile: a root back sooner is joined at once)
+LOST_AFTER = 5.0
 
 
 class ParentJoinError(RuntimeError):
@@ -90,10 +93,11 @@ def job_key_from_env() -> bytes | None:
 
 
 def join_parent(job: str, rack: RackAtParent, slots: int, *, key: bytes | None = None,
-                timeout: float = 10.0) -> JoinOk:
+                timeout: float = 10.0, stop: threading.Event | None = None) -> JoinOk | None:
     """JOIN ``job`` at the parent for the switch, resent every RESEND
     seconds until answered; the root's JOIN_OK, checked against what the
-    switch sends. Joining again is harmless (the root keeps the member)."""
+    switch sends (None when ``stop`` was set first). Joining again is
+    harmless (the root keeps the member)."""
     parent = rack.check()
     h = Header(MsgType.JOIN, job_id=job_id_of(job), sender=rack.rack_id, world=rack.racks)
     info = {"name": job, "slots": slots, "elements": DEFAULT_ELEMENTS, "data": f"{rack.switch_ip}:{SWITCH_PORT}"}
@@ -107,6 +111,8 @@ def join_parent(job: str, rack: RackAtParent, slots: int, *, key: bytes | None =
         next_send = 0.0
         while True:
             now = time.monotonic()
+            if stop is not None and stop.is_set():
+                return None
             if now >= deadline:
                 raise ParentJoinError(f"{where} did not answer rack {rack.rack_id}'s JOIN for job {job!r} within "
                                       f"{timeout:g}s; start it (`aggnet serve --mode switch --listen "
@@ -159,12 +165,14 @@ def keep_joined(job: str, rack: RackAtParent, slots: int, *, key: bytes | None =
     lost: str | None = None
     while not stop.is_set():
         try:
-            ok = join_parent(job, rack, slots, key=key, timeout=max(every, 2 * RESEND))
+            ok = join_parent(job, rack, slots, key=key, timeout=max(every, LOST_AFTER), stop=stop)
         except ParentJoinError as exc:
             if lost is None:
-                say(f"rack {rack.rack_id}'s job {job!r}: {exc}; joining again every {every:g}s")
+                say(f"rack {rack.rack_id}'s job {job!r}: {exc}; asking again until it answers")
             lost = str(exc)
         else:
+            if ok is None:  # stopped while joining
+                return
             if lost is not None:
                 say(f"rack {rack.rack_id}'s job {job!r}: {rack.parent} took it again")
             lost = None
