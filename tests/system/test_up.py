@@ -430,6 +430,7 @@ def test_up_installs_the_job_on_a_switch_once_and_down_removes_it(tmp_path, requ
     assert jobs() == {}
 
 
+@pytest.mark.slow  # 15 s: BMv2, a root and up/down twice
 @pytest.mark.requires_bmv2
 @pytest.mark.skipif(not _bmv2_ok()[0], reason=_bmv2_ok()[1])
 def test_up_installs_a_p4_racks_job_with_its_uplink_and_joins_the_root_for_the_switch(tmp_path, request):
