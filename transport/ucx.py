@@ -25,6 +25,7 @@ header is never separated from its payload.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import logging
 import os
@@ -88,6 +89,7 @@ class _Loop:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run, name="aggnet-ucx-loop", daemon=True)
         self.thread.start()
+        atexit.register(_stop_ucx_threads)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -122,6 +124,32 @@ class _Loop:
 
     def run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+def _stop_ucx_threads() -> None:
+    """At exit, stop ucxx's threads while the interpreter still runs, as
+    ucxx asks where Python futures are on (aggnet turns them on): its
+    notifier, a daemon thread, would otherwise be inside the C++ worker
+    when the process's destructors run, and its progress thread still
+    running there; either can abort a process whose run succeeded
+    ("terminate called without an active exception"). The notifier is
+    woken rather than left to its one-second wait, so an exit costs no
+    more than before."""
+    try:
+        from ucxx import core
+
+        ctx = core._ctx
+        if ctx is None:
+            return
+        notifier = getattr(ctx, "notifier_thread", None)
+        if notifier is not None and notifier.is_alive():
+            ctx.notifier_thread_q.put("shutdown")
+            ctx.worker.stop_request_notifier_thread()
+            notifier.join(timeout=2.0)
+        if os.environ.get("UCXPY_PROGRESS_MODE") == "thread":
+            ctx.worker.stop_progress_thread()
+    except Exception as exc:  # exiting anyway: a failure here must not hide the run's own status
+        log.debug("stopping UCX's threads at exit: %s", exc)
 
 
 def _arm_after_each_event(progress, loop: asyncio.AbstractEventLoop) -> None:
