@@ -398,18 +398,26 @@ def _bmv2_ok() -> tuple[bool, str]:
     return True, ""
 
 
-@pytest.mark.requires_bmv2
-@pytest.mark.skipif(not _bmv2_ok()[0], reason=_bmv2_ok()[1])
-def test_up_installs_the_job_on_a_switch_once_and_down_removes_it(tmp_path, request):
-    from aggnet.protocol.wire import job_id_of
+def _loaded_switch(request):
+    """BMv2 with the aggnet pipeline loaded (the switch's own set-up, not
+    the job's), stopped at the test's end; (switch, gRPC port, Thrift port)."""
     from aggnet.emulation.bmv2 import Bmv2Switch
     from aggnet.p4.control import SwitchControl
 
     grpc, thrift = free_ports(2)
     switch = Bmv2Switch({}, grpc_port=grpc, thrift_port=thrift)
     request.addfinalizer(switch.stop)
-    # the switch's own set-up, not the job's
     SwitchControl(switch.grpc_addr, thrift_port=thrift).connect(load_pipeline=True).close()
+    return switch, grpc, thrift
+
+
+@pytest.mark.requires_bmv2
+@pytest.mark.skipif(not _bmv2_ok()[0], reason=_bmv2_ok()[1])
+def test_up_installs_the_job_on_a_switch_once_and_down_removes_it(tmp_path, request):
+    from aggnet.protocol.wire import job_id_of
+    from aggnet.p4.control import SwitchControl
+
+    switch, grpc, thrift = _loaded_switch(request)
     d = _p4_solo(tmp_path, request, grpc, thrift)
 
     def jobs():
@@ -435,13 +443,9 @@ def test_up_installs_the_job_on_a_switch_once_and_down_removes_it(tmp_path, requ
 @pytest.mark.skipif(not _bmv2_ok()[0], reason=_bmv2_ok()[1])
 def test_up_installs_a_p4_racks_job_with_its_uplink_and_joins_the_root_for_the_switch(tmp_path, request):
     from aggnet.protocol.wire import job_id_of
-    from aggnet.emulation.bmv2 import Bmv2Switch
     from aggnet.p4.control import SwitchControl
 
-    grpc, thrift = free_ports(2)
-    switch = Bmv2Switch({}, grpc_port=grpc, thrift_port=thrift)
-    request.addfinalizer(switch.stop)
-    SwitchControl(switch.grpc_addr, thrift_port=thrift).connect(load_pipeline=True).close()
+    switch, grpc, thrift = _loaded_switch(request)
     d = _p4_deployment(tmp_path, request, grpc, thrift)
 
     out = _ok(d.up())
