@@ -24,8 +24,8 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
-import uuid
 
 import numpy as np
 
@@ -331,8 +331,13 @@ def main(args) -> int:
             print("aggnet bench: torch is not installed; running without gloo (pip install aggnet[torch])", file=sys.stderr)
             gloo = False
 
-    run_dir = f"/tmp/aggnet-bench-{uuid.uuid4().hex[:8]}"
-    os.makedirs(run_dir, exist_ok=True)
+    # the sockets of the ipc and shm services; gone when the run ends
+    with tempfile.TemporaryDirectory(prefix="aggnet-bench-") as run_dir:
+        return _run(args, sizes, worlds, transports, dtypes, chunks, gloo, run_dir)
+
+
+def _run(args, sizes: list, worlds: list, transports: list, dtypes: list, chunks: list, gloo: bool,
+         run_dir: str) -> int:
     listen = {"shm": f"shm://{run_dir}/shm.sock", "ipc": f"zmq+ipc://{run_dir}/agg.sock",
               "tcp": "zmq+tcp://127.0.0.1:0", "ucx": "ucx://127.0.0.1:0"}
     records: list[dict] = []

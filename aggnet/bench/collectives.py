@@ -25,8 +25,8 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
-import uuid
 
 import numpy as np
 
@@ -110,17 +110,17 @@ def main(args) -> int:
         return 2
     worlds = [int(w) for w in args.workers.split(",")]
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    run_dir = f"/tmp/aggnet-bench-{uuid.uuid4().hex[:8]}"
-    os.makedirs(run_dir, exist_ok=True)
     records = []
     for world in worlds:
-        # one service per world size, as `aggnet bench` does
-        service = ServiceProcess(f"shm://{run_dir}/shm.sock", args.shards)
-        try:
-            per_rank = spawn_workers(_worker, world, (sizes, args.reps, service.address), 3600,
-                                     "aggnet bench --collective reduce_scatter")
-        finally:
-            service.stop()
+        # one service per world size, as `aggnet bench` does; its socket's
+        # folder goes with it
+        with tempfile.TemporaryDirectory(prefix="aggnet-bench-") as run_dir:
+            service = ServiceProcess(f"shm://{run_dir}/shm.sock", args.shards)
+            try:
+                per_rank = spawn_workers(_worker, world, (sizes, args.reps, service.address), 3600,
+                                         "aggnet bench --collective reduce_scatter")
+            finally:
+                service.stop()
         for i, nbytes in enumerate(sizes):
             for system in SYSTEMS:
                 slowest = [max(per_rank[r][i][system][k] for r in range(world)) for k in range(args.reps)]

@@ -4,8 +4,12 @@ with the CPU-seconds per GB of every worker and of the aggregator."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -14,10 +18,17 @@ import pytest
 def test_bench_reports_cpu_seconds_per_gb_beside_gloo(tmp_path):
     pytest.importorskip("torch", reason="gloo's side of the benchmark needs PyTorch")
     out = tmp_path / "bench.json"
+    # short: the ipc socket's path must fit a Unix socket address
+    scratch = Path(tempfile.mkdtemp(prefix="agb-", dir="/tmp"))
     r = subprocess.run([sys.executable, "-m", "aggnet", "bench", "--workers", "2", "--sizes", "4MiB",
                         "--transports", "ipc", "--dtypes", "float32", "--reps", "3", "--shards", "1",
-                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+                        "--json", str(out)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "TMPDIR": str(scratch)})
     assert r.returncode == 0, r.stderr[-3000:]
+    # the service's socket folder goes with the run
+    left = list(scratch.iterdir())
+    shutil.rmtree(scratch)
+    assert not left, left
     assert "cpu s/GB" in r.stdout and "agg s/GB" in r.stdout
     records = {x["system"]: x for x in json.loads(out.read_text())["records"]}
     assert set(records) == {"memcpy", "gloo", "aggnet"}
