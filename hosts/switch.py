@@ -353,7 +353,6 @@ class SwitchService(Aggregator):
     def _join(self, h: Header, payload, src, raw) -> None:
         info = control.parse(control.JOIN, payload, "JOIN")
         name = info.get("name", str(h.job_id))
-        world = h.world
         job = self.jobs.get(h.job_id)
         # a rack joining its parent is not a worker: it holds no job key,
         # and the parent is configured with the racks' addresses instead
@@ -361,38 +360,15 @@ class SwitchService(Aggregator):
         # a P4 switch under this root is joined by its control plane: its
         # partials come from, and its finals go to, the switch's address
         member = data_address(info, src)
-        kmax = self.regs.max_elements
-        asked = info["elements"]
-        fits = info.get("max_elements", kmax)
-        slots = info["slots"]
         # a member's shard layout (a sharded rack joining its parent): where
         # its packets for a slot come from and where results go
         layout = JoinShards.from_header(h)
         if not layout.shard_slots:
             layout = JoinShards(0, 0)
         created = job is None
+        job = self._job_joined(h, info, name, job)
         if job is None:
-            k = asked or min(self.default_elements, fits)
-            if k > kmax:
-                raise ControlError(ErrorCode.JOB_MISMATCH,
-                                   f"this aggregator sums at most {kmax} elements per packet, job {name!r} asked "
-                                   f"for {k}; set the client's elements to {kmax} or fewer")
-            if k > fits:
-                raise ControlError(ErrorCode.JOB_MISMATCH,
-                                   f"job {name!r} asked for {k} elements per packet, but this worker's path MTU "
-                                   f"fits {fits}; ask for fewer elements or raise the MTU (jumbo frames)")
-            job = self._install(h.job_id, name, world, slots or self._auto_slots(k), k, whole_here(h, info))
-            if job is None:
-                return
-        elif asked and asked != job.elements:
-            raise ControlError(ErrorCode.JOB_MISMATCH,
-                               f"job {name!r} sums {job.elements} elements per packet, rank {h.sender} asked for "
-                               f"{asked}; all workers must agree (or leave elements unset)")
-        elif fits < job.elements:
-            raise ControlError(ErrorCode.JOB_MISMATCH,
-                               f"job {name!r} sums {job.elements} elements per packet ({HEADER_SIZE + 4 * job.elements}"
-                               f"-byte datagrams), more than rank {h.sender}'s path MTU fits ({fits} elements); "
-                               f"raise that worker's MTU or start the job with fewer elements")
+            return
         if not created and self.parent is not None and job.whole != whole_here(h, info):
             raise Disagreement(f"job {name!r} completes {'here' if job.whole else 'at the parent'}, but rank "
                                f"{h.sender} joined it as {'all' if whole_here(h, info) else 'part'} of the job's "
@@ -404,6 +380,53 @@ class SwitchService(Aggregator):
                 if created:
                     self._remove(job)  # a refused JOIN installs nothing
                 raise ControlError(ErrorCode.MALFORMED, f"JOIN's shard layout for job {name!r}: {exc}") from None
+        self._take_member(job, h, name, member, src, info["heartbeats"])
+        self.regs.set_member(job.index, h.sender, addr_key(member), layout.base, layout.shard_slots)
+        # the reply is the JOIN itself, answered in its header as the P4
+        # program does; a sharded host adds its pool slots per shard
+        JoinOk(job.slots, job.elements, job.base, h.world, self.shard_slots_advertised).to_header(h)
+        if info["heartbeats"] and self.heartbeat_lapse:
+            JoinHeartbeats(round(self.heartbeat_lapse * 1000)).to_header(h)
+        if job.parent.ready:
+            reply = bytearray(raw)
+            wire.pack_into(reply, h)
+            self._send(reply, src)
+        else:
+            job.parent.hold(PendingJoin(src, h, bytes(payload)))
+            self._parent_joins.want(job.job_id, time.monotonic())
+
+    def _job_joined(self, h: Header, info: dict, name: str, job: SwitchJob | None) -> SwitchJob | None:
+        """The job a JOIN joins: installed by its first JOIN (None when the
+        pool has no room yet), else checked against what this JOIN asks."""
+        kmax = self.regs.max_elements
+        asked = info["elements"]
+        fits = info.get("max_elements", kmax)
+        if job is None:
+            k = asked or min(self.default_elements, fits)
+            if k > kmax:
+                raise ControlError(ErrorCode.JOB_MISMATCH,
+                                   f"this aggregator sums at most {kmax} elements per packet, job {name!r} asked "
+                                   f"for {k}; set the client's elements to {kmax} or fewer")
+            if k > fits:
+                raise ControlError(ErrorCode.JOB_MISMATCH,
+                                   f"job {name!r} asked for {k} elements per packet, but this worker's path MTU "
+                                   f"fits {fits}; ask for fewer elements or raise the MTU (jumbo frames)")
+            return self._install(h.job_id, name, h.world, info["slots"] or self._auto_slots(k), k,
+                                 whole_here(h, info))
+        if asked and asked != job.elements:
+            raise ControlError(ErrorCode.JOB_MISMATCH,
+                               f"job {name!r} sums {job.elements} elements per packet, rank {h.sender} asked for "
+                               f"{asked}; all workers must agree (or leave elements unset)")
+        if fits < job.elements:
+            raise ControlError(ErrorCode.JOB_MISMATCH,
+                               f"job {name!r} sums {job.elements} elements per packet ({HEADER_SIZE + 4 * job.elements}"
+                               f"-byte datagrams), more than rank {h.sender}'s path MTU fits ({fits} elements); "
+                               f"raise that worker's MTU or start the job with fewer elements")
+        return job
+
+    def _take_member(self, job: SwitchJob, h: Header, name: str, member, src, heartbeats: bool) -> None:
+        """Records where a rank's datagrams come from, refusing a second run
+        that uses a live rank's name."""
         old = job.members.get(h.sender)
         heard = job.heard.get(h.sender)
         if old is not None and old != member and heard is not None and not self.keyring.enforced:
@@ -420,26 +443,13 @@ class SwitchService(Aggregator):
         if member != src:
             log.info("switch: job %r rank %d joined by %s:%d for %s:%d", name, h.sender, *src, *member)
         job.members[h.sender] = member
-        if info["heartbeats"] and self.heartbeat_lapse:
+        if heartbeats and self.heartbeat_lapse:
             # a JOIN is a sign of life too: the member is judged from now on
             # (it sends JOIN again until answered, then heartbeats)
             job.heard[h.sender] = time.monotonic()
         else:
             job.heard.pop(h.sender, None)
         job.last_active = time.monotonic()
-        self.regs.set_member(job.index, h.sender, addr_key(member), layout.base, layout.shard_slots)
-        # the reply is the JOIN itself, answered in its header as the P4
-        # program does; a sharded host adds its pool slots per shard
-        JoinOk(job.slots, job.elements, job.base, world, self.shard_slots_advertised).to_header(h)
-        if info["heartbeats"] and self.heartbeat_lapse:
-            JoinHeartbeats(round(self.heartbeat_lapse * 1000)).to_header(h)
-        if job.parent.ready:
-            reply = bytearray(raw)
-            wire.pack_into(reply, h)
-            self._send(reply, src)
-        else:
-            job.parent.hold(PendingJoin(src, h, bytes(payload)))
-            self._parent_joins.want(job.job_id, time.monotonic())
 
     def _install(self, job_id: int, name: str, world: int, slots: int, k: int, whole: bool = False) -> SwitchJob:
         if not 1 <= slots <= min(MAX_JOB_SLOTS, self.regs.pool):

@@ -39,8 +39,8 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
-import uuid
 
 import numpy as np
 
@@ -325,8 +325,7 @@ def main(args) -> int:
     records = []
     progress = Progress("aggnet bench-sparse", len(worlds))
     for world in worlds:
-        run_dir = f"/tmp/aggnet-bench-sparse-{uuid.uuid4().hex[:8]}"
-        os.makedirs(run_dir, exist_ok=True)
+        run_dir = tempfile.mkdtemp(prefix="aggnet-bench-sparse-")
         service = ServiceProcess(f"shm://{run_dir}/shm.sock", args.shards)
         try:
             try:
@@ -339,26 +338,7 @@ def main(args) -> int:
         finally:
             service.stop()
             shutil.rmtree(run_dir, ignore_errors=True)  # the shm socket; the next N makes its own
-        for ai, alpha in enumerate(alphas):
-            rows_one, rows_union, _ = touched(cfg, world, alpha)
-            for system in systems:
-                res = [next(x for x in per_rank[r] if x["system"] == system and x["alpha_index"] == ai)
-                       for r in range(world)]
-                sent = statistics.mean(x["sent"] for x in res)
-                received = statistics.mean(x["received"] for x in res)
-                model = model_bytes(system, rows_one, rows_union, row_bytes, args.rows, world)
-                records.append({
-                    "system": system, "workers": world, "alpha": alpha, "alpha_measured": rows_one / args.rows,
-                    "union_measured": rows_union / args.rows, "tokens_per_worker": batch_tokens(args.rows, alpha),
-                    "rows": args.rows, "width": args.width, "table_bytes": table_bytes,
-                    "step_s": max(x["step_s"] for x in res), "step_s_by_rank": [x["step_s"] for x in res],
-                    "bytes_per_worker": sent + received, "sent_per_worker": sent, "received_per_worker": received,
-                    "model_bytes_per_worker": model, "model": FORMULAS[system],
-                    "bytes_counted_by": "sparse client payload counters" if system.startswith("aggnet")
-                    else "socket writes (/proc/self/io wchar) x 2",
-                    "colocated_model_bytes_per_worker": (4 * row_bytes * rows_one * (world - 1) / world
-                                                         if system == "aggnet-ps" else None),
-                    "steps": args.steps, "warmup": args.warmup})
+        records += _records(cfg, world, per_rank, row_bytes)
         progress.step(f"{world} workers: {len(systems)} system(s) x {len(alphas)} alpha(s)")
     progress.close()
     ratios = _print(records, row_bytes)
@@ -368,6 +348,34 @@ def main(args) -> int:
                        "ratios": ratios, "formulas": {**FORMULAS, "aggnet-ps colocated": COLOCATED}}, f, indent=1)
         print(f"wrote {len(records)} records to {args.json}")
     return 0
+
+
+def _records(cfg: dict, world: int, per_rank: list, row_bytes: int) -> list[dict]:
+    """One record per system and alpha at ``world`` workers: the slowest
+    rank's step and the mean bytes per worker beside the model's."""
+    rows = cfg["rows"]
+    records = []
+    for ai, alpha in enumerate(cfg["alphas"]):
+        rows_one, rows_union, _ = touched(cfg, world, alpha)
+        for system in cfg["systems"]:
+            res = [next(x for x in per_rank[r] if x["system"] == system and x["alpha_index"] == ai)
+                   for r in range(world)]
+            sent = statistics.mean(x["sent"] for x in res)
+            received = statistics.mean(x["received"] for x in res)
+            model = model_bytes(system, rows_one, rows_union, row_bytes, rows, world)
+            records.append({
+                "system": system, "workers": world, "alpha": alpha, "alpha_measured": rows_one / rows,
+                "union_measured": rows_union / rows, "tokens_per_worker": batch_tokens(rows, alpha),
+                "rows": rows, "width": cfg["width"], "table_bytes": row_bytes * rows,
+                "step_s": max(x["step_s"] for x in res), "step_s_by_rank": [x["step_s"] for x in res],
+                "bytes_per_worker": sent + received, "sent_per_worker": sent, "received_per_worker": received,
+                "model_bytes_per_worker": model, "model": FORMULAS[system],
+                "bytes_counted_by": "sparse client payload counters" if system.startswith("aggnet")
+                else "socket writes (/proc/self/io wchar) x 2",
+                "colocated_model_bytes_per_worker": (4 * row_bytes * rows_one * (world - 1) / world
+                                                     if system == "aggnet-ps" else None),
+                "steps": cfg["steps"], "warmup": cfg["warmup"]})
+    return records
 
 
 def _mb(n: float) -> str:

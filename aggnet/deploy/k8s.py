@@ -142,7 +142,8 @@ def render(topo: Topology, topology_text: str, *, image: str | None = None, name
         if keys_secret:
             argv += ["--keys", f"{KEYS_DIR}/{KEYS_FILE}"]
         name = f"{job}-{_name(role)}"
-        pod = _pod(name, job, role, agg, argv, image, _node_of(agg, role, node), keys_secret, metrics_port)
+        pod = _pod(job, role, agg, argv, image, _node_of(agg, role, node), keys_secret=keys_secret,
+                   metrics_port=metrics_port)
         if rack is None:
             objects += _root(name, namespace, job, agg, pod)
         else:
@@ -198,7 +199,7 @@ def _root(name: str, namespace: str, job: str, agg: Aggregator, pod: dict) -> li
     ]
 
 
-def _pod(name: str, job: str, role: str, agg: Aggregator, argv: list[str], image: str, node: str,
+def _pod(job: str, role: str, agg: Aggregator, argv: list[str], image: str, node: str, *,
          keys_secret: str | None, metrics_port: int) -> dict:
     a = parse(agg.address)
     ask = ["aggnet", "stats", probe_address(agg), "--timeout", str(PROBE_TIMEOUT)]
