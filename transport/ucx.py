@@ -699,8 +699,10 @@ class UcxConnection(Connection):
     the listener is up (as ZeroMQ reconnects): messages sent meanwhile wait
     in order, and the caller's own timeout reports an absent service. An
     endpoint that fails after it opened is reported by :meth:`gone` and
-    made again (a restarted shard on the same address takes the worker
-    back); sends to it fail until then."""
+    made again at the next send to it, which fails (a restarted shard on
+    the same address takes the worker back once a later send reaches it).
+    Only then: UCX logs every failed attempt, and an endpoint nobody sends
+    to any more must not fill a worker's log while its shard is away."""
 
     def __init__(self, addrs: Sequence[Address], memory: str = "host"):
         self.addresses = list(addrs)
@@ -711,6 +713,9 @@ class UcxConnection(Connection):
         self._peers: list[_Peer | None] = [None] * n
         self._pending: list[collections.deque] = [collections.deque() for _ in range(n)]
         self._lost = [False] * n
+        #: endpoints that opened once: a failed attempt to make them again
+        #: waits for the next send instead of retrying on its own
+        self._opened = [False] * n
         self._gone: list[int] = []
         self._closing = False
         if memory == "cuda":
@@ -719,20 +724,22 @@ class UcxConnection(Connection):
             self._engine.call(self._dial, i)
 
     def _dial(self, i: int) -> None:
-        if self._closing:
+        if self._closing or self._peers[i] is not None:
             return
         addr = self.addresses[i]
         try:
             ep = ucx_api.UCXEndpoint.create(self._engine.worker, _host_of(addr), addr.port, ERROR_HANDLING)
         except Exception as exc:
             log.debug("UCX endpoint to %s: %s", addr, exc)
-            self._engine.later(RECONNECT_INTERVAL, self._dial, i)
+            if not self._opened[i]:
+                self._engine.later(RECONNECT_INTERVAL, self._dial, i)
             return
         self._peers[i] = _Peer(self._engine, ep, self, i, self._pools[i], listener_side=False)
 
     def peer_opened(self, peer: _Peer) -> None:
         i = peer.key
         self._lost[i] = False
+        self._opened[i] = True
         pending = self._pending[i]
         while pending:
             peer.send(*pending.popleft())
@@ -748,7 +755,8 @@ class UcxConnection(Connection):
             self._lost[i] = True
             self._pending[i].clear()
             self._gone.append(i)
-        self._engine.later(RECONNECT_INTERVAL, self._dial, i)
+        if not self._opened[i]:
+            self._engine.later(RECONNECT_INTERVAL, self._dial, i)
 
     def _enqueue(self, i: int, header: bytes, payload) -> None:
         peer = self._peers[i]
@@ -761,6 +769,8 @@ class UcxConnection(Connection):
 
     def send(self, endpoint: int, header: bytes, payload=None) -> None:
         if self._lost[endpoint] or self._closing:
+            if not self._closing:
+                self._engine.call(self._dial, endpoint)
             raise TransportError(f"the UCX connection to {self.addresses[endpoint]} is closed")
         self._engine.call(self._enqueue, endpoint, bytes(header), payload)
 
