@@ -27,10 +27,11 @@ futures: ucxx's asyncio layer handed each message through an event loop, a
 progress thread and a notifier thread, and those hand-offs cost aggnet's
 workers more CPU than the bytes themselves.
 
-Endpoints agree on the tags they send with as ucxx's asyncio layer does (a
-64-bit tag and its checksum each way on the UCX stream API), so peers on
-either side of that change still talk: UCX matches tags per worker, not
-per endpoint, and every endpoint of a listener needs tags of its own.
+Endpoints first agree on the tags they send with (a random 64-bit tag and
+its checksum each way on the UCX stream API): UCX matches tags per worker,
+not per endpoint, and every endpoint of a listener needs tags of its own.
+Both ends of a connection run this module: aggnet releases before it (on
+ucxx's asyncio layer) do not talk to it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ import itertools
 import logging
 import os
 import select
-import struct
 import threading
 import time
 from typing import Callable, Sequence
@@ -100,8 +100,6 @@ ERROR_HANDLING = os.environ.get("AGGNET_UCX_ERROR_HANDLING", "1") != "0"
 TCP_SEGMENTS = {"TCP_TX_SEG_SIZE": "256k", "TCP_RX_SEG_SIZE": "256k"}
 _WAKE = object()
 _EMPTY = memoryview(b"")
-#: the tag exchange: a peer's receive tag and its checksum
-_TAG_INFO = struct.Struct("QQ")
 
 
 def _ucx_config() -> dict:
