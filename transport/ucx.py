@@ -355,7 +355,11 @@ def _device_of(buf) -> int | None:
     if not hasattr(buf, "__cuda_array_interface__"):
         return None
     device = getattr(buf, "device", None)
-    return getattr(device, "id", None) or getattr(device, "index", None) or 0
+    for name in ("id", "index"):  # CuPy's device, torch's
+        number = getattr(device, name, None)
+        if number is not None:
+            return int(number)
+    return 0
 
 
 def _wire_view(buf):
@@ -389,7 +393,7 @@ class _Peer:
         self.theirs = np.zeros(2, np.uint64)
         mine = np.array([self.recv_value, hash64bits(self.recv_value)], np.uint64)
         send, recv = (ep.stream_send, mine), (ep.stream_recv, self.theirs)
-        # the listener speaks first, as ucxx's asyncio endpoints expect
+        # the listener speaks first, the client answers: one step at a time
         self.steps = collections.deque([send, recv] if listener_side else [recv, send])
         self.step = self.step_buf = None
         self.outbox: collections.deque = collections.deque()
