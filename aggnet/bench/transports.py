@@ -1,6 +1,6 @@
 """``aggnet bench-transport``: point-to-point throughput of the message
 transports (UCX, ZeroMQ tcp, ZeroMQ ipc) in one run, for messages from
-32 KiB to 100 MiB.
+32 KiB to 64 MiB (the largest message a listener takes).
 
 A sender process streams messages of one size with a window of four
 unacknowledged ones; the receiver answers each with a bare header. The
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import statistics
+import sys
 import tempfile
 import time
 
@@ -19,14 +20,17 @@ import numpy as np
 
 from aggnet.client.config import format_size, parse_size
 from aggnet.progress import Progress
+from aggnet.protocol.limits import MAX_MESSAGE_BYTES
 
 WINDOW = 4
+#: seconds either side waits for the other before it gives up on the point
+SILENCE = 60.0
 
 
 def add_arguments(p) -> None:
     p.add_argument("--transports", default="ucx,zmq+tcp,zmq+ipc",
                    help="message transports to compare on loopback (default %(default)s)")
-    p.add_argument("--sizes", default="32KiB,256KiB,1MiB,16MiB,100MiB",
+    p.add_argument("--sizes", default="32KiB,256KiB,1MiB,16MiB,64MiB",
                    help="message sizes (default %(default)s)")
     p.add_argument("--volume", default="512MiB", help="bytes moved per point (at least 8 messages; default "
                                                       "%(default)s)")
@@ -46,9 +50,9 @@ def _receiver(listen_addr: str, report, plan) -> None:
     ack = wire.Header(wire.MsgType.RESULT).pack()
     total = sum(n for _, n in plan)
     for _ in range(total):
-        m = None
-        while m is None:
-            m = lst.recv(60)
+        m = lst.recv(SILENCE)
+        if m is None:
+            break  # the sender gave up and says why
         lst.send(m.peer, ack)
         del m
     time.sleep(0.5)
@@ -64,20 +68,26 @@ def _sender(address: str, plan, out) -> None:
 
     conn = connect([address])
     results = []
-    for size, count in plan:
-        data = np.ones(size, np.uint8)
-        h = wire.Header(wire.MsgType.PUSH, count=size).pack()
-        t0 = time.perf_counter()
-        sent = acked = 0
-        while acked < count:
-            while sent < count and sent - acked < WINDOW:
-                conn.send(0, h, data)
-                sent += 1
-            if conn.recv(60) is None:
-                raise RuntimeError(f"no acknowledgement from {address} within 60s")
-            acked += 1
-        results.append((size, count, time.perf_counter() - t0))
-    conn.close()
+    try:
+        for size, count in plan:
+            data = np.ones(size, np.uint8)
+            h = wire.Header(wire.MsgType.PUSH, count=size).pack()
+            t0 = time.perf_counter()
+            sent = acked = 0
+            while acked < count:
+                while sent < count and sent - acked < WINDOW:
+                    conn.send(0, h, data)
+                    sent += 1
+                if conn.recv(SILENCE) is None:
+                    raise RuntimeError(f"{format_size(size)} messages: no acknowledgement from {address} within "
+                                       f"{SILENCE:g}s")
+                acked += 1
+            results.append((size, count, time.perf_counter() - t0))
+    except Exception as exc:  # the parent says it, in one line
+        out.put(str(exc))
+        return
+    finally:
+        conn.close()
     out.put(results)
 
 
@@ -97,9 +107,13 @@ def run_transport(scheme: str, sizes: list[int], volume: int, reps: int) -> list
     address = report.get(timeout=60)
     tx = ctx.Process(target=_sender, args=(address, plan, out), daemon=True)
     tx.start()
-    timings = out.get(timeout=3600)
-    tx.join(30)
-    rx.join(30)
+    try:
+        timings = out.get(timeout=3600)
+    finally:
+        tx.join(30)
+        rx.join(30)
+    if isinstance(timings, str):
+        raise RuntimeError(f"{scheme}: {timings}")
     records = []
     for size in sizes:
         rates = [s * c / t for s_, c, t in timings if s_ == size for s in [s_]]
@@ -111,6 +125,10 @@ def run_transport(scheme: str, sizes: list[int], volume: int, reps: int) -> list
 def main(args) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     volume = parse_size(args.volume)
+    if max(sizes) > MAX_MESSAGE_BYTES:
+        print(f"aggnet bench-transport: {format_size(max(sizes))} is over the largest message a listener takes "
+              f"({format_size(MAX_MESSAGE_BYTES)}); give --sizes up to that", file=sys.stderr)
+        return 2
     records = []
     schemes = [t.strip() for t in args.transports.split(",") if t.strip()]
     with Progress("aggnet bench-transport", len(schemes)) as progress:
@@ -119,6 +137,10 @@ def main(args) -> int:
                 records += run_transport(scheme, sizes, volume, args.reps)
             except ImportError as exc:
                 print(f"skipping {scheme}: {exc}")
+            except RuntimeError as exc:
+                progress.close()
+                print(f"aggnet bench-transport: {exc}", file=sys.stderr)
+                return 1
             progress.step(scheme)
     by = {(r["transport"], r["bytes"]): r["median_gb_per_s"] for r in records}
     schemes = list(dict.fromkeys(r["transport"] for r in records))
