@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import queue
 import statistics
 import sys
 import tempfile
@@ -91,6 +92,22 @@ def _sender(address: str, plan, out) -> None:
     out.put(results)
 
 
+def _answer(out, sender, limit: float = 3600.0):
+    """The sender's timings or its one-line error; a sender that died
+    without either is said at once, not after ``limit``."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            return out.get(timeout=1.0)
+        except queue.Empty:
+            if not sender.is_alive():
+                try:  # what it put just before it ended
+                    return out.get(timeout=1.0)
+                except queue.Empty:
+                    return f"the sender ended (exit code {sender.exitcode}) without a result; its error is above"
+    return f"no result within {limit:g}s"
+
+
 def run_transport(scheme: str, sizes: list[int], volume: int, reps: int) -> list[dict]:
     plan = []
     for size in sizes:
@@ -108,7 +125,7 @@ def run_transport(scheme: str, sizes: list[int], volume: int, reps: int) -> list
     tx = ctx.Process(target=_sender, args=(address, plan, out), daemon=True)
     tx.start()
     try:
-        timings = out.get(timeout=3600)
+        timings = _answer(out, tx)
     finally:
         tx.join(30)
         rx.join(30)
