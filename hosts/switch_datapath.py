@@ -275,8 +275,11 @@ def process_batch(batch, slots, jobs, shard, ctr, out):
                 out.action[i] = A_UNICAST
                 events[_E_RESULTS_RESENT] += 1
                 job_events[j, _E_RESULTS_RESENT] += 1
-            elif job_uplink[j] and c == world:
-                # waiting on the parent: the partial (or the final) was lost
+            elif job_uplink[j] and c == world and sender == 0:
+                # waiting on the parent: the partial (or the final) was lost.
+                # Every member retransmits then, and one resend up is enough:
+                # member 0's asks for it, the others' are duplicates (W
+                # resends each would crowd the uplink that lost the packet)
                 _as_partial(p, values[v, s], k, maxexp[v, s], job_rack[j], world)
                 out.action[i] = A_UPLINK
                 events[_E_UPLINK_RESENT] += 1

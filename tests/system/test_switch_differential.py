@@ -137,6 +137,7 @@ SCENARIOS = {
         (0, push(j, 0, 3, 1, payload(1, 2), next_exp=2)),
         (1, push(j, 1, 3, 1, payload(10, 20), next_exp=5)),
         (0, push(j, 0, 3, 1, payload(1, 2), next_exp=2, flags=Flag.RETRANSMIT)),
+        (1, push(j, 1, 3, 1, payload(10, 20), next_exp=5, flags=Flag.RETRANSMIT)),
         (PARENT, final(j, 3, 1, payload(111, 222), next_exp=7)),
         (PARENT, final(j, 3, 1, payload(111, 222), next_exp=7)),
         (1, push(j, 1, 3, 1, payload(10, 20), next_exp=5, flags=Flag.RETRANSMIT)),
@@ -253,13 +254,14 @@ def expect(name, outputs, drops):
         h, v = result(partial)
         assert h.msg_type == MsgType.PUSH and h.flags & Flag.UPLINK and h.sender == 1 and v[:2] == [11, 22]
         assert h.next_exponent == 5 and h.nsum == 2
-        assert outputs[2] == {PARENT: [partial]}  # a worker's retransmission resends the partial
-        assert set(outputs[3]) == {0, 1}
-        h, v = result(outputs[3][0][0])
+        assert outputs[2] == {PARENT: [partial]}  # member 0's retransmission resends the partial
+        assert outputs[3] == {}  # another member's is a duplicate: one resend per round of retransmissions
+        assert set(outputs[4]) == {0, 1}
+        h, v = result(outputs[4][0][0])
         assert h.msg_type == MsgType.RESULT and not h.flags & Flag.UPLINK and v[:2] == [111, 222]
         assert h.next_exponent == 7
-        assert outputs[4] == {} and drops == {"final": 1}  # a duplicated final
-        assert set(outputs[5]) == {1} and outputs[5][1] == outputs[3][1]
+        assert outputs[5] == {} and drops == {"final": 1, "duplicate": 1}  # a duplicated final
+        assert set(outputs[6]) == {1} and outputs[6][1] == outputs[4][1]
     else:
         raise AssertionError(f"no expectation for {name}")
 
