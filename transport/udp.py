@@ -49,6 +49,9 @@ SOCKET_BUFFER = 16 << 20
 SOL_UDP = 17
 UDP_SEGMENT = 103
 UDP_GRO = 104
+#: as plain ints: socket's are IntFlag members, and an IntFlag's & costs a
+#: microsecond or two in Python, once per received batch
+_MSG_TRUNC = int(socket.MSG_TRUNC)
 IP_MTU_DISCOVER = 10
 IP_PMTUDISC_DO = 2
 IP_MTU = 14
@@ -272,7 +275,7 @@ class DatagramSocket:
                 if exc.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH):
                     continue  # an ICMP error from an earlier send: not a datagram
                 raise
-            if flags & socket.MSG_TRUNC:
+            if flags & _MSG_TRUNC:
                 self.datagrams_truncated += 1
                 continue
             seg = nbytes
@@ -337,7 +340,7 @@ class DatagramSocket:
                     continue
                 raise
             self.recv_calls += 1
-            if flags & socket.MSG_TRUNC or nbytes > self.max_datagram_bytes:
+            if flags & _MSG_TRUNC or nbytes > self.max_datagram_bytes:
                 self.datagrams_truncated += 1
                 continue
             offsets[n], lengths[n], sources[n] = off, nbytes, self.key_of(addr)
