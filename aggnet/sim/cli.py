@@ -8,6 +8,7 @@ the goodput of jobs sharing a switch's pool; a table, plots and JSON.
     aggnet sim --hardware params.json --set loss=0.01
     aggnet sim calibrate --out emulation.json    # this machine, measured in aggnet emulate (root)
     aggnet sim validate --hardware emulation.json --plot docs/figures/sim-validation.png
+    aggnet sim published --plot docs/figures/sim-switchml.png
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ import sys
 import time
 
 from aggnet.client.config import format_size, parse_size
-from aggnet.sim import hardware, model, validate
+from aggnet.sim import hardware, model, published, validate
 
 DEFAULT_WORKERS = "1024,2048,4096,8192,16384"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("what", nargs="?", default="predict", choices=("predict", "calibrate", "validate"),
+    p.add_argument("what", nargs="?", default="predict", choices=("predict", "calibrate", "validate", "published"),
                    help="predict (default): the tables below; calibrate: measure this machine in aggnet emulate "
                         "into a parameter file (--out; needs root); validate: the model beside aggnet emulate "
-                        "bench at --points, with the error of each")
+                        "bench at --points, with the error of each; published: the model beside SwitchML's and "
+                        "ATP's published speed-ups, with their parameters")
     p.add_argument("--out", default="emulation.json", help="calibrate: the parameter file to write "
                                                             "(default %(default)s)")
     p.add_argument("--points", default=",".join(validate.DEFAULT_POINTS),
@@ -94,6 +96,8 @@ def main(args) -> int:
         return _calibrate(args)
     if args.what == "validate":
         return _validate(args)
+    if args.what == "published":
+        return _published(args)
     try:
         hw = hardware.load(args.hardware, _overrides(args.set))
         counts = _ints(args.workers, "--workers")
@@ -181,6 +185,22 @@ def _validate(args) -> int:
     if args.plot:
         try:
             validate.plot(rows, args.plot)
+        except ImportError:
+            print("aggnet sim: --plot needs matplotlib: pip install 'aggnet[plot]'", file=sys.stderr)
+            return 1
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _published(args) -> int:
+    r = published.report()
+    published.print_report(r)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+    if args.plot:
+        try:
+            published.plot(r, args.plot)
         except ImportError:
             print("aggnet sim: --plot needs matplotlib: pip install 'aggnet[plot]'", file=sys.stderr)
             return 1

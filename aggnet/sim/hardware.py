@@ -56,6 +56,12 @@ class Hardware:
     #: fixed cost (a ring's per-step latency: kernel, stack, synchronisation)
     hop_latency: float = 1e-6
     step_latency: float = 10e-6
+    #: what a second level of aggregation (racks under a root) adds to a
+    #: slot's round trip beyond its links' serialisation; None: two more
+    #: hops and the root's own pass, as the first level has. Host
+    #: aggregators measured in an emulation add far less than a first
+    #: level: the worker's own send and receive path is paid once.
+    root_latency: float | None = None
     #: retransmission timeout of the switch protocol (its floor)
     rto: float = 0.02
     #: an aggregator host's CPU-seconds per byte its members send it

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from aggnet.protocol.limits import auto_slots
+from aggnet.protocol.limits import RTO_MAX, auto_slots
 from aggnet.sim.hardware import Hardware
 
 SYSTEMS = ("aggnet-switch", "aggnet-host", "ring", "ring-rack-aware", "tree", "ps", "sharp")
@@ -82,12 +82,14 @@ class Prediction:
     terms: dict = field(default_factory=dict)
 
 
-def _paced(system: str, terms: dict, fixed: float, cross: float) -> Prediction:
+def _paced(system: str, terms: dict, fixed: float, cross: float, tail: float = 0.0) -> Prediction:
     """The busiest resource sets the pace; ``fixed`` is latency no resource
-    hides (named the bottleneck where it is the larger part)."""
+    hides (named the bottleneck where it is the larger part), ``tail`` the
+    wait for the last losses' retransmissions."""
     name, busiest = max(terms.items(), key=lambda kv: kv[1])
-    return Prediction(system, busiest + fixed, name if busiest >= fixed else "latency", cross,
-                      {**terms, "latency": fixed})
+    extra = {"loss tail": tail} if tail else {}
+    return Prediction(system, busiest + fixed + tail, name if busiest >= fixed else "latency", cross,
+                      {**terms, "latency": fixed, **extra})
 
 
 def _machine_cpu(hw: Hardware, cpu_seconds: float) -> dict:
@@ -98,17 +100,50 @@ def _machine_cpu(hw: Hardware, cpu_seconds: float) -> dict:
     return {"machine cpu": cpu_seconds / hw.machine_cores}
 
 
-def _window(hw: Hardware, shape: Shape, nbytes: float, hops: int, passes: int, stack: float, elements: int,
+def _hops(shape: Shape) -> int:
+    """Link crossings of one packet's round trip: up and down in the rack,
+    and through the uplinks too under a root."""
+    return 4 if shape.racks > 1 else 2
+
+
+def _window(hw: Hardware, shape: Shape, nbytes: float, passes: int, stack: float, elements: int,
             window: int) -> tuple[float, float]:
     """(window-limited time, round trip) of the switch protocol: a slot
-    carries ``elements`` values per round trip; a use lost on any of its
-    ``hops`` link crossings holds its slot for a timeout."""
+    carries ``elements`` values per round trip through one level of
+    aggregators (``passes`` switch passes, ``stack`` a host's software
+    path) or two; a use lost on any of its link crossings holds its slot
+    for a timeout."""
     packet = 4 * elements
     wire = packet / hw.switch_efficiency(elements)
-    rtt = hops * (hw.hop_latency + wire / hw.host_rate) + passes * hw.switch_latency + stack
+    hops = _hops(shape)
+    rtt = 2 * (hw.hop_latency + wire / hw.host_rate) + passes * hw.switch_latency + stack
+    if hops > 2:
+        root = 2 * hw.hop_latency + 2 * passes * hw.switch_latency + stack if hw.root_latency is None \
+            else hw.root_latency
+        rtt += 2 * wire / hw.host_rate + root
     lost = 1 - (1 - shape.loss) ** hops
     per_use = rtt + lost * hw.rto
     return nbytes * per_use / (window * packet), rtt
+
+
+def _loss_tail(hw: Hardware, shape: Shape, nbytes: float, hops: int, packet: int, window: int,
+               busiest: float) -> float:
+    """The wait for the last losses: a packet lost while the buffer's last
+    window is in flight has nothing behind it to hide its timeout, and the
+    all-reduce ends only when every worker has its retransmission back.
+
+    aggnet's client adapts its timeout to the round trips it measures
+    (twice the smoothed round trip, at least ``hw.rto``, at most
+    ``RTO_MAX``), and a job that fills its bottleneck has a round trip of
+    its whole window queued there: ``window`` packets at the paced rate.
+    That, not the timeout's floor, is what a lossy shaped link waits."""
+    if not shape.loss:
+        return 0.0
+    lost = 1 - (1 - shape.loss) ** hops
+    loaded_rtt = window * packet * busiest / nbytes
+    rto = min(RTO_MAX, max(hw.rto, 2 * loaded_rtt))
+    last = shape.workers * min(window, math.ceil(nbytes / packet))
+    return (1 - (1 - lost) ** last) * rto
 
 
 def aggnet_switch(hw: Hardware, shape: Shape, nbytes: float, *, sharp: bool = False) -> Prediction:
@@ -118,15 +153,16 @@ def aggnet_switch(hw: Hardware, shape: Shape, nbytes: float, *, sharp: bool = Fa
     terms = {"host link": nbytes * (1 + lost) / (eff * hw.host_rate)}
     if two_level:
         terms["uplink"] = nbytes * (1 + lost) / (eff * shape.uplink_rate(hw))
-    hops, passes = (4, 3) if two_level else (2, 1)
+    hops = _hops(shape)
     if sharp:
-        rtt = hops * hw.hop_latency + passes * hw.switch_latency
+        rtt = hops * hw.hop_latency + (3 if two_level else 1) * hw.switch_latency
         return _paced("sharp", terms, rtt, nbytes if two_level else 0.0)
-    terms["window"], rtt = _window(hw, shape, nbytes, hops, passes, 0.0, hw.switch_elements, hw.switch_window)
+    terms["window"], rtt = _window(hw, shape, nbytes, 1, 0.0, hw.switch_elements, hw.switch_window)
     if hw.client_cpu_s_per_byte:
         terms["worker cpu"] = nbytes * hw.client_cpu_s_per_byte
     terms.update(_machine_cpu(hw, shape.workers * nbytes * hw.client_cpu_s_per_byte))
-    return _paced("aggnet-switch", terms, rtt, nbytes if two_level else 0.0)
+    tail = _loss_tail(hw, shape, nbytes, hops, 4 * hw.switch_elements, hw.switch_window, max(terms.values()))
+    return _paced("aggnet-switch", terms, rtt, nbytes if two_level else 0.0, tail)
 
 
 def aggnet_host(hw: Hardware, shape: Shape, nbytes: float) -> Prediction:
@@ -148,10 +184,9 @@ def aggnet_host(hw: Hardware, shape: Shape, nbytes: float) -> Prediction:
         terms["uplink"] = nbytes * (1 + lost) / (eff * shape.uplink_rate(hw))
         terms["root link"] = shape.racks * nbytes / (eff * agg_link)
         terms["root packets"] = shape.racks * nbytes / (4 * k * agg_packets)
-    hops, passes = (4, 0) if two_level else (2, 0)
-    stack = (2 if two_level else 1) * hw.step_latency
+    hops = _hops(shape)
     window = auto_slots(k)  # what a host gives a job that asks for no window
-    terms["window"], rtt = _window(hw, shape, nbytes, hops, passes, stack, k, window)
+    terms["window"], rtt = _window(hw, shape, nbytes, 0, hw.step_latency, k, window)
     if hw.client_cpu_s_per_byte:
         terms["worker cpu"] = nbytes * hw.client_cpu_s_per_byte
     # a rack aggregator takes its W members' S (and, under a root, sends a
@@ -159,7 +194,8 @@ def aggnet_host(hw: Hardware, shape: Shape, nbytes: float) -> Prediction:
     taken = shape.workers * nbytes + (2 * shape.racks * nbytes if two_level else 0)
     terms.update(_machine_cpu(hw, shape.workers * nbytes * hw.client_cpu_s_per_byte
                               + taken * hw.host_agg_cpu_s_per_byte))
-    return _paced("aggnet-host", terms, rtt, nbytes if two_level else 0.0)
+    tail = _loss_tail(hw, shape, nbytes, hops, 4 * k, window, max(terms.values()))
+    return _paced("aggnet-host", terms, rtt, nbytes if two_level else 0.0, tail)
 
 
 def ring_crossings(shape: Shape, rack_aware: bool) -> float:
@@ -261,28 +297,48 @@ def step_seconds(compute: float, comm: float, overlap: float) -> float:
     return compute + max(0.0, comm - overlap * compute)
 
 
+def fair_shares(capacity: float, demands: list[float]) -> list[float]:
+    """Max-min fair rates on one link: a flow that wants less than an equal
+    share keeps what it wants, the rest split what it leaves."""
+    rates = [0.0] * len(demands)
+    left, open_ = capacity, sorted(range(len(demands)), key=lambda i: demands[i])
+    while open_:
+        share = left / len(open_)
+        i = open_[0]
+        if demands[i] > share:
+            for j in open_:
+                rates[j] = share
+            break
+        rates[i] = demands[i]
+        left -= demands[i]
+        open_.pop(0)
+    return rates
+
+
 def shared_pool(hw: Hardware, shape: Shape, nbytes: float, jobs: int) -> dict:
     """``jobs`` jobs, each on workers of its own in every rack, sharing the
     switches' pool (ATP-style best effort): as many as the pool holds
     windows for aggregate in the switch, the rest fall back to the racks'
-    aggregator hosts; all share the uplinks. Per-job seconds and the
+    aggregator hosts; all share the uplinks, max-min fairly (a job its
+    hosts hold back takes only what it can use). Per-job seconds and the
     aggregate all-reduce goodput (bytes of buffer per second, all jobs)."""
     on_switch = min(jobs, hw.switch_pool // hw.switch_window)
     fallback = jobs - on_switch
-    eff = hw.switch_efficiency()
-    uplink = jobs * nbytes / (eff * shape.uplink_rate(hw)) if shape.racks > 1 else 0.0
-    switch = aggnet_switch(hw, shape, nbytes)
-    switch_s = max(switch.seconds, uplink)
+    switch_s = aggnet_switch(hw, shape, nbytes).seconds
     host_s = 0.0
     if fallback:
         alone = aggnet_host(hw, shape, nbytes)
         # the fallback jobs share each rack's aggregator host
         shared = {k: v * (fallback if "aggregator" in k or "root" in k else 1) for k, v in alone.terms.items()
-                  if k != "latency"}
-        host_s = max(max(shared.values()) + alone.terms["latency"], uplink)
+                  if k not in ("latency", "loss tail")}
+        host_s = max(shared.values()) + alone.terms["latency"] + alone.terms.get("loss tail", 0.0)
     times = [switch_s] * on_switch + [host_s] * fallback
+    if shape.racks > 1:
+        capacity = hw.switch_efficiency() * shape.uplink_rate(hw)
+        rates = fair_shares(capacity, [nbytes / t for t in times])
+        times = [max(t, nbytes / r) for t, r in zip(times, rates)]
     return {"jobs": jobs, "on_switch": on_switch, "fallback": fallback, "seconds": times,
             "goodput": sum(nbytes / t for t in times if t > 0)}
 
 
-__all__ = ["SYSTEMS", "Shape", "Prediction", "predict", "step_seconds", "shared_pool", "ring_crossings"]
+__all__ = ["SYSTEMS", "Shape", "Prediction", "predict", "step_seconds", "shared_pool", "fair_shares", "ring_crossings"]

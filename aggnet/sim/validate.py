@@ -6,7 +6,8 @@ model's prediction beside each measurement.
 Calibration uses one rack of four workers on unshaped links, where the
 machine's CPU is the bottleneck: CPU-seconds per byte of aggnet's client,
 of an aggregator host and of gloo's ring, from the processes themselves;
-and a small all-reduce for the fixed costs (a ring step, a round trip).
+and a small all-reduce for the fixed costs (a ring step, a round trip),
+in one rack and in two racks under a root (what a second level adds).
 Validation shapes the links (100 to 1000 Mbit/s, oversubscribed uplinks,
 drops), so what it checks is how the model combines those numbers with
 link rates, the protocol's bytes, the window and loss, not the numbers
@@ -73,8 +74,10 @@ class Point:
 
 
 #: the default validation grid: link rates where the link binds and where the CPU
-#: starts to, a lossy rack, two racks under an oversubscribed spine and without one
-DEFAULT_POINTS = ("1x4@100", "1x4@400", "1x4@1000", "1x4@100~0.01", "2x4@400/100", "2x4@100/0", "2x2@1000/0")
+#: starts to, lossy racks, two and four racks under an oversubscribed spine and
+#: two without one
+DEFAULT_POINTS = ("1x4@100", "1x4@400", "1x4@1000", "1x4@100~0.01", "1x4@1000~0.01", "2x4@400/100",
+                  "2x4@400/100~0.01", "2x4@100/0", "2x2@1000/0", "4x4@400/100")
 
 
 def topology_toml(racks: int) -> str:
@@ -126,18 +129,23 @@ def calibrate(size: str = "32MiB", reps: int = 3, small: str = "64KiB", small_re
     w = CALIBRATION_WORKERS
     nbytes, small_bytes = parse_size(size), parse_size(small)
     with tempfile.TemporaryDirectory(prefix="aggnet-calibrate-") as tmp:
-        with Progress("calibrate", 2) as bar:
+        with Progress("calibrate", 3) as bar:
             unshaped = Point(1, w, 0.0)
             big = _by_system(run_emulation(unshaped, nbytes, reps, tmp))
             bar.step(f"{format_size(nbytes)} unshaped")
             tiny = _by_system(run_emulation(unshaped, small_bytes, small_reps, tmp))
             bar.step(f"{format_size(small_bytes)} unshaped")
+            rooted = _by_system(run_emulation(Point(2, w // 2, 0.0), small_bytes, small_reps, tmp))
+            bar.step(f"{format_size(small_bytes)} unshaped, two racks under a root")
     ring_share = 2 * (w - 1) / w
     client = big["aggnet"]["worker_cpu_s_per_gb"] / 1e9
     agg = (big["aggnet"].get("aggregator_cpu_s_per_gb") or 0.0) / 1e9 / w  # per byte a member sends
     ring_cpu = big["gloo"]["worker_cpu_s_per_gb"] / 1e9 / ring_share
     step = tiny["gloo"]["median_s"] / (2 * (w - 1))
     hop = max(1e-6, (tiny["aggnet"]["median_s"] - step) / 2)
+    # a small buffer is one window: its all-reduce is one round trip, so a
+    # root's share is the two-level round trip less the one-level one
+    root = max(0.0, rooted["aggnet"]["median_s"] - tiny["aggnet"]["median_s"])
     cores = os.cpu_count() or 1
     when = time.strftime("%Y-%m-%d")
     how = (f"aggnet sim calibrate on {platform.node()} ({cores} cores), {when}: aggnet emulate bench, one rack of "
@@ -147,6 +155,7 @@ def calibrate(size: str = "32MiB", reps: int = 3, small: str = "64KiB", small_re
         "client_cpu_s_per_byte": client, "host_agg_cpu_s_per_byte": agg, "ring_cpu_s_per_byte": ring_cpu,
         "host_agg_packets_per_s": 1.0 / (agg * 4 * EMULATED_ELEMENTS) if agg else 1.0e6,
         "host_agg_shards": cores, "machine_cores": cores, "step_latency": step, "hop_latency": hop,
+        "root_latency": root,
         "sources": {
             "client_cpu_s_per_byte": f"{how}, {format_size(nbytes)}: a worker's CPU-seconds per byte of buffer",
             "host_agg_cpu_s_per_byte": f"{how}, {format_size(nbytes)}: the aggregator's CPU-seconds per byte "
@@ -157,12 +166,15 @@ def calibrate(size: str = "32MiB", reps: int = 3, small: str = "64KiB", small_re
             "machine_cores": "every process of an emulation shares this machine's cores (os.cpu_count)",
             "step_latency": f"{how}, {format_size(small_bytes)}: gloo's time over its 2(N-1) ring steps",
             "hop_latency": f"{how}, {format_size(small_bytes)}: half of aggnet's round trip beyond a step",
+            "root_latency": f"{how}, {format_size(small_bytes)}: aggnet's round trip through two racks of "
+                            f"{w // 2} under a root less its round trip in one rack",
         },
         "measured": {"bytes": nbytes, "small_bytes": small_bytes,
                      "records": {k: {"median_s": v["median_s"], "worker_cpu_s_per_gb": v["worker_cpu_s_per_gb"],
                                      "aggregator_cpu_s_per_gb": v.get("aggregator_cpu_s_per_gb")}
                                  for k, v in big.items()},
-                     "small": {k: v["median_s"] for k, v in tiny.items()}},
+                     "small": {k: v["median_s"] for k, v in tiny.items()},
+                     "small_under_a_root": {k: v["median_s"] for k, v in rooted.items()}},
     }
 
 

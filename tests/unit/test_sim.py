@@ -175,3 +175,64 @@ def test_calibrate_and_validate_refuse_without_root_or_a_calibration(tmp_path):
     r = subprocess.run([sys.executable, "-m", "aggnet", "sim", "validate", "--points", "1x4@fast"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1
+
+
+# -- loss, a second level, jobs sharing uplinks, published claims ---------------------------------------
+
+def test_a_lossy_job_that_fills_its_link_waits_a_timeout_of_its_queued_round_trip():
+    """aggnet's client sets its timeout to twice the round trips it sees, and
+    a job that fills a shaped link sees its whole window queued there."""
+    from aggnet.protocol.limits import RTO_MAX
+
+    hw = hardware.load("emulation").replace(host_rate=100e6 / 8)
+    clean = model.predict("aggnet-host", hw, model.Shape(1, 4), 16 * MiB)
+    lossy = model.predict("aggnet-host", hw, model.Shape(1, 4, loss=0.01), 16 * MiB)
+    assert "loss tail" not in clean.terms and clean.bottleneck == lossy.bottleneck == "host link"
+    window_bytes = 512 << 10  # what a host gives a job that asks for no window
+    queued_rtt = window_bytes / (hw.switch_efficiency(2048) * hw.host_rate) * (1 + (1 - 0.99 ** 2))
+    assert lossy.terms["loss tail"] == pytest.approx(2 * queued_rtt, rel=0.01)  # 256 last uses: one is lost
+    slow = model.predict("aggnet-host", hw.replace(host_rate=1e6 / 8), model.Shape(1, 4, loss=0.01), 16 * MiB)
+    assert slow.terms["loss tail"] == pytest.approx(RTO_MAX, rel=0.01)  # the client's cap
+
+
+def test_a_second_level_adds_its_measured_round_trip_or_two_more_hops():
+    hw = hardware.load("emulation").replace(host_rate=1e9 / 8)
+    one = model.predict("aggnet-host", hw, model.Shape(1, 4), 16 * MiB).terms["latency"]
+    two = model.predict("aggnet-host", hw, model.Shape(2, 2), 16 * MiB).terms["latency"]
+    wire = 2 * 4 * 2048 / hw.switch_efficiency(2048) / hw.host_rate
+    assert two - one == pytest.approx(2 * hw.hop_latency + hw.step_latency + wire)
+    measured = model.predict("aggnet-host", hw.replace(root_latency=0.5e-3), model.Shape(2, 2), 16 * MiB)
+    assert measured.terms["latency"] - one == pytest.approx(0.5e-3 + wire)
+
+
+def test_uplinks_are_shared_max_min_fairly_so_a_job_held_back_by_hosts_leaves_the_rest():
+    assert model.fair_shares(10.0, [1.0, 2.0, 100.0, 100.0]) == pytest.approx([1.0, 2.0, 3.5, 3.5])
+    assert model.fair_shares(10.0, [1.0, 2.0]) == [1.0, 2.0]
+    shape = model.Shape(4, 8, oversubscription=8)
+    fits = HW.switch_pool // HW.switch_window
+    past = model.shared_pool(HW, shape, 16 * MiB, fits + 4)
+    inside = model.shared_pool(HW, shape, 16 * MiB, fits)
+    # the fallback jobs take a sliver of the uplinks: the switch's jobs keep the rest
+    assert past["seconds"][0] < inside["seconds"][0] * (1 + 4 / fits)
+    assert past["goodput"] >= inside["goodput"]
+
+
+def test_published_claims_meet_the_model_with_the_papers_parameters(tmp_path):
+    from aggnet.sim import published
+
+    r = published.report()
+    for by_n in r["switchml"]["speedups"].values():
+        values = list(by_n.values())
+        assert values == sorted(values)  # the ring's 2(N-1)/N grows with N, the switch's S does not
+    # without the ring's step latencies, bytes alone: under 2 S over the switch protocol's S
+    for k, by_n in published.switchml_speedups(HW.replace(step_latency=0.0)).items():
+        at = HW.replace(switch_elements=k)
+        assert max(by_n.values()) < 2 * at.switch_efficiency() / at.tcp_efficiency()
+    v = r["switchml"]["verdict"]
+    assert not v["agrees"] and v["ring_share_of_line_rate"] == pytest.approx(v["model_ceiling"] / 5.5)
+    out = tmp_path / "published.json"
+    run = subprocess.run([sys.executable, "-m", "aggnet", "sim", "published", "--json", str(out)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "arXiv 1903.06701" in run.stdout and "nsdi21/presentation/lao" in run.stdout
+    assert json.loads(out.read_text())["atp"]["rows"][0]["jobs"] == 1
