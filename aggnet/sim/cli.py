@@ -32,9 +32,10 @@ def add_arguments(p) -> None:
                         "ATP's published speed-ups, with their parameters")
     p.add_argument("--out", default="emulation.json", help="calibrate: the parameter file to write "
                                                             "(default %(default)s)")
-    p.add_argument("--points", default=",".join(validate.DEFAULT_POINTS),
-                   help="validate: emulated fabrics, RACKSxWORKERS@HOST_MBIT[/UPLINK_MBIT][~DROP], "
-                        "comma-separated (default %(default)s)")
+    p.add_argument("--points", default=None,
+                   help="validate: emulated fabrics, RACKSxWORKERS@HOST_MBIT[/UPLINK_MBIT][~DROP][:p4] (:p4: BMv2 "
+                        f"in each ToR's place), comma-separated (default {','.join(validate.DEFAULT_POINTS)}, and "
+                        f"{','.join(validate.P4_POINTS)} where BMv2 is installed)")
     p.add_argument("--reps", type=int, default=3, help="calibrate, validate: all-reduces per system and point "
                                                         "(the median counts; default %(default)s)")
     p.add_argument("--hardware", default="tofino-100g",
@@ -151,22 +152,31 @@ def _calibrate(args) -> int:
         json.dump(fields, f, indent=1)
     print(f"wrote {args.out}: " + ", ".join(f"{k} {fields[k]:.3g}" for k in (
         "client_cpu_s_per_byte", "host_agg_cpu_s_per_byte", "ring_cpu_s_per_byte", "step_latency", "hop_latency",
-        "machine_cores")))
+        "root_latency", "switch_passes_per_s", "machine_cores") if k in fields))
     print(f"next: aggnet sim validate --hardware {args.out}")
     return 0
+
+
+def _points(text: str | None) -> list[str]:
+    if text is not None:
+        return text.split(",")
+    return list(validate.DEFAULT_POINTS) + (list(validate.P4_POINTS) if validate.can_run_p4() else [])
 
 
 def _validate(args) -> int:
     refused = _needs_root("validate")
     try:
         hw = hardware.load(args.hardware, _overrides(args.set))
-        points = [validate.Point.parse(p.strip()) for p in args.points.split(",") if p.strip()]
+        points = [validate.Point.parse(p.strip()) for p in _points(args.points) if p.strip()]
         nbytes = parse_size(args.size or "16MiB")
         if not points:
             raise _BadArgs("--points names no point")
         if hw.machine_cores == 0:
             raise _BadArgs(f"--hardware {args.hardware} describes hosts with cores of their own, not this machine's "
                            f"emulation: run aggnet sim calibrate first and pass its file")
+        if any(p.p4 for p in points) and not (validate.can_run_p4() and hw.switch_passes_per_s):
+            raise _BadArgs(":p4 points need BMv2 (simple_switch_grpc) on PATH and a calibration made with it "
+                           "(its switch_passes_per_s): install it and run aggnet sim calibrate again")
     except (_BadArgs, ValueError) as exc:
         refused = refused or f"aggnet sim validate: {exc}"
     if refused:

@@ -40,6 +40,10 @@ class Hardware:
     switch_pool: int = 8192
     switch_window: int = 512
     switch_latency: float = 1e-6
+    #: pipeline passes (a packet in, or a copy out) a switch makes per
+    #: second; 0: line rate, never the bottleneck (a hardware pipeline).
+    #: BMv2, a software switch, makes about two thousand
+    switch_passes_per_s: float = 0.0
     #: a host aggregator (PBox-style shards): shards per host, datagrams per
     #: second one shard takes, and its link's rate in multiples of a host link
     host_agg_shards: int = 2
@@ -126,7 +130,9 @@ PRESETS: dict[str, Hardware] = {
     "emulation": Hardware(
         "emulation", host_rate=100e6 / 8, mtu=9000, host_agg_shards=2, host_agg_link_factor=4.0,
         host_agg_elements=2048, hop_latency=50e-6, step_latency=100e-6, rto=0.02, machine_cores=2,
+        switch_window=16,
         sources={
+            "switch_window": "an emulated P4 rack's slots per job (emulation.fabric_plan.BMV2_SLOTS)",
             "host_rate": "aggnet emulate's --rate (tc tbf on every veth)",
             "mtu": "aggnet emulate's default, jumbo frames",
             "host_agg_link_factor": "an emulated rack's aggregator host has a link of N host links",

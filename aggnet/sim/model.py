@@ -153,6 +153,12 @@ def aggnet_switch(hw: Hardware, shape: Shape, nbytes: float, *, sharp: bool = Fa
     terms = {"host link": nbytes * (1 + lost) / (eff * hw.host_rate)}
     if two_level:
         terms["uplink"] = nbytes * (1 + lost) / (eff * shape.uplink_rate(hw))
+    if hw.switch_passes_per_s:
+        # a ToR takes W packets per slot and multicasts W copies; under a
+        # root it also sends the partial up and takes the final back
+        packets = nbytes / (4 * hw.switch_elements)
+        passes = 2 * shape.workers_per_rack * packets + (2 * packets if two_level else 0)
+        terms["switch packets"] = passes / hw.switch_passes_per_s
     hops = _hops(shape)
     if sharp:
         rtt = hops * hw.hop_latency + (3 if two_level else 1) * hw.switch_latency

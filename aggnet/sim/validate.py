@@ -38,31 +38,40 @@ EMULATED_ELEMENTS = 2048
 CALIBRATION_WORKERS = 4
 #: seconds one emulated point may take
 EMULATION_TIMEOUT = 1800
+#: a P4 rack's buffer: BMv2 in the ToR's place sums about 1,200 packets a
+#: second, so its points all-reduce this much whatever --size says
+P4_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
 class Point:
     """One emulated fabric: R racks of W workers, host links and uplinks in
-    Mbit/s (0: unshaped), random drops of aggregation datagrams."""
+    Mbit/s (0: unshaped), random drops of aggregation datagrams; racks
+    aggregated by hosts in switch mode, or by the P4 program on BMv2."""
 
     racks: int
     workers: int
     host_mbit: float
     uplink_mbit: float = 0.0
     drop: float = 0.0
+    p4: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "Point":
-        """``RxW@HOST[/UPLINK][~DROP]``, e.g. ``1x4@100``, ``2x4@400/100``, ``1x4@100~0.01``."""
+        """``RxW@HOST[/UPLINK][~DROP][:p4]``, e.g. ``1x4@100``, ``2x4@400/100``,
+        ``1x4@100~0.01``, ``2x2@1000/0:p4``."""
         try:
-            shape, _, rest = text.partition("@")
+            text_, _, kind = text.partition(":")
+            if kind not in ("", "p4"):
+                raise ValueError(kind)
+            shape, _, rest = text_.partition("@")
             r, w = (int(v) for v in shape.split("x"))
             rest, _, drop = rest.partition("~")
             host, _, up = rest.partition("/")
-            p = cls(r, w, float(host), float(up or 0), float(drop or 0))
+            p = cls(r, w, float(host), float(up or 0), float(drop or 0), kind == "p4")
         except ValueError:
-            raise ValueError(f"a point is RACKSxWORKERS@HOST_MBIT[/UPLINK_MBIT][~DROP] (e.g. 2x4@400/100~0.01), "
-                             f"got {text!r}") from None
+            raise ValueError(f"a point is RACKSxWORKERS@HOST_MBIT[/UPLINK_MBIT][~DROP][:p4] (e.g. "
+                             f"2x4@400/100~0.01, 2x2@1000/0:p4), got {text!r}") from None
         if p.racks < 1 or p.workers < 2 or p.host_mbit <= 0 or p.uplink_mbit < 0 or not 0 <= p.drop < 1:
             raise ValueError(f"{text!r}: needs a rack or more of 2 workers or more, shaped host links "
                              f"(Mbit/s > 0) and a drop probability in [0, 1)")
@@ -70,26 +79,39 @@ class Point:
 
     def __str__(self) -> str:
         up = f"/{self.uplink_mbit:g}" if self.racks > 1 else ""
-        return f"{self.racks}x{self.workers}@{self.host_mbit:g}{up}" + (f"~{self.drop:g}" if self.drop else "")
+        return f"{self.racks}x{self.workers}@{self.host_mbit:g}{up}" + (f"~{self.drop:g}" if self.drop else "") \
+            + (":p4" if self.p4 else "")
 
 
 #: the default validation grid: link rates where the link binds and where the CPU
 #: starts to, lossy racks, two and four racks under an oversubscribed spine and
-#: two without one
+#: two without one; P4 racks where BMv2 is installed
 DEFAULT_POINTS = ("1x4@100", "1x4@400", "1x4@1000", "1x4@100~0.01", "1x4@1000~0.01", "2x4@400/100",
                   "2x4@400/100~0.01", "2x4@100/0", "2x2@1000/0", "4x4@400/100")
+P4_POINTS = ("1x2@1000:p4", "2x2@1000/0:p4")
 
 
-def topology_toml(racks: int) -> str:
-    """A topology of ``racks`` racks aggregated by hosts in switch mode
-    under a switch-mode root: the emulation gives it addresses and link
-    rates of its own."""
+def topology_toml(racks: int, p4: bool = False) -> str:
+    """A topology of ``racks`` racks aggregated by hosts in switch mode (or
+    by P4 switches) under a switch-mode root: the emulation gives it
+    addresses and link rates of its own."""
     lines = ['job = "sim-validate"', "", "[root]", 'kind = "host-switch"', 'host = "spine"',
              'address = "udp://10.77.0.1:42606"']
     for r in range(racks):
-        lines += ["", "[[racks]]", f'name = "rack{r}"', f'hosts = ["r{r}w0"]', "[racks.aggregator]",
-                  'kind = "host-switch"', f'host = "r{r}agg"', f'address = "udp://10.77.{r + 1}.254:42606"']
+        lines += ["", "[[racks]]", f'name = "rack{r}"', f'hosts = ["r{r}w0"]', "[racks.aggregator]"]
+        if p4:
+            lines += ['kind = "p4"', f'address = "udp://10.77.{r + 1}.253:42606"',
+                      f'p4runtime = "10.77.{r + 1}.253:9559"', "device_id = 0"]
+        else:
+            lines += ['kind = "host-switch"', f'host = "r{r}agg"', f'address = "udp://10.77.{r + 1}.254:42606"']
     return "\n".join(lines) + "\n"
+
+
+def can_run_p4() -> bool:
+    """Whether BMv2 is installed to put in a ToR's place."""
+    from aggnet.p4.tools import find_tool
+
+    return find_tool("simple_switch_grpc") is not None
 
 
 def run_emulation(point: Point, nbytes: int, reps: int, workdir: str) -> dict:
@@ -99,10 +121,12 @@ def run_emulation(point: Point, nbytes: int, reps: int, workdir: str) -> dict:
     cmd = [sys.executable, "-m", "aggnet", "emulate", "bench", "--workers", str(point.workers),
            "--rate", f"{point.host_mbit:g}", "--size", str(nbytes), "--reps", str(reps), "--json", out]
     if point.racks > 1:
-        topo = os.path.join(workdir, f"racks-{point.racks}.toml")
+        topo = os.path.join(workdir, f"racks-{point.racks}{'-p4' if point.p4 else ''}.toml")
         with open(topo, "w") as f:
-            f.write(topology_toml(point.racks))
+            f.write(topology_toml(point.racks, point.p4))
         cmd += ["--topology", topo, "--racks", str(point.racks), "--uplink-rate", f"{point.uplink_mbit:g}"]
+    elif point.p4:
+        cmd += ["--switch", "bmv2"]
     if point.drop:
         cmd += ["--drop", f"{point.drop:g}"]
     try:
@@ -123,13 +147,13 @@ def _by_system(record: dict) -> dict:
     return {r["system"]: r for r in record["records"]}
 
 
-def calibrate(size: str = "32MiB", reps: int = 3, small: str = "64KiB", small_reps: int = 9) -> dict:
+def calibrate(size: str = "32MiB", reps: int = 3, small: str = "64KiB", small_reps: int = 25) -> dict:
     """Measure this machine: returns the parameter file's fields, each with
     its source."""
     w = CALIBRATION_WORKERS
     nbytes, small_bytes = parse_size(size), parse_size(small)
     with tempfile.TemporaryDirectory(prefix="aggnet-calibrate-") as tmp:
-        with Progress("calibrate", 3) as bar:
+        with Progress("calibrate", 4) as bar:
             unshaped = Point(1, w, 0.0)
             big = _by_system(run_emulation(unshaped, nbytes, reps, tmp))
             bar.step(f"{format_size(nbytes)} unshaped")
@@ -137,6 +161,9 @@ def calibrate(size: str = "32MiB", reps: int = 3, small: str = "64KiB", small_re
             bar.step(f"{format_size(small_bytes)} unshaped")
             rooted = _by_system(run_emulation(Point(2, w // 2, 0.0), small_bytes, small_reps, tmp))
             bar.step(f"{format_size(small_bytes)} unshaped, two racks under a root")
+            p4 = _by_system(run_emulation(Point(1, w, 1000.0, p4=True), P4_BYTES, reps, tmp)) \
+                if can_run_p4() else None
+            bar.step(f"{format_size(P4_BYTES)}, BMv2 in the ToR's place" if p4 else "no BMv2 installed")
     ring_share = 2 * (w - 1) / w
     client = big["aggnet"]["worker_cpu_s_per_gb"] / 1e9
     agg = (big["aggnet"].get("aggregator_cpu_s_per_gb") or 0.0) / 1e9 / w  # per byte a member sends
@@ -148,6 +175,7 @@ def calibrate(size: str = "32MiB", reps: int = 3, small: str = "64KiB", small_re
     root = max(0.0, rooted["aggnet"]["median_s"] - tiny["aggnet"]["median_s"])
     cores = os.cpu_count() or 1
     when = time.strftime("%Y-%m-%d")
+    bmv2 = _bmv2_fields(p4, w, platform.node(), when)
     how = (f"aggnet sim calibrate on {platform.node()} ({cores} cores), {when}: aggnet emulate bench, one rack of "
            f"{w}, unshaped links")
     return {
@@ -155,7 +183,7 @@ def calibrate(size: str = "32MiB", reps: int = 3, small: str = "64KiB", small_re
         "client_cpu_s_per_byte": client, "host_agg_cpu_s_per_byte": agg, "ring_cpu_s_per_byte": ring_cpu,
         "host_agg_packets_per_s": 1.0 / (agg * 4 * EMULATED_ELEMENTS) if agg else 1.0e6,
         "host_agg_shards": cores, "machine_cores": cores, "step_latency": step, "hop_latency": hop,
-        "root_latency": root,
+        "root_latency": root, **bmv2.pop("fields"),
         "sources": {
             "client_cpu_s_per_byte": f"{how}, {format_size(nbytes)}: a worker's CPU-seconds per byte of buffer",
             "host_agg_cpu_s_per_byte": f"{how}, {format_size(nbytes)}: the aggregator's CPU-seconds per byte "
@@ -168,6 +196,7 @@ def calibrate(size: str = "32MiB", reps: int = 3, small: str = "64KiB", small_re
             "hop_latency": f"{how}, {format_size(small_bytes)}: half of aggnet's round trip beyond a step",
             "root_latency": f"{how}, {format_size(small_bytes)}: aggnet's round trip through two racks of "
                             f"{w // 2} under a root less its round trip in one rack",
+            **bmv2.pop("sources"),
         },
         "measured": {"bytes": nbytes, "small_bytes": small_bytes,
                      "records": {k: {"median_s": v["median_s"], "worker_cpu_s_per_gb": v["worker_cpu_s_per_gb"],
@@ -176,6 +205,18 @@ def calibrate(size: str = "32MiB", reps: int = 3, small: str = "64KiB", small_re
                      "small": {k: v["median_s"] for k, v in tiny.items()},
                      "small_under_a_root": {k: v["median_s"] for k, v in rooted.items()}},
     }
+
+
+def _bmv2_fields(p4: dict | None, w: int, node: str, when: str) -> dict:
+    """BMv2's pipeline passes per second, from a rack of ``w`` workers
+    behind it: each slot takes W packets in and multicasts W copies."""
+    if p4 is None:
+        return {"fields": {}, "sources": {}}
+    passes = 2 * w * P4_BYTES / (4 * hardware.PRESETS["emulation"].switch_elements)
+    return {"fields": {"switch_passes_per_s": passes / p4["aggnet"]["median_s"]},
+            "sources": {"switch_passes_per_s": f"aggnet sim calibrate on {node}, {when}: aggnet emulate bench "
+                                               f"--switch bmv2, one rack of {w}, {format_size(P4_BYTES)}: 2 W "
+                                               f"packets per slot over the all-reduce's time"}}
 
 
 def hardware_at(hw: hardware.Hardware, point: Point) -> hardware.Hardware:
@@ -191,6 +232,9 @@ def predict(hw: hardware.Hardware, point: Point, nbytes: int) -> dict:
     # an unshaped uplink: as good as none (Shape needs a positive ratio)
     over = point.workers * point.host_mbit / point.uplink_mbit if point.uplink_mbit else 1e-9
     shape = model.Shape(point.racks, point.workers, oversubscription=over, loss=point.drop)
+    if point.p4:
+        # gloo's frames cross BMv2 as plain forwarding, which no term here describes
+        return {"aggnet": model.predict("aggnet-switch", at, shape, nbytes), "gloo": None}
     return {"aggnet": model.predict("aggnet-host", at, shape, nbytes),
             "gloo": model.ring(at, shape, nbytes, rack_aware=True)}
 
@@ -200,33 +244,43 @@ def validate(hw: hardware.Hardware, points: list[Point], nbytes: int, reps: int)
     with tempfile.TemporaryDirectory(prefix="aggnet-validate-") as tmp, \
             Progress("validate", len(points)) as bar:
         for point in points:
-            measured = _by_system(run_emulation(point, nbytes, reps, tmp))
-            predicted = predict(hw, point, nbytes)
-            row = {"point": str(point), "racks": point.racks, "workers": point.workers,
+            size = P4_BYTES if point.p4 else nbytes
+            measured = _by_system(run_emulation(point, size, reps, tmp))
+            predicted = predict(hw, point, size)
+            row = {"point": str(point), "racks": point.racks, "workers": point.workers, "bytes": size,
                    "host_mbit": point.host_mbit, "uplink_mbit": point.uplink_mbit, "drop": point.drop}
             for system in ("aggnet", "gloo"):
                 m, p = measured[system]["median_s"], predicted[system]
-                row[system] = {"measured_s": m, "times": measured[system]["times"], "predicted_s": p.seconds,
-                               "error": (p.seconds - m) / m, "bottleneck": p.bottleneck, "terms": p.terms}
+                row[system] = {"measured_s": m, "times": measured[system]["times"]}
+                if p is not None:
+                    row[system].update({"predicted_s": p.seconds, "error": (p.seconds - m) / m,
+                                        "bottleneck": p.bottleneck, "terms": p.terms})
             rows.append(row)
-            bar.step(f"{point}: aggnet {row['aggnet']['error']:+.0%}, gloo {row['gloo']['error']:+.0%}")
+            bar.step(f"{point}: " + ", ".join(f"{s} {row[s]['error']:+.0%}" for s in ("aggnet", "gloo")
+                                              if "error" in row[s]))
     return rows
 
 
+def _cells(got: dict, width: int) -> str:
+    if "error" not in got:
+        return f"{got['measured_s']:8.3f} {'-':>8} {'-':>7} {'not modelled':>{width}}"
+    return (f"{got['measured_s']:8.3f} {got['predicted_s']:8.3f} {got['error']:+7.1%} "
+            f"{got['bottleneck']:>{width}}")
+
+
 def print_rows(rows: list[dict], nbytes: int) -> None:
-    print(f"{format_size(nbytes)} all-reduce; point RxW@host[/uplink] Mbit/s[~drop]; seconds, median of the "
-          f"emulation's repetitions")
-    print(f"{'point':>14} {'aggnet':>8} {'model':>8} {'error':>7} {'bound by':>24} {'gloo':>8} {'model':>8} "
+    print(f"{format_size(nbytes)} all-reduce ({format_size(P4_BYTES)} at :p4 points, BMv2 in the ToR's place); "
+          f"point RxW@host[/uplink] Mbit/s[~drop]; seconds, median of the emulation's repetitions")
+    print(f"{'point':>16} {'aggnet':>8} {'model':>8} {'error':>7} {'bound by':>24} {'gloo':>8} {'model':>8} "
           f"{'error':>7} {'bound by':>12}")
     for r in rows:
-        a, g = r["aggnet"], r["gloo"]
-        print(f"{r['point']:>14} {a['measured_s']:8.3f} {a['predicted_s']:8.3f} {a['error']:+7.1%} "
-              f"{a['bottleneck']:>24} {g['measured_s']:8.3f} {g['predicted_s']:8.3f} {g['error']:+7.1%} "
-              f"{g['bottleneck']:>12}")
+        print(f"{r['point']:>16} {_cells(r['aggnet'], 24)} {_cells(r['gloo'], 12)}")
     for system, bound in (("aggnet", 0.10), ("gloo", 0.15)):
-        errs = [abs(r[system]["error"]) for r in rows]
+        errs = [abs(r[system]["error"]) for r in rows if "error" in r[system]]
+        if not errs:
+            continue
         within = sum(e <= bound for e in errs)
-        print(f"{system}: {within} of {len(rows)} points within {bound:.0%}; mean |error| "
+        print(f"{system}: {within} of {len(errs)} points within {bound:.0%}; mean |error| "
               f"{statistics.fmean(errs):.1%}, largest {max(errs):.1%}")
 
 
@@ -240,15 +294,17 @@ def plot(rows: list[dict], path: str) -> None:
     from matplotlib.ticker import FormatStrFormatter
 
     fig, ax = plt.subplots(figsize=(6.4, 5.2))
-    seen = [r[s][k] for r in rows for s in ("aggnet", "gloo") for k in ("measured_s", "predicted_s")]
+    seen = [r[s][k] for r in rows for s in ("aggnet", "gloo") for k in ("measured_s", "predicted_s")
+            if "error" in r[s]]
     line = [min(seen) * 0.8, max(seen) * 1.25]
     ax.plot(line, line, color="grey", lw=0.8, label="model = emulation")
     ax.fill_between(line, [x * 0.9 for x in line], [x * 1.1 for x in line], color="grey", alpha=0.15, label="±10%")
     for system, marker in (("aggnet", "o"), ("gloo", "s")):
-        xs = [r[system]["measured_s"] for r in rows]
-        ys = [r[system]["predicted_s"] for r in rows]
+        modelled = [r for r in rows if "error" in r[system]]
+        xs = [r[system]["measured_s"] for r in modelled]
+        ys = [r[system]["predicted_s"] for r in modelled]
         ax.scatter(xs, ys, marker=marker, label=system, zorder=3)
-        for r, x, y in zip(rows, xs, ys):
+        for r, x, y in zip(modelled, xs, ys):
             ax.annotate(r["point"], (x, y), fontsize=6, xytext=(4, -8 if system == "gloo" else 3),
                         textcoords="offset points")
     ax.set_xscale("log")
@@ -267,4 +323,4 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["Point", "DEFAULT_POINTS", "calibrate", "validate", "predict", "hardware_at", "topology_toml"]
+__all__ = ["Point", "DEFAULT_POINTS", "P4_POINTS", "P4_BYTES", "can_run_p4", "calibrate", "validate", "predict", "hardware_at", "topology_toml"]

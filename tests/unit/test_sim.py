@@ -236,3 +236,42 @@ def test_published_claims_meet_the_model_with_the_papers_parameters(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "arXiv 1903.06701" in run.stdout and "nsdi21/presentation/lao" in run.stdout
     assert json.loads(out.read_text())["atp"]["rows"][0]["jobs"] == 1
+
+
+# -- P4 racks (BMv2 in the ToR's place) ----------------------------------------------------------------
+
+def test_p4_points_read_as_written_and_lay_out_p4_racks(tmp_path):
+    from aggnet.emulation.fabric_plan import plan
+    from aggnet.sim.validate import Point, topology_toml
+
+    p = Point.parse("2x2@1000/0:p4")
+    assert p.p4 and (p.racks, p.workers) == (2, 2) and str(p) == "2x2@1000/0:p4" and Point.parse(str(p)) == p
+    assert not Point.parse("2x2@1000/0").p4
+    with pytest.raises(ValueError, match=":p4"):
+        Point.parse("1x2@1000:tofino")
+    f = tmp_path / "p4.toml"
+    f.write_text(topology_toml(2, p4=True))
+    pl = plan(str(f), racks=2, workers=2, host_mbit=1000, uplink_mbit=0)
+    assert {rp.aggregator.kind for rp in pl.racks} == {"p4"} and pl.root is not None
+
+
+def test_a_software_switch_is_bound_by_its_pipeline_passes():
+    """A ToR takes W packets per slot and multicasts W copies; under a root
+    it also sends one partial up and takes one final back."""
+    hw = hardware.load("emulation").replace(host_rate=1e9 / 8, switch_passes_per_s=2000.0)
+    packets = 256 * 1024 / (4 * hw.switch_elements)
+    one = model.predict("aggnet-switch", hw, model.Shape(1, 4), 256 * 1024)
+    assert one.bottleneck == "switch packets"
+    assert one.terms["switch packets"] == pytest.approx(2 * 4 * packets / 2000)
+    two = model.predict("aggnet-switch", hw, model.Shape(2, 2), 256 * 1024)
+    assert two.terms["switch packets"] == pytest.approx((2 * 2 * packets + 2 * packets) / 2000)
+    assert "switch packets" not in model.predict("aggnet-switch", HW, model.Shape(1, 4), 256 * 1024).terms
+
+
+def test_validate_refuses_p4_points_without_a_bmv2_calibration(tmp_path):
+    hw = tmp_path / "hw.json"
+    hw.write_text(json.dumps({"base": "emulation", "name": "no bmv2"}))
+    r = subprocess.run([sys.executable, "-m", "aggnet", "sim", "validate", "--hardware", str(hw), "--points",
+                        "1x2@1000:p4"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert ("needs root" in r.stderr) or ("calibration made with it" in r.stderr)
