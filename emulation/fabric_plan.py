@@ -33,7 +33,8 @@ AGGREGATOR_HOST = 254
 DEFAULT_MTU = 9000
 #: a P4 rack's switch: BMv2 in the ToR's place, at this host number of the rack
 SWITCH_HOST = 253
-#: an emulated switch's slots per job where the file gives none. BMv2 sums
+#: an emulated switch's slots per job where the file gives none (and a
+#: single BMv2 rack's, emulation.rack_runs). BMv2 sums
 #: about 1,000 packets a second: a worker's window of 128 slots (a real
 #: switch's default) would queue there past the largest retransmission
 #: timeout (limits.RTO_MAX), and every packet would go twice or more

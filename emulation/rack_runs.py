@@ -21,12 +21,6 @@ from aggnet.emulation.netns import EmulationError, Rack
 
 log = logging.getLogger("aggnet.emulation")
 
-#: a P4 switch's job slice in the rack (its pool is 1024 slots): BMv2's
-#: share, as in a fabric's P4 racks. 64 queued past the workers' largest
-#: timeout: a rack of four resent 7,546 results for 12,288 pushes and took
-#: 5.2 s for 256 KiB, against 47 and 3.5 s with 16
-RACK_SLOTS = BMV2_SLOTS
-
 
 def start_aggregator(rack: Rack, elements: int | None = None, pool: int = 4096,
                      shards: int | None = None) -> ServiceProcess:
@@ -84,7 +78,7 @@ def run_system(rack: Rack, system: str, nbytes: int, reps: int, *, address: str 
     world = len(rack.workers)
     if switch is not None:
         address = switch.address
-        slots = slots or RACK_SLOTS
+        slots = slots or BMV2_SLOTS
     env = {"AGGNET_ADDRESS": address or aggregator_address(rack), "AGGNET_TIMEOUT": "120",
            "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
     if elements is not None:
@@ -161,14 +155,14 @@ def run_demo(rack: Rack, epochs: int, codec: str, address: str | None = None, ti
         # the demo's DDP model asks for aggnet's job name over the process
         # group; on a switch the job must exist first: name it
         extra = [*extra, "--job", "rack-demo"]
-        switch.install("rack-demo", RACK_SLOTS)
+        switch.install("rack-demo", BMV2_SLOTS)
     procs = []
     for rank, h in enumerate(rack.workers):
         env = {"AGGNET_ADDRESS": address or aggregator_address(rack), "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
                "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": rack.workers[0].ip, "MASTER_PORT": "29501",
                "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
         if switch is not None:
-            env["AGGNET_SLOTS"] = str(RACK_SLOTS)
+            env["AGGNET_SLOTS"] = str(BMV2_SLOTS)
         cmd = [sys.executable, "-m", "aggnet.demo", "--epochs", str(epochs), "--codec", codec, *extra]
         procs.append(rack.popen(h, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     lines = follow_demo(procs, timeout, on_line, "in the rack")

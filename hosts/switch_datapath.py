@@ -28,7 +28,7 @@ from aggnet.kernels.datagrams import (
     O_NSUM, O_RESERVED, O_REF, O_SENDER, O_TYPE, O_VERSION, O_WORLD, PROBE_COUNT, PROBE_SEEN, PROBE_TAG,
     PROBE_WORLD, T_PROBE, T_PROBE_OK, T_PUSH, T_RESULT, Batch, be16, be32, put16, put_field, s16, shard_delta,
 )
-from aggnet.protocol.limits import MAX_JOBS, MAX_WORKERS, Drop, Event, drop_counter, event_counter
+from aggnet.protocol.limits import MAX_JOBS, MAX_WORKERS, UPLINK_RESENDER, Drop, Event, drop_counter, event_counter
 from aggnet.protocol.wire import HEADER_SIZE, MAGIC, VERSION
 
 # actions the data path asks of the I/O loop
@@ -275,11 +275,8 @@ def process_batch(batch, slots, jobs, shard, ctr, out):
                 out.action[i] = A_UNICAST
                 events[_E_RESULTS_RESENT] += 1
                 job_events[j, _E_RESULTS_RESENT] += 1
-            elif job_uplink[j] and c == world and sender == 0:
-                # waiting on the parent: the partial (or the final) was lost.
-                # Every member retransmits then, and one resend up is enough:
-                # member 0's asks for it, the others' are duplicates (W
-                # resends each would crowd the uplink that lost the packet)
+            elif job_uplink[j] and c == world and sender == UPLINK_RESENDER:
+                # waiting on the parent: the partial (or the final) was lost
                 _as_partial(p, values[v, s], k, maxexp[v, s], job_rack[j], world)
                 out.action[i] = A_UPLINK
                 events[_E_UPLINK_RESENT] += 1

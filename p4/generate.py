@@ -75,7 +75,9 @@ def limits_p4() -> str:
              f"const bit<32> AGG_MAX_JOBS = {protocol.MAX_JOBS};",
              f"const bit<8> AGG_MAX_WORKERS = {protocol.MAX_WORKERS};",
              "// the multicast group that floods ordinary broadcasts; a job's group is its row + 1",
-             f"const bit<16> FLOOD_GROUP = {protocol.FLOOD_GROUP};", "",
+             f"const bit<16> FLOOD_GROUP = {protocol.FLOOD_GROUP};",
+             "// the member whose retransmission of a slot waiting on the parent resends the partial up",
+             f"const bit<16> UPLINK_RESENDER = {protocol.UPLINK_RESENDER};", "",
              "// why a packet was dropped: the indices of the `drops` counter (Drop)"]
     lines += [f"const bit<32> DROP_{d.name} = {int(d)};" for d in protocol.Drop]
     lines += [f"const bit<32> AGG_DROP_REASONS = {len(protocol.Drop)};", "",

@@ -40,6 +40,11 @@ P4_POOL = 1024
 #: the P4 switch's multicast group that floods ordinary broadcast traffic
 #: (ARP) to every port; a job's results go to group job row + 1, below it
 FLOOD_GROUP = 1000
+#: the member whose retransmission of a slot that waits on the parent makes
+#: a rack resend its partial up. Every member retransmits when an uplink
+#: packet is lost; the others' are duplicates, so a loss costs the uplink
+#: one resend, not one per member
+UPLINK_RESENDER = 0
 DEFAULT_JOB_SLOTS = 128
 #: the most slots one job may take on a host: a quarter of the default
 #: pool, so that one JOIN (or one tenant) cannot take all of it. 1024

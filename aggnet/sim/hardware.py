@@ -13,6 +13,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from aggnet.emulation.fabric_plan import BMV2_SLOTS
 from aggnet.protocol.limits import IP_UDP_OVERHEAD
 from aggnet.protocol.wire import HEADER_SIZE
 
@@ -130,7 +131,7 @@ PRESETS: dict[str, Hardware] = {
     "emulation": Hardware(
         "emulation", host_rate=100e6 / 8, mtu=9000, host_agg_shards=2, host_agg_link_factor=4.0,
         host_agg_elements=2048, hop_latency=50e-6, step_latency=100e-6, rto=0.02, machine_cores=2,
-        switch_window=16,
+        switch_window=BMV2_SLOTS,
         sources={
             "switch_window": "an emulated P4 rack's slots per job (emulation.fabric_plan.BMV2_SLOTS)",
             "host_rate": "aggnet emulate's --rate (tc tbf on every veth)",

@@ -256,9 +256,9 @@ control Aggregate(inout headers_t hdr, inout metadata_t meta, inout standard_met
                 as_result(max_exp);
                 back_to_sender();
                 events.count(EV_RESULTS_RESENT);
-            } else if (meta.uplink == 1 && c == meta.world && hdr.agg.sender == 0) {
+            } else if (meta.uplink == 1 && c == meta.world && hdr.agg.sender == UPLINK_RESENDER) {
                 // waiting on the parent: the partial (or the final) was lost;
-                // member 0's retransmission asks for the one resend up, the
+                // one member's retransmission asks for the one resend up, the
                 // other members' are duplicates
                 values_read(meta.idx);
                 as_partial(max_exp);

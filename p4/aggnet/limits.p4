@@ -10,6 +10,8 @@ const bit<32> AGG_MAX_JOBS = 64;
 const bit<8> AGG_MAX_WORKERS = 32;
 // the multicast group that floods ordinary broadcasts; a job's group is its row + 1
 const bit<16> FLOOD_GROUP = 1000;
+// the member whose retransmission of a slot waiting on the parent resends the partial up
+const bit<16> UPLINK_RESENDER = 0;
 
 // why a packet was dropped: the indices of the `drops` counter (Drop)
 const bit<32> DROP_SHORT = 0;
