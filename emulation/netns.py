@@ -70,11 +70,22 @@ def sh(*cmd: str, check: bool = True, ns: str | None = None, timeout: float = 30
     return r
 
 
+#: tbf's bucket: one whole GSO or TSO packet as tbf counts it (64 KiB of
+#: payload plus every segment's headers). A smaller bucket makes tbf cut
+#: such a packet into frames in software, and each frame then crosses the
+#: bridge and the receiver's stack on its own: with 1500-byte frames (44
+#: datagrams or 45 TCP segments per packet, 66-68 KB counted) that cost
+#: both aggnet and gloo twice the CPU per byte of jumbo frames (7 per
+#: packet, under 64 KiB), a cost real NICs, segmenting in hardware and
+#: coalescing on receive, do not put on the hosts.
+TBF_BURST = 96 << 10
+
+
 def shape(ns: str, dev: str, rate_mbit: float, mtu: int = 9000, queue_bytes: int = 4 << 20) -> None:
     """Shape what ``dev`` sends to ``rate_mbit`` (tbf: the rate, a burst of
-    a few jumbo frames, and a queue deep enough for a window of in-flight
+    one GSO packet, and a queue deep enough for a window of in-flight
     packets, as a switch port's buffer)."""
-    burst = max(64 * 1024, 4 * mtu)
+    burst = max(TBF_BURST, 4 * mtu)
     sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst),
        "limit", str(queue_bytes), ns=ns)
 
