@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 import time
 
 from aggnet.errors import AggnetError
+from aggnet.processes import free_port
 
 
 def add_arguments(p) -> None:
@@ -225,11 +225,6 @@ def _hint(args, text: str) -> str:
     return ""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 #: what every demo worker imports: its processes fork from a server that
 #: imported these once (torch and scikit-learn cost about 3.5 CPU-seconds
@@ -247,7 +242,7 @@ def _run(args, mode: str) -> dict:
     # a failed worker says why in one line; torch's note that it stops the
     # others is noise to the user
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    workers = mp.start_processes(_spawned, args=(args.workers, _free_port(), args, mode, report),
+    workers = mp.start_processes(_spawned, args=(args.workers, free_port(), args, mode, report),
                                  nprocs=args.workers, start_method="forkserver", join=False)
     try:
         while not workers.join():

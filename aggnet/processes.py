@@ -9,8 +9,10 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import random
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -57,6 +59,56 @@ def keep_large_buffers(mmap_below: int = 64 << 20, trim_above: int = 256 << 20) 
         libc.mallopt(_M_TRIM_THRESHOLD, int(trim_above))
     except Exception as exc:  # not glibc
         log.debug("malloc left as it is: %s", exc)
+
+
+#: where the kernel draws ports for outgoing connections and bind(0)
+_EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
+#: the lowest port :func:`free_ports` draws from
+_LOWEST_PORT = 10000
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open(_EPHEMERAL) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(n: int = 1, kind: int = socket.SOCK_STREAM) -> list[int]:
+    """``n`` distinct ports on 127.0.0.1 nobody holds now, for a child to
+    bind seconds later (a torch.distributed rendezvous, a service's
+    port). Drawn at random below the kernel's ephemeral range: a port
+    from bind(0) lies inside it, where any outgoing connection made
+    meanwhile (a spawned worker takes seconds to start) may take it as its
+    own, and the child then fails with EADDRINUSE."""
+    top = _ephemeral_start()
+    pool = range(_LOWEST_PORT, top) if top - _LOWEST_PORT >= 1000 else None
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            for _attempt in range(64 if pool else 0):
+                s = socket.socket(socket.AF_INET, kind)
+                try:
+                    s.bind(("127.0.0.1", random.choice(pool)))
+                except OSError:
+                    s.close()
+                    continue
+                socks.append(s)
+                break
+            else:
+                s = socket.socket(socket.AF_INET, kind)
+                s.bind(("127.0.0.1", 0))
+                socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port() -> int:
+    """One port as :func:`free_ports` draws them."""
+    return free_ports(1)[0]
 
 
 class ServiceProcess:

@@ -31,6 +31,7 @@ import numpy as np
 
 from aggnet.bench.cpu import own_cpu_seconds, per_gb, tree_cpu_seconds
 from aggnet.progress import Progress
+from aggnet.processes import free_port
 from aggnet.client.config import format_size, parse_size
 
 DEFAULT_SIZES = "1MiB,16MiB,100MiB"
@@ -255,7 +256,7 @@ def spawn_workers(target, world: int, args: tuple, timeout: float, what: str, hi
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(world)
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     ps = [ctx.Process(target=_report, args=(target, r, world, args, port, barrier, out), daemon=True)
           for r in range(world)]
     for p in ps:
@@ -278,13 +279,6 @@ def spawn_workers(target, world: int, args: tuple, timeout: float, what: str, hi
                 p.kill()
     return per_rank
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _service_stats(address: str) -> dict:
@@ -375,7 +369,7 @@ def _time_group(group: str, world: int, plan: list[dict], listen: str | None, ar
     service = None if group == "gloo" else ServiceProcess(listen, args.shards)
     try:
         services = {group: service.address} if service else {}
-        per_rank = _run_group(world, plan, services, args.reps, _free_port() if group == "gloo" else None,
+        per_rank = _run_group(world, plan, services, args.reps, free_port() if group == "gloo" else None,
                               [service.pid] if service else None)
         if service is not None:
             totals = _service_stats(service.address).get("totals", {})

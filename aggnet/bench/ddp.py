@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import time
 from contextlib import nullcontext
 
 from aggnet.bench.cpu import own_cpu_seconds
 from aggnet.progress import Progress
+from aggnet.processes import free_port
 
 
 def add_arguments(p) -> None:
@@ -64,11 +64,6 @@ def check_system(name: str) -> str:
                          f"{', '.join(_CODEC_NAMES)}")
     return name
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _CommOnly:
@@ -258,7 +253,7 @@ def main(args) -> int:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         os.environ.setdefault("AGGNET_TIMEOUT", "120")
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, world, port, args, systems, out)) for r in range(world)]
         for p in procs:
             p.start()

@@ -19,12 +19,7 @@ import numpy as np
 from aggnet import Client
 from aggnet.errors import AggregationTimeout
 from aggnet.hosts import service as service_mod
-from aggnet.processes import ServiceProcess
-
-
-def free_port() -> int:
-    """A TCP port nobody holds now (a torch.distributed rendezvous)."""
-    return free_ports(1)[0]
+from aggnet.processes import ServiceProcess, free_port, free_ports  # noqa: F401 (the harness's own names)
 
 
 def free_port_block(n: int) -> int:
@@ -45,20 +40,6 @@ def free_port_block(n: int) -> int:
             for s in held:
                 s.close()
     raise RuntimeError(f"no {n} consecutive free ports")
-
-
-def free_ports(n: int, kind=socket.SOCK_STREAM) -> list[int]:
-    """``n`` distinct ports nobody holds now (held together so that they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, kind)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def process_gone(pid: int) -> bool:

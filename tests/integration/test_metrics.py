@@ -20,7 +20,7 @@ from aggnet import Client, ClientStats  # noqa: E402
 from aggnet import metrics  # noqa: E402
 from aggnet.protocol.wire import job_id_of  # noqa: E402
 from aggnet.hosts import service  # noqa: E402
-from aggnet.processes import ServiceProcess  # noqa: E402
+from aggnet.processes import ServiceProcess, free_port  # noqa: E402
 from aggnet.transport import connect  # noqa: E402
 from aggnet.protocol.wire import DType, Header, MsgType  # noqa: E402
 
@@ -266,15 +266,10 @@ def test_stats_of_an_unknown_kind_read_as_down_and_say_why(endpoints, caplog):
     assert any("'router'" in r.getMessage() and "service, switch" in r.getMessage() for r in caplog.records)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("mode", ["service", "switch"])
 def test_aggnet_serve_metrics_port(tmp_path, mode):
-    port = _free_port()
+    port = free_port()
     listen = "udp://127.0.0.1:0" if mode == "switch" else f"zmq+ipc://{tmp_path}/agg"
     extra = ["--mode", "switch", "--elements", str(K), "--pool", "64"] if mode == "switch" else []
     with ServiceProcess(listen, shards=2, args=[*extra, "--metrics-port", str(port)]) as svc:
