@@ -65,6 +65,9 @@ def keep_large_buffers(mmap_below: int = 64 << 20, trim_above: int = 256 << 20) 
 _EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
 #: the lowest port :func:`free_ports` draws from
 _LOWEST_PORT = 10000
+#: its own source of randomness: a test that seeds ``random`` (hypothesis
+#: does, per example) must not make two pytest workers draw the same ports
+_RNG = random.SystemRandom()
 
 
 def _ephemeral_start() -> int:
@@ -90,7 +93,7 @@ def free_ports(n: int = 1, kind: int = socket.SOCK_STREAM) -> list[int]:
             for _attempt in range(64 if pool else 0):
                 s = socket.socket(socket.AF_INET, kind)
                 try:
-                    s.bind(("127.0.0.1", random.choice(pool)))
+                    s.bind(("127.0.0.1", _RNG.choice(pool)))
                 except OSError:
                     s.close()
                     continue

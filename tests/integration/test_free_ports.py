@@ -49,3 +49,14 @@ def test_outgoing_connections_do_not_take_the_ports_handed_out():
         finally:
             for c in clients:
                 c.close()
+
+
+def test_a_seeded_random_module_does_not_repeat_the_draw():
+    # hypothesis seeds `random` per example: two pytest workers seeded alike
+    # must still draw different ports
+    import random
+
+    random.seed(1)
+    first = free_ports(4)
+    random.seed(1)
+    assert free_ports(4) != first
