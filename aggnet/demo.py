@@ -225,7 +225,6 @@ def _hint(args, text: str) -> str:
     return ""
 
 
-
 #: what every demo worker imports: its processes fork from a server that
 #: imported these once (torch and scikit-learn cost about 3.5 CPU-seconds
 #: each per process), and a fresh process's state is all they share

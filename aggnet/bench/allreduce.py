@@ -280,7 +280,6 @@ def spawn_workers(target, world: int, args: tuple, timeout: float, what: str, hi
     return per_rank
 
 
-
 def _service_stats(address: str) -> dict:
     from aggnet.protocol import wire
     from aggnet.transport import connect
@@ -357,7 +356,6 @@ def _run(args, sizes: list, worlds: list, transports: list, dtypes: list, chunks
                        "aggregator_sum_bytes_per_s": summary, "memcpy_bytes_per_s": memcpy_bw}, f, indent=1)
         print(f"wrote {len(records)} records to {args.json}")
     return 0
-
 
 
 def _time_group(group: str, world: int, plan: list[dict], listen: str | None, args, sums: dict) -> list[dict]:

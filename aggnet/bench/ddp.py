@@ -65,7 +65,6 @@ def check_system(name: str) -> str:
     return name
 
 
-
 class _CommOnly:
     """The all-reduces of a DDP step without the model ("comm-..."
     systems): one of all the gradients, or DDP's two buckets waited in the

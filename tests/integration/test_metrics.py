@@ -266,7 +266,6 @@ def test_stats_of_an_unknown_kind_read_as_down_and_say_why(endpoints, caplog):
     assert any("'router'" in r.getMessage() and "service, switch" in r.getMessage() for r in caplog.records)
 
 
-
 @pytest.mark.parametrize("mode", ["service", "switch"])
 def test_aggnet_serve_metrics_port(tmp_path, mode):
     port = free_port()
