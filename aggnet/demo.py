@@ -229,7 +229,7 @@ def _hint(args, text: str) -> str:
 #: imported these once (torch and scikit-learn cost about 3.5 CPU-seconds
 #: each per process), and a fresh process's state is all they share
 WORKER_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "sklearn.datasets", "aggnet.torch",
-                  "aggnet.demo"]
+                  "aggnet.torch.warm", "aggnet.demo"]
 
 
 def _run(args, mode: str) -> dict:

@@ -68,9 +68,11 @@ class WorkerFailed(AssertionError):
 
 
 #: what every worker that asks for a fresh process imports anyway: the
-#: server they fork from imports it once (torch alone costs ~2 s of CPU per
-#: process, and the suite starts hundreds of workers)
-FORKSERVER_PRELOAD = ["numpy", "torch", "torch.distributed", "torch.nn.parallel", "aggnet", "aggnet.torch"]
+#: server they fork from imports it once (torch alone costs ~3 s of CPU per
+#: process, a DDP worker's torch._dynamo and numba's code generator ~3 s
+#: more, and the suite starts hundreds of workers)
+FORKSERVER_PRELOAD = ["numpy", "torch", "torch.distributed", "torch.nn.parallel", "aggnet", "aggnet.torch",
+                      "aggnet.torch.warm"]
 
 
 def _fresh_process_context():
