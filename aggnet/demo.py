@@ -21,7 +21,7 @@ import sys
 import time
 
 from aggnet.errors import AggnetError
-from aggnet.processes import free_port
+from aggnet.processes import TORCH_WORKER_PRELOAD, fork_server, free_port
 
 
 def add_arguments(p) -> None:
@@ -228,16 +228,13 @@ def _hint(args, text: str) -> str:
 #: what every demo worker imports: its processes fork from a server that
 #: imported these once (torch and scikit-learn cost about 3.5 CPU-seconds
 #: each per process), and a fresh process's state is all they share
-WORKER_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "sklearn.datasets", "aggnet.torch",
-                  "aggnet.torch.warm", "aggnet.demo"]
+WORKER_PRELOAD = (*TORCH_WORKER_PRELOAD, "sklearn.datasets", "aggnet.demo")
 
 
 def _run(args, mode: str) -> dict:
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(WORKER_PRELOAD)
-    report = ctx.Queue()
+    report = fork_server(WORKER_PRELOAD).Queue()
     # a failed worker says why in one line; torch's note that it stops the
     # others is noise to the user
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)

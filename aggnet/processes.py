@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing
 import os
 import random
 import select
@@ -34,6 +35,39 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
     except Exception as exc:  # not Linux: the parent's own shutdown covers it
         log.debug("no parent-death signal: %s", exc)
+
+
+#: what a worker that all-reduces numpy arrays imports anyway; a fork
+#: server imports it once (and sets numba's code generator up)
+NUMPY_WORKER_PRELOAD = ("numpy", "aggnet", "aggnet.kernels.warm")
+#: the same for a worker that uses torch.distributed or DDP. Not
+#: torch._dynamo, although DDP's constructor imports it (about 2
+#: CPU-seconds a worker): imported in the server, it made gloo's
+#: process-group teardown deadlock in about half of three-rank runs
+TORCH_WORKER_PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn.parallel", "aggnet", "aggnet.torch",
+                        "aggnet.kernels.warm")
+
+
+def fork_server(preload=TORCH_WORKER_PRELOAD):
+    """A multiprocessing context for workers that must start with a fresh
+    process's state (none of the caller's threads, sockets, torch, CUDA or
+    UCX state), as "spawn" gives, but forked from a server that imported
+    ``preload`` once: spawned, every worker imported torch again (about 3
+    CPU-seconds) and set numba's code generator up (about 0.7).
+
+    A process has one fork server. It starts with the first worker and
+    imports what every call so far asked for; it keeps that, and that
+    moment's environment and directory: a process that will need more asks
+    for it before its first worker, and sets what workers read from the
+    environment before too."""
+    _PRELOAD.extend(m for m in preload if m not in _PRELOAD)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(_PRELOAD))
+    return ctx
+
+
+#: every module a call of :func:`fork_server` asked for in this process
+_PRELOAD: list[str] = []
 
 
 #: glibc's mallopt parameters

@@ -40,6 +40,17 @@ TRANSPORTS = ["inproc", "zmq+ipc", "zmq+tcp", "shm",
                                                            reason="ucxx is not installed (pip install aggnet[rdma])"))]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server():
+    """Name what the training workers' fork server imports before any test
+    can start it: a benchmark run in-process asks for less, and a server
+    started with that alone would leave every later worker to import torch
+    itself."""
+    from harness.helpers import _fresh_process_context
+
+    _fresh_process_context()
+
+
 @pytest.fixture(scope="session")
 def _services():
     """One service per transport for this pytest process: starting one costs

@@ -19,7 +19,6 @@ gloo's workers in the same run.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import platform
 import statistics
@@ -31,7 +30,7 @@ import numpy as np
 
 from aggnet.bench.cpu import own_cpu_seconds, per_gb, tree_cpu_seconds
 from aggnet.progress import Progress
-from aggnet.processes import free_port
+from aggnet.processes import fork_server, free_port
 from aggnet.client.config import format_size, parse_size
 
 DEFAULT_SIZES = "1MiB,16MiB,100MiB"
@@ -220,7 +219,7 @@ def _record(point: dict, workers: int, times: list[float], cpu: list[float] | No
 
 def _run_group(world: int, plan: list, services: dict, reps: int, gloo_port: int | None,
                aggregator: list | None = None) -> dict:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fork_server()
     barrier = ctx.Barrier(world)
     out = ctx.Queue()
     ps = [ctx.Process(target=_worker, args=(r, world, plan, services, reps, gloo_port, barrier, out),
@@ -249,11 +248,11 @@ def _report(target, rank: int, world: int, args: tuple, port: int, barrier, out)
 
 def spawn_workers(target, world: int, args: tuple, timeout: float, what: str, hint: str = "") -> dict:
     """Run ``target(rank, world, *args, port, barrier)`` in ``world`` fresh
-    (spawned) processes that share a free TCP port for their process group
+    processes (:func:`aggnet.processes.fork_server`) that share a free TCP port for their process group
     and a barrier; {rank: what target returned}. A worker that fails, or
     none answering within ``timeout``, raises RuntimeError naming ``what``
     (and ``hint``, what to try): the benchmark never waits on a dead one."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fork_server()
     barrier = ctx.Barrier(world)
     out = ctx.Queue()
     port = free_port()

@@ -28,7 +28,7 @@ from contextlib import nullcontext
 
 from aggnet.bench.cpu import own_cpu_seconds
 from aggnet.progress import Progress
-from aggnet.processes import free_port
+from aggnet.processes import TORCH_WORKER_PRELOAD, fork_server, free_port
 
 
 def add_arguments(p) -> None:
@@ -241,7 +241,6 @@ def summarize(got: list, systems: list, steps: int, world: int, batch: int) -> l
 
 def main(args) -> int:
     import torch
-    import torch.multiprocessing as mp
 
     systems = [check_system(s.strip()) for s in args.systems.split(",") if s.strip()]
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -249,9 +248,9 @@ def main(args) -> int:
                          "has neither (use --device cpu)")
     records = []
     for world in [int(w) for w in args.workers.split(",")]:
-        ctx = mp.get_context("spawn")
+        os.environ.setdefault("AGGNET_TIMEOUT", "120")  # before the fork server starts: it keeps this environment
+        ctx = fork_server(TORCH_WORKER_PRELOAD)
         out = ctx.Queue()
-        os.environ.setdefault("AGGNET_TIMEOUT", "120")
         port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, world, port, args, systems, out)) for r in range(world)]
         for p in procs:

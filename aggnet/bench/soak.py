@@ -26,8 +26,9 @@ result), and the memory and descriptors of each aggregator (its
 supervisor and its shard processes together, since killed shards are
 replaced) must stay flat.
 
-Workers are spawned processes: nothing of this process (the relay's
-sockets and thread) is inherited into the counts. Every worker knows every
+Workers start from a fork server (:func:`aggnet.processes.fork_server`):
+nothing of this process (the relay's sockets and thread) is inherited
+into the counts. Every worker knows every
 rank's inputs and checks every result: int32 exactly, float32 within the
 quantization bound (switch) or float32 rounding (service); a running CRC of
 the results also shows every worker held the same bytes. The exit status
@@ -38,7 +39,6 @@ is 1 when a result was wrong, a process failed, or memory grew more than
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import platform
 import sys
@@ -49,6 +49,7 @@ import zlib
 import numpy as np
 
 from aggnet.bench.cpu import descendants
+from aggnet.processes import NUMPY_WORKER_PRELOAD, fork_server
 
 #: all-reduces before the first sample: allocator pools, JIT-compiled
 #: kernels and socket buffers reach their working size first
@@ -336,7 +337,7 @@ def _aggregators(kind: str, workers: int, restart: list, tmp: str) -> tuple[dict
 
 def _start_workers(addresses: list, elements: int, points: list, topology: str | None) -> tuple[list, list]:
     """One process per rank, and the driver's end of each one's pipe."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fork_server(NUMPY_WORKER_PRELOAD)
     workers = len(addresses)
     job = f"soak-{uuid.uuid4().hex[:8]}"
     procs, conns = [], []

@@ -248,11 +248,11 @@ def prediction_errors(steps: int = 400, lr: float = 0.05, seed: int = 0, horizon
 def _pool_map(fn, calls: list[tuple], jobs: int, label) -> list[dict]:
     """Run ``fn(*call)`` for every call, ``jobs`` at a time, printing each
     result's line as it lands."""
-    import multiprocessing as mp
+    from aggnet.processes import fork_server
 
     results = [None] * len(calls)
     t0 = time.perf_counter()
-    ctx = mp.get_context("spawn")
+    ctx = fork_server()
     with ctx.Pool(max(1, jobs)) as pool:
         pending = [(i, pool.apply_async(fn, call)) for i, call in enumerate(calls)]
         done = 0

@@ -10,7 +10,6 @@ rate is payload bytes over the time until the last acknowledgement.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import queue
 import statistics
 import sys
@@ -20,6 +19,7 @@ import time
 import numpy as np
 
 from aggnet.client.config import format_size, parse_size
+from aggnet.processes import NUMPY_WORKER_PRELOAD, fork_server
 from aggnet.progress import Progress
 from aggnet.protocol.limits import MAX_MESSAGE_BYTES
 
@@ -117,7 +117,7 @@ def run_transport(scheme: str, sizes: list[int], volume: int, reps: int) -> list
         listen_addr = f"zmq+ipc://{tempfile.mkdtemp(prefix='agb-')}/p2p.sock"
     else:
         listen_addr = f"{scheme}://127.0.0.1:0"
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fork_server(NUMPY_WORKER_PRELOAD)
     report, out = ctx.Queue(), ctx.Queue()
     rx = ctx.Process(target=_receiver, args=(listen_addr, report, plan), daemon=True)
     rx.start()

@@ -1,12 +1,12 @@
-"""Setting numba's code generator up once, before a process forks.
+"""Importing this module sets numba's code generator up, once, in a
+process that will fork.
 
 A process's first call of a compiled kernel costs about 0.7 CPU-seconds
 even when the kernel loads from numba's on-disk cache: that is when
 numba sets LLVM and its target machine up. Each later kernel loads in
-milliseconds. A process that forks workers or shards calls
-:func:`warm_up` first, and every child starts with the code generator
-ready instead of setting it up again: an aggregator's supervisor before
-its shards, a forkserver before the training workers it forks.
+milliseconds. A process that forks workers imports this module first
+(a forkserver's preload list names it), and every child starts with the
+code generator ready instead of setting it up again.
 """
 
 from __future__ import annotations
@@ -19,3 +19,6 @@ def warm_up() -> None:
     from aggnet.kernels import cpu
 
     cpu.block_exponents(np.zeros(1, np.float32), 1, np.empty(1, np.int16))
+
+
+warm_up()

@@ -19,7 +19,8 @@ import numpy as np
 from aggnet import Client
 from aggnet.errors import AggregationTimeout
 from aggnet.hosts import service as service_mod
-from aggnet.processes import ServiceProcess, free_port, free_ports  # noqa: F401 (the harness's own names)
+from aggnet.processes import (TORCH_WORKER_PRELOAD, ServiceProcess, fork_server, free_port,  # noqa: F401
+                              free_ports)  # free_port(s): the harness's own names
 
 
 def free_port_block(n: int) -> int:
@@ -67,22 +68,15 @@ class WorkerFailed(AssertionError):
     pass
 
 
-#: what every worker that asks for a fresh process imports anyway: the
-#: server they fork from imports it once (torch alone costs ~3 s of CPU per
-#: process, a DDP worker's torch._dynamo and numba's code generator ~3 s
-#: more, and the suite starts hundreds of workers)
-FORKSERVER_PRELOAD = ["numpy", "torch", "torch.distributed", "torch.nn.parallel", "aggnet", "aggnet.torch",
-                      "aggnet.torch.warm"]
-
-
 def _fresh_process_context():
     """Workers with a fresh process's state (no threads, sockets or torch
     state of the test process), forked from a server that has imported
-    FORKSERVER_PRELOAD. The server keeps the environment it started with, so
-    each worker is handed the test's environment and directory (see _call)."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-    return ctx
+    torch and aggnet once (the suite starts hundreds of workers). The
+    server keeps the environment it started with, so each worker is handed
+    the test's environment and directory (see _call); conftest.py names
+    these imports before any test can start it with fewer (a benchmark run
+    in-process)."""
+    return fork_server(TORCH_WORKER_PRELOAD)
 
 
 def _call(fn, rank, args, out, env=None, cwd=None):
