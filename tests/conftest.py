@@ -17,6 +17,14 @@ if _WORKER:
 from harness.helpers import RunningService  # noqa: E402
 
 
+def pytest_configure(config):
+    path = os.environ.get("AGGNET_TEST_CPU")
+    if path:  # CPU-seconds per test, where a cgroup can count them (harness/cpu_report.py)
+        from harness.cpu_report import CpuReport
+
+        config.pluginmanager.register(CpuReport(os.path.abspath(path)), "aggnet-cpu-report")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """The system tests (namespaces with fixed names, BMv2 on fixed ports,
