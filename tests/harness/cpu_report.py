@@ -30,6 +30,13 @@ class CpuReport:
         self.group = f"{ROOT}/aggnet-tests-{os.getpid()}"
         self.records: dict[str, list[float]] = {}
         self.ok = False
+        for old in glob.glob(f"{ROOT}/aggnet-tests-*"):
+            if os.path.exists(f"/proc/{old.rsplit('-', 1)[1]}"):
+                continue  # a running pytest's (the other worker's)
+            try:  # an earlier run's, emptied since (a child outlived that run)
+                os.rmdir(old)
+            except OSError:
+                pass
         try:
             os.makedirs(self.group, exist_ok=True)
             with open(f"{self.group}/cgroup.procs", "w") as f:
@@ -81,4 +88,4 @@ class CpuReport:
                     f.write(str(os.getpid()))
                 os.rmdir(self.group)
             except OSError:
-                pass  # a child still in it (one that outlived the run); the next boot clears it
+                pass  # a child still in it (one that outlived the run): the next run removes it
