@@ -22,7 +22,7 @@ def pytest_configure(config):
     if path:  # CPU-seconds per test, where a cgroup can count them (harness/cpu_report.py)
         from harness.cpu_report import CpuReport
 
-        config.pluginmanager.register(CpuReport(os.path.abspath(path)), "aggnet-cpu-report")
+        config.pluginmanager.register(CpuReport(config, os.path.abspath(path)), "aggnet-cpu-report")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups

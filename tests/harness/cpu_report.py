@@ -21,12 +21,13 @@ import time
 import pytest
 
 ROOT = "/sys/fs/cgroup/cpuacct"
-WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 
 
 class CpuReport:
-    def __init__(self, path: str):
+    def __init__(self, config, path: str):
         self.path = path
+        #: the xdist worker this process is, or "main" for the one that reports
+        self.worker = getattr(config, "workerinput", {}).get("workerid", "main")
         self.group = f"{ROOT}/aggnet-tests-{os.getpid()}"
         self.records: dict[str, list[float]] = {}
         self.ok = False
@@ -61,11 +62,11 @@ class CpuReport:
 
     def pytest_sessionfinish(self, session):
         if self.ok and self.records:
-            with open(f"{self.path}.{WORKER}", "w") as f:
+            with open(f"{self.path}.{self.worker}", "w") as f:
                 json.dump(self.records, f)
 
     def pytest_terminal_summary(self, terminalreporter):
-        if WORKER != "main":
+        if self.worker != "main":
             return
         merged: dict[str, list[float]] = {}
         for part in glob.glob(f"{self.path}.*"):

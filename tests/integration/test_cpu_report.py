@@ -33,7 +33,7 @@ import os
 from harness.cpu_report import CpuReport
 
 def pytest_configure(config):
-    config.pluginmanager.register(CpuReport(os.environ["AGGNET_TEST_CPU"]), "aggnet-cpu-report")
+    config.pluginmanager.register(CpuReport(config, os.environ["AGGNET_TEST_CPU"]), "aggnet-cpu-report")
 '''
 
 
