@@ -248,8 +248,9 @@ def _report(target, rank: int, world: int, args: tuple, port: int, barrier, out)
 
 def spawn_workers(target, world: int, args: tuple, timeout: float, what: str, hint: str = "") -> dict:
     """Run ``target(rank, world, *args, port, barrier)`` in ``world`` fresh
-    processes (:func:`aggnet.processes.fork_server`) that share a free TCP port for their process group
-    and a barrier; {rank: what target returned}. A worker that fails, or
+    processes (:func:`aggnet.processes.fork_server`) that share a free TCP
+    port for their process group and a barrier; {rank: what target
+    returned}. A worker that fails, or
     none answering within ``timeout``, raises RuntimeError naming ``what``
     (and ``hint``, what to try): the benchmark never waits on a dead one."""
     ctx = fork_server()
