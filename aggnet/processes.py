@@ -40,12 +40,12 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 #: what a worker that all-reduces numpy arrays imports anyway; a fork
 #: server imports it once (and sets numba's code generator up)
 NUMPY_WORKER_PRELOAD = ("numpy", "aggnet", "aggnet.kernels.warm")
-#: the same for a worker that uses torch.distributed or DDP. Not
-#: torch._dynamo, although DDP's constructor imports it (about 2
-#: CPU-seconds a worker): imported in the server, it made gloo's
-#: process-group teardown deadlock in about half of three-rank runs
-TORCH_WORKER_PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn.parallel", "aggnet", "aggnet.torch",
-                        "aggnet.kernels.warm")
+#: the same for a worker that uses torch.distributed or DDP, with
+#: torch._dynamo, which DDP's constructor imports (about 2 CPU-seconds a
+#: worker). Such a worker ends its process group after its models are gone
+#: (aggnet.torch.teardown says why)
+TORCH_WORKER_PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "aggnet",
+                        "aggnet.torch", "aggnet.kernels.warm")
 
 
 def fork_server(preload=TORCH_WORKER_PRELOAD):

@@ -28,10 +28,12 @@ from aggnet.parallel import build_layout, cost, models
 from aggnet.parallel.hybrid import HybridParallel
 from aggnet.parallel.profile import profile
 from aggnet.protocol import topology as topo
+from aggnet.torch.teardown import ends_process_group
 
 MODELS = {"narrow-cut": models.narrow_cut, "wide-activation": models.wide_activation}
 
 
+@ends_process_group
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("system", choices=["hybrid", "aggnet", "gloo"])
@@ -48,23 +50,20 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world)
-    try:
-        step, share_of = _build(args)
-        for i in range(args.warmup):
-            step(i)
-        if args.rank == 0:
-            print("timed", flush=True)
-            sys.stdin.readline()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for i in range(args.steps):
-            step(args.warmup + i)
-        dist.barrier()
-        seconds = (time.perf_counter() - t0) / args.steps
-        print(json.dumps({"rank": args.rank, "system": args.system, "step_s": seconds, **share_of}), flush=True)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    step, share_of = _build(args)
+    for i in range(args.warmup):
+        step(i)
+    if args.rank == 0:
+        print("timed", flush=True)
+        sys.stdin.readline()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        step(args.warmup + i)
+    dist.barrier()
+    seconds = (time.perf_counter() - t0) / args.steps
+    print(json.dumps({"rank": args.rank, "system": args.system, "step_s": seconds, **share_of}), flush=True)
+    dist.barrier()
     return 0
 
 

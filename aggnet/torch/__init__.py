@@ -11,7 +11,10 @@
   the all-reduce hides behind the next step's compute;
 * :mod:`aggnet.torch.sparse` -- sparse parameters on the service's sparse
   tables: the hook's sparse buckets (all-reduce mode) and
-  :class:`ShardedEmbedding` (the table and its optimizer on the service).
+  :class:`ShardedEmbedding` (the table and its optimizer on the service);
+* :mod:`aggnet.torch.teardown` -- :func:`ends_process_group`, for worker
+  functions that train with DDP over gloo: the group is destroyed after
+  the models are gone (the other order can hang at exit).
 
 They share one configuration: the ``AGGNET_*`` environment variables, or
 the same keyword arguments, read by :class:`aggnet.ClientConfig`.
@@ -25,7 +28,8 @@ from aggnet.torch.backend import init_process_group
 from aggnet.torch.hook import AggnetState, allreduce_hook
 from aggnet.torch.sparse import ShardedEmbedding
 from aggnet.torch.stale import StaleStep
+from aggnet.torch.teardown import ends_process_group
 
 backend.register()
 
-__all__ = ["AggnetState", "allreduce_hook", "ShardedEmbedding", "StaleStep", "init_process_group"]
+__all__ = ["AggnetState", "allreduce_hook", "ShardedEmbedding", "StaleStep", "ends_process_group", "init_process_group"]

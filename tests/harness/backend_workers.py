@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from aggnet.torch.teardown import ends_process_group
+
 from harness import ddp_workers as W
 
 STEPS = 20
@@ -314,15 +316,13 @@ PARTS = {"collectives": _collectives_part, "ddp": _ddp_part, "fsdp": _fsdp_part,
          "monitored": _monitored_part}
 
 
+@ends_process_group
 def suite_run(rank: int, world: int, init_method: str, address: str | None, chunk_bytes: int | None,
               backend: str, parts: list[str]) -> dict:
     """One process group (``backend``: "aggnet" or "cpu:aggnet") running
     the named parts in order; each part's results under its name."""
     gloo = init(rank, world, init_method, address, chunk_bytes, backend)
-    try:
-        out = {"backend": dist.get_backend(), "job": dist.group.WORLD.job}
-        for part in parts:
-            out[part] = PARTS[part](rank, world, gloo)
-        return out
-    finally:
-        dist.destroy_process_group()
+    out = {"backend": dist.get_backend(), "job": dist.group.WORLD.job}
+    for part in parts:
+        out[part] = PARTS[part](rank, world, gloo)
+    return out

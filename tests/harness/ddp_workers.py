@@ -9,6 +9,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from aggnet.torch.teardown import ends_process_group
+
 FEATURES, CLASSES, PER_RANK = 32, 5, 8
 
 
@@ -74,6 +76,7 @@ def single_process(world: int, steps: int, sparse=False, unused=False, clip=None
     return train(model, steps, world, 0, sparse, clip, device=device)
 
 
+@ends_process_group
 def ddp_run(rank: int, world: int, port: int, mode: str, options: dict):
     """Train with DDP; mode is 'gloo' (PyTorch's own all-reduce) or
     'aggnet'. Returns the final parameters (every model's, when several)."""
@@ -88,41 +91,38 @@ def ddp_run(rank: int, world: int, port: int, mode: str, options: dict):
                  for _ in range(options.get("models", 1))]
         assert not any(s.resolved for s in early)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        out = []
-        states = []
-        device = options.get("device", "cpu")
-        allocations = []
-        for m in range(options.get("models", 1)):
-            model = make_model(m, options.get("sparse", False), options.get("unused", False)).to(device)
-            ddp = DDP(model, gradient_as_bucket_view=options.get("bucket_view", False),
-                      static_graph=options.get("static_graph", False),
-                      find_unused_parameters=options.get("unused", False), bucket_cap_mb=options.get("bucket_mb", 25))
-            if mode == "aggnet":
-                state = early[m] if early else AggnetState(options.get("address"), codec=options.get("codec"),
-                                                           topology=options.get("topology"),
-                                                           staging=options.get("staging", True))
-                states.append(state)
-                ddp.register_comm_hook(state, allreduce_hook)
+    out = []
+    states = []
+    device = options.get("device", "cpu")
+    allocations = []
+    for m in range(options.get("models", 1)):
+        model = make_model(m, options.get("sparse", False), options.get("unused", False)).to(device)
+        ddp = DDP(model, gradient_as_bucket_view=options.get("bucket_view", False),
+                  static_graph=options.get("static_graph", False),
+                  find_unused_parameters=options.get("unused", False), bucket_cap_mb=options.get("bucket_mb", 25))
+        if mode == "aggnet":
+            state = early[m] if early else AggnetState(options.get("address"), codec=options.get("codec"),
+                                                       topology=options.get("topology"),
+                                                       staging=options.get("staging", True))
+            states.append(state)
+            ddp.register_comm_hook(state, allreduce_hook)
 
-            def count(step, states=states):  # buffer allocations so far: pools, and CUDA's allocator
-                # after step 1: DDP rebuilds its buckets once, after the first backward
-                if step in (1, options.get("steps", 20) - 1):
-                    pools = {d: {k: v.allocations for k, v in p.items()} for s in states
-                             for d, p in s.staging_stats().items()}
-                    segments = (torch.cuda.memory_stats().get("segment.all.allocated", 0)
-                                if torch.device(device).type == "cuda" else 0)
-                    allocations.append({"pools": pools, "cuda_segments": segments})
-            out.append(train(model, options.get("steps", 20), world, rank, options.get("sparse", False),
-                             options.get("clip"), ddp=ddp, device=device, on_step=count))
-        jobs = [s.job for s in states]
-        stats = [s.stats()["total"].calls for s in states]
-        routes = [{i: vars(r) for i, r in s.stats()["routes"].items()} for s in states]
-        for s in states:
-            s.close()
-        return {"params": out, "jobs": jobs, "calls": stats, "allocations": allocations, "routes": routes}
-    finally:
-        dist.destroy_process_group()
+        def count(step, states=states):  # buffer allocations so far: pools, and CUDA's allocator
+            # after step 1: DDP rebuilds its buckets once, after the first backward
+            if step in (1, options.get("steps", 20) - 1):
+                pools = {d: {k: v.allocations for k, v in p.items()} for s in states
+                         for d, p in s.staging_stats().items()}
+                segments = (torch.cuda.memory_stats().get("segment.all.allocated", 0)
+                            if torch.device(device).type == "cuda" else 0)
+                allocations.append({"pools": pools, "cuda_segments": segments})
+        out.append(train(model, options.get("steps", 20), world, rank, options.get("sparse", False),
+                         options.get("clip"), ddp=ddp, device=device, on_step=count))
+    jobs = [s.job for s in states]
+    stats = [s.stats()["total"].calls for s in states]
+    routes = [{i: vars(r) for i, r in s.stats()["routes"].items()} for s in states]
+    for s in states:
+        s.close()
+    return {"params": out, "jobs": jobs, "calls": stats, "allocations": allocations, "routes": routes}
 
 
 def max_grad_magnitudes(world: int, steps: int):
@@ -141,50 +141,46 @@ def max_grad_magnitudes(world: int, steps: int):
     return mags
 
 
+@ends_process_group
 def nan_run(rank: int, world: int, port: int, address: str, codec, on_nonfinite: str, device: str = "cpu"):
     """One step on ``device`` where rank 1's gradients are NaN; returns the error text."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from aggnet.torch import AggnetState, allreduce_hook
+
+    model = make_model(0).to(device)
+    ddp = DDP(model)
+    state = AggnetState(address, codec=codec, on_nonfinite=on_nonfinite)
+    ddp.register_comm_hook(state, allreduce_hook)
+    x, y = batch(0, PER_RANK, False)
+    if rank == 1:
+        x[0, 0] = float("nan")
     try:
-        from aggnet.torch import AggnetState, allreduce_hook
-
-        model = make_model(0).to(device)
-        ddp = DDP(model)
-        state = AggnetState(address, codec=codec, on_nonfinite=on_nonfinite)
-        ddp.register_comm_hook(state, allreduce_hook)
-        x, y = batch(0, PER_RANK, False)
-        if rank == 1:
-            x[0, 0] = float("nan")
-        try:
-            nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
-            result = "ok", bool(all(torch.isnan(p.grad).all() for p in model.parameters()))
-        except Exception as exc:
-            result = "error", str(exc)
-        state.close()
-        return result
-    finally:
-        dist.destroy_process_group()
+        nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
+        result = "ok", bool(all(torch.isnan(p.grad).all() for p in model.parameters()))
+    except Exception as exc:
+        result = "error", str(exc)
+    state.close()
+    return result
 
 
+@ends_process_group
 def first_step_error(rank: int, world: int, port: int, address: str, job: str | None = None,
                      connect_timeout: float = 30.0):
     """One DDP step through aggnet; the error it raised, or "no error"."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        from aggnet.client.config import ClientConfig
-        from aggnet.torch import AggnetState, allreduce_hook
+    from aggnet.client.config import ClientConfig
+    from aggnet.torch import AggnetState, allreduce_hook
 
-        ddp = DDP(make_model(0))
-        state = AggnetState(address, job=job, config=ClientConfig(connect_timeout=connect_timeout))
-        ddp.register_comm_hook(state, allreduce_hook)
-        x, y = batch(0, PER_RANK, False)
-        try:
-            nn.functional.cross_entropy(ddp(x), y).backward()
-        except Exception as exc:
-            return str(exc)
-        finally:
-            state.close()
-        return "no error"
+    ddp = DDP(make_model(0))
+    state = AggnetState(address, job=job, config=ClientConfig(connect_timeout=connect_timeout))
+    ddp.register_comm_hook(state, allreduce_hook)
+    x, y = batch(0, PER_RANK, False)
+    try:
+        nn.functional.cross_entropy(ddp(x), y).backward()
+    except Exception as exc:
+        return str(exc)
     finally:
-        dist.destroy_process_group()
+        state.close()
+    return "no error"

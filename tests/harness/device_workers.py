@@ -8,9 +8,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from aggnet.torch.teardown import ends_process_group
+
 from harness.ddp_workers import make_model, train
 
 
+@ends_process_group
 def client_encoded_ddp(rank: int, world: int, port: int, address: str, codec: str, steps: int):
     """DDP on the CPU whose hook hands each float32 bucket to an aggnet
     client that encodes it itself: what the staged path must equal."""
@@ -32,7 +35,6 @@ def client_encoded_ddp(rank: int, world: int, port: int, address: str, codec: st
         return {"params": [train(model, steps, world, rank, False, None, ddp=ddp)]}
     finally:
         client.close()
-        dist.destroy_process_group()
 
 
 def _inputs(rank: int, device: str) -> dict:
@@ -48,6 +50,7 @@ def _inputs(rank: int, device: str) -> dict:
     }
 
 
+@ends_process_group
 def backend_collectives(rank: int, world: int, port: int, address: str, device: str) -> dict:
     """Each collective through the aggnet backend and through a gloo group,
     on ``device`` tensors; {name: (aggnet's result, gloo's)} as NumPy."""
@@ -57,29 +60,26 @@ def backend_collectives(rank: int, world: int, port: int, address: str, device: 
     import aggnet.torch  # noqa: F401  (registers the backend)
 
     dist.init_process_group("aggnet", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        gloo = dist.new_group(backend="gloo")
-        out = {}
-        for name, (t, op) in _inputs(rank, device).items():
-            mine = t.clone().to(device)
-            dist.all_reduce(mine, op=getattr(dist.ReduceOp, op))
-            ref = t.clone()
-            dist.all_reduce(ref, op=dist.ReduceOp.SUM, group=gloo)
-            if op == "AVG":
-                ref = ref / world if ref.is_floating_point() else torch.div(ref, world, rounding_mode="trunc")
-            out[name] = (_numpy(mine), _numpy(ref))
-        g = torch.Generator().manual_seed(10 + rank)
-        whole = torch.randn(world * 1000, generator=g)
-        share = torch.empty(1000, device=device)
-        dist.reduce_scatter_tensor(share, whole.clone().to(device))
-        ref = whole.clone()
-        dist.all_reduce(ref, group=gloo)
-        out["reduce_scatter_tensor"] = (_numpy(share), _numpy(ref[rank * 1000:(rank + 1) * 1000]))
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return out
-    finally:
-        dist.destroy_process_group()
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    for name, (t, op) in _inputs(rank, device).items():
+        mine = t.clone().to(device)
+        dist.all_reduce(mine, op=getattr(dist.ReduceOp, op))
+        ref = t.clone()
+        dist.all_reduce(ref, op=dist.ReduceOp.SUM, group=gloo)
+        if op == "AVG":
+            ref = ref / world if ref.is_floating_point() else torch.div(ref, world, rounding_mode="trunc")
+        out[name] = (_numpy(mine), _numpy(ref))
+    g = torch.Generator().manual_seed(10 + rank)
+    whole = torch.randn(world * 1000, generator=g)
+    share = torch.empty(1000, device=device)
+    dist.reduce_scatter_tensor(share, whole.clone().to(device))
+    ref = whole.clone()
+    dist.all_reduce(ref, group=gloo)
+    out["reduce_scatter_tensor"] = (_numpy(share), _numpy(ref[rank * 1000:(rank + 1) * 1000]))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return out
 
 
 def _numpy(t: torch.Tensor):
@@ -87,6 +87,7 @@ def _numpy(t: torch.Tensor):
     return (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t).numpy()
 
 
+@ends_process_group
 def fsdp_on_device(rank: int, world: int, port: int, address: str, device: str) -> dict:
     """FSDP2 on ``device`` over the aggnet backend, and again over gloo."""
     os.environ["AGGNET_ADDRESS"] = address
@@ -97,12 +98,9 @@ def fsdp_on_device(rank: int, world: int, port: int, address: str, device: str) 
     from harness.backend_workers import _fsdp_train
 
     dist.init_process_group("aggnet", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        gloo = dist.new_group(backend="gloo")
-        # each rank's shards: gathering DTensors on CUDA over a Python
-        # process group (torch's functional all-gather) crashes torch 2.11
-        agg = _fsdp_train(rank, world, DeviceMesh.from_group(dist.group.WORLD, device), device, gather=False)
-        ref = _fsdp_train(rank, world, DeviceMesh.from_group(gloo, device), device, gather=False)
-        return {"aggnet": agg, "gloo": ref}
-    finally:
-        dist.destroy_process_group()
+    gloo = dist.new_group(backend="gloo")
+    # each rank's shards: gathering DTensors on CUDA over a Python
+    # process group (torch's functional all-gather) crashes torch 2.11
+    agg = _fsdp_train(rank, world, DeviceMesh.from_group(dist.group.WORLD, device), device, gather=False)
+    ref = _fsdp_train(rank, world, DeviceMesh.from_group(gloo, device), device, gather=False)
+    return {"aggnet": agg, "gloo": ref}

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from aggnet.parallel import HybridParallel, build_layout
+from aggnet.torch.teardown import ends_process_group
 
 LR = 0.1
 BATCH = 16  # the global batch
@@ -40,6 +41,7 @@ def single_process(steps: int) -> list:
     return [p.detach().numpy().copy() for p in model.parameters()]
 
 
+@ends_process_group
 def hybrid_run(rank: int, world: int, port: int, topology: str, placement: str, stages: int, steps: int,
                micro_batches: int, gradients: str, job: str, schedule: str = "gpipe") -> dict:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -71,4 +73,3 @@ def hybrid_run(rank: int, world: int, port: int, topology: str, placement: str, 
     finally:
         # every rank done with its groups before any tears them down
         dist.barrier()
-        dist.destroy_process_group()

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from aggnet.pipeline import AggnetReducer, Stage, StageRunner, emulate
+from aggnet.torch.teardown import ends_process_group
 
 LR = 0.05
 #: the model's layers held by each stage, for 2 and 4 stages
@@ -49,6 +50,7 @@ def emulated(stages: int, mode: str, steps: int, replicas: int = 1, backward: st
     return [[params(s) for s in row] for row in grid], losses
 
 
+@ends_process_group
 def pipeline_run(rank: int, world: int, port: int, stages: int, modes: list, steps: int, address: str | None = None,
                  job: str = "pipe", backward: str = "recompute", optimizer: str = "sgd") -> dict:
     """Rank ``rank`` of ``world // stages`` replicas of a ``stages``-stage
@@ -56,26 +58,23 @@ def pipeline_run(rank: int, world: int, port: int, stages: int, modes: list, ste
     ``modes`` in turn."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        replica, k = divmod(rank, stages)
-        replicas = world // stages
-        ranks = [replica * stages + j for j in range(stages)]
-        out = {"stage": k, "replica": replica, "params": {}, "losses": {}, "waits": {}}
-        for mode in modes:
-            stage = make_stage(k, stages, mode, backward, optimizer)
-            reducer = None
-            if replicas > 1:
-                reducer = AggnetReducer(address, job=f"{job}-{mode}-stage{k}", rank=replica, world_size=replicas)
-            runner = StageRunner(stage, ranks, reducer=reducer, timeout=60)
-            out["losses"][mode] = runner.run(batches(steps, replica))
-            out["params"][mode] = params(stage)
-            out["waits"][mode] = dict(runner.wait_seconds)
-            if reducer is not None:
-                reducer.close()
-            dist.barrier()
-        return out
-    finally:
-        dist.destroy_process_group()
+    replica, k = divmod(rank, stages)
+    replicas = world // stages
+    ranks = [replica * stages + j for j in range(stages)]
+    out = {"stage": k, "replica": replica, "params": {}, "losses": {}, "waits": {}}
+    for mode in modes:
+        stage = make_stage(k, stages, mode, backward, optimizer)
+        reducer = None
+        if replicas > 1:
+            reducer = AggnetReducer(address, job=f"{job}-{mode}-stage{k}", rank=replica, world_size=replicas)
+        runner = StageRunner(stage, ranks, reducer=reducer, timeout=60)
+        out["losses"][mode] = runner.run(batches(steps, replica))
+        out["params"][mode] = params(stage)
+        out["waits"][mode] = dict(runner.wait_seconds)
+        if reducer is not None:
+            reducer.close()
+        dist.barrier()
+    return out
 
 
 def pipeline_with_a_dead_stage(rank: int, world: int, port: int, timeout: float) -> str:

@@ -12,6 +12,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from aggnet.torch.teardown import ends_process_group
+
 DIM, CLASSES, PER_RANK, BAG = 8, 5, 6, 4
 LR, MOMENTUM = 0.1, 0.9
 
@@ -58,6 +60,7 @@ def local_alphas(world: int, steps: int, vocab: int) -> np.ndarray:
     return out
 
 
+@ends_process_group
 def run(rank: int, world: int, port: int, address: str, cases: list, steps: int):
     """Train each case ``(vocab, alpha_threshold[, nan_step])`` with DDP and
     the aggnet hook; returns per case the parameters and the hook's routing
@@ -66,40 +69,37 @@ def run(rank: int, world: int, port: int, address: str, cases: list, steps: int)
     torch.set_num_threads(1)
     os.environ.pop("AGGNET_ADDRESS", None)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        from aggnet.torch import AggnetState, allreduce_hook
+    from aggnet.torch import AggnetState, allreduce_hook
 
-        out = []
-        for vocab, threshold, *nan_step in cases:
-            model = Net(vocab)
-            ddp = DDP(model)
-            state = AggnetState(address, alpha_threshold=threshold, alpha_steps=3)
-            ddp.register_comm_hook(state, allreduce_hook)
-            opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-            error = None
-            for step in range(steps):
-                if nan_step and step == nan_step[0]:
-                    if rank == 1:
-                        with torch.no_grad():
-                            model.embed.weight.fill_(float("nan"))
-                    x, y = batch(step, PER_RANK, vocab)
-                    try:
-                        nn.functional.cross_entropy(ddp(x), y).backward()
-                    except Exception as exc:
-                        error = str(exc)
-                    break
-                x, y = batch(step, PER_RANK * world, vocab)
-                x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
-                opt.zero_grad()
-                nn.functional.cross_entropy(ddp(x), y).backward()
-                opt.step()
-            stats = state.stats()
-            sc = getattr(state, "_sparse_client", None)
-            out.append({"params": _params(model), "error": error,
-                        "routes": {i: vars(r) for i, r in stats["routes"].items()},
-                        "calls": stats["total"].calls,
-                        "rows_bytes": 0 if sc is None else sc.bytes_sent})
-            state.close()
-        return out
-    finally:
-        dist.destroy_process_group()
+    out = []
+    for vocab, threshold, *nan_step in cases:
+        model = Net(vocab)
+        ddp = DDP(model)
+        state = AggnetState(address, alpha_threshold=threshold, alpha_steps=3)
+        ddp.register_comm_hook(state, allreduce_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        error = None
+        for step in range(steps):
+            if nan_step and step == nan_step[0]:
+                if rank == 1:
+                    with torch.no_grad():
+                        model.embed.weight.fill_(float("nan"))
+                x, y = batch(step, PER_RANK, vocab)
+                try:
+                    nn.functional.cross_entropy(ddp(x), y).backward()
+                except Exception as exc:
+                    error = str(exc)
+                break
+            x, y = batch(step, PER_RANK * world, vocab)
+            x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        stats = state.stats()
+        sc = getattr(state, "_sparse_client", None)
+        out.append({"params": _params(model), "error": error,
+                    "routes": {i: vars(r) for i, r in stats["routes"].items()},
+                    "calls": stats["total"].calls,
+                    "rows_bytes": 0 if sc is None else sc.bytes_sent})
+        state.close()
+    return out

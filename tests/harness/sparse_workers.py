@@ -12,6 +12,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from aggnet.torch.teardown import ends_process_group
+
 VOCAB, DIM, CLASSES, PER_RANK, BAG = 30, 8, 5, 6, 4
 LR = 0.1
 #: torch optimizer of the embedding for each server-side optimizer
@@ -86,6 +88,7 @@ def _init(rank: int, world: int, port: int):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
+@ends_process_group
 def hook_run(rank: int, world: int, port: int, address: str, opt: str, steps: int, hosts: int = 0):
     """DDP with the aggnet hook: the same model trained twice, sparse
     buckets through aggnet's tables and through torch.distributed.
@@ -95,36 +98,33 @@ def hook_run(rank: int, world: int, port: int, address: str, opt: str, steps: in
         local = world // hosts
         os.environ.update(LOCAL_RANK=str(rank % local), LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(rank // local))
     _init(rank, world, port)
-    try:
-        from aggnet.torch import AggnetState, allreduce_hook
+    from aggnet.torch import AggnetState, allreduce_hook
 
-        out = {}
-        for path in ("aggnet", "torch"):
-            weight, head = initial()
-            emb = nn.Embedding(VOCAB, DIM, sparse=True)
-            emb.weight.data.copy_(weight)
-            model = Net(emb)
-            model.head.load_state_dict(head)
-            ddp = DDP(model)
-            state = AggnetState(address, sparse=path)
-            ddp.register_comm_hook(state, allreduce_hook)
-            o = _torch_optimizer(opt, model.parameters(), True)
-            for step in range(steps):
-                x, y = batch(step, PER_RANK * world)
-                x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
-                o.zero_grad()
-                nn.functional.cross_entropy(ddp(x), y).backward()
-                o.step()
-            sc = getattr(state, "_sparse_client", None)
-            out[path] = {"embed": emb.weight.detach().numpy().copy(),
-                         "head": [p.detach().numpy().copy() for p in model.head.parameters()],
-                         "dense_calls": state.stats()["total"].calls,
-                         "sparse_bytes": None if sc is None else (sc.bytes_sent, sc.bytes_received),
-                         "bytes_local": None if sc is None else sc.bytes_local}
-            state.close()
-        return out
-    finally:
-        dist.destroy_process_group()
+    out = {}
+    for path in ("aggnet", "torch"):
+        weight, head = initial()
+        emb = nn.Embedding(VOCAB, DIM, sparse=True)
+        emb.weight.data.copy_(weight)
+        model = Net(emb)
+        model.head.load_state_dict(head)
+        ddp = DDP(model)
+        state = AggnetState(address, sparse=path)
+        ddp.register_comm_hook(state, allreduce_hook)
+        o = _torch_optimizer(opt, model.parameters(), True)
+        for step in range(steps):
+            x, y = batch(step, PER_RANK * world)
+            x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+            o.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            o.step()
+        sc = getattr(state, "_sparse_client", None)
+        out[path] = {"embed": emb.weight.detach().numpy().copy(),
+                     "head": [p.detach().numpy().copy() for p in model.head.parameters()],
+                     "dense_calls": state.stats()["total"].calls,
+                     "sparse_bytes": None if sc is None else (sc.bytes_sent, sc.bytes_received),
+                     "bytes_local": None if sc is None else sc.bytes_local}
+        state.close()
+    return out
 
 
 def _ps_model(client, opt: str, name: str, partitions=3):
@@ -147,69 +147,65 @@ def _train_ps(rank, world, model, emb, ddp, first: int, last: int, cover: bool):
     emb.wait()
 
 
+@ends_process_group
 def ps_run(rank: int, world: int, port: int, address: str, opts: list, steps: int, partitions=3):
     """PS mode: ShardedEmbedding (table and optimizer on the service), the
     head all-reduced by DDP; one model per server-side optimizer."""
     _init(rank, world, port)
-    try:
-        from aggnet import Client
+    from aggnet import Client
 
-        out = {}
-        with Client(address, job="ps-run", rank=rank, world_size=world) as client:
-            for opt in opts:
-                weight, head = initial()
-                emb, model = _ps_model(client, opt, f"emb-{opt}", partitions)
-                if rank == 0:
-                    emb.copy_weight_(weight)
-                dist.barrier()
-                model.head.load_state_dict(head)
-                ddp = DDP(model)
-                _train_ps(rank, world, model, emb, ddp, 0, steps, cover=opt == "momentum")
-                out[opt] = {"embed": emb.weight_rows(np.arange(VOCAB)).numpy(),
-                            "head": [p.detach().numpy().copy() for p in model.head.parameters()],
-                            "partitions": emb.table.partitions, "tuning": emb.tuning}
-                dist.barrier()
-                emb.close()
-        return out
-    finally:
-        dist.destroy_process_group()
+    out = {}
+    with Client(address, job="ps-run", rank=rank, world_size=world) as client:
+        for opt in opts:
+            weight, head = initial()
+            emb, model = _ps_model(client, opt, f"emb-{opt}", partitions)
+            if rank == 0:
+                emb.copy_weight_(weight)
+            dist.barrier()
+            model.head.load_state_dict(head)
+            ddp = DDP(model)
+            _train_ps(rank, world, model, emb, ddp, 0, steps, cover=opt == "momentum")
+            out[opt] = {"embed": emb.weight_rows(np.arange(VOCAB)).numpy(),
+                        "head": [p.detach().numpy().copy() for p in model.head.parameters()],
+                        "partitions": emb.table.partitions, "tuning": emb.tuning}
+            dist.barrier()
+            emb.close()
+    return out
 
 
+@ends_process_group
 def checkpoint_run(rank: int, world: int, port: int, address: str, phase: str, ckpt: str, steps: int):
     """``phase`` "save": train ``steps``, checkpoint, train ``steps`` more;
     "restore" (a new service): restore the checkpoint, train ``steps``."""
     _init(rank, world, port)
-    try:
-        from aggnet import Client
+    from aggnet import Client
 
-        with Client(address, job="ckpt-run", rank=rank, world_size=world) as client:
-            emb, model = _ps_model(client, "adam", "emb-ckpt")
-            if phase == "save":
-                weight, head = initial()
-                if rank == 0:
-                    emb.copy_weight_(weight)
-                model.head.load_state_dict(head)
-                dist.barrier()
-                ddp = DDP(model)
-                _train_ps(rank, world, model, emb, ddp, 0, steps, False)
-                if rank == 0:
-                    emb.save(os.path.join(ckpt, "table"))
-                    torch.save(model.head.state_dict(), os.path.join(ckpt, "head.pt"))
-                dist.barrier()
-                first = steps
-            else:
-                if rank == 0:
-                    emb.load(os.path.join(ckpt, "table"))
-                dist.barrier()
-                emb.resume(os.path.join(ckpt, "table"))
-                model.head.load_state_dict(torch.load(os.path.join(ckpt, "head.pt")))
-                ddp = DDP(model)
-                first = steps
-            _train_ps(rank, world, model, emb, ddp, first, first + steps, False)
-            result = {"embed": emb.weight_rows(np.arange(VOCAB)).numpy(),
-                      "head": [p.detach().numpy().copy() for p in model.head.parameters()]}
+    with Client(address, job="ckpt-run", rank=rank, world_size=world) as client:
+        emb, model = _ps_model(client, "adam", "emb-ckpt")
+        if phase == "save":
+            weight, head = initial()
+            if rank == 0:
+                emb.copy_weight_(weight)
+            model.head.load_state_dict(head)
             dist.barrier()
-            emb.close()
-        return result
-    finally:
-        dist.destroy_process_group()
+            ddp = DDP(model)
+            _train_ps(rank, world, model, emb, ddp, 0, steps, False)
+            if rank == 0:
+                emb.save(os.path.join(ckpt, "table"))
+                torch.save(model.head.state_dict(), os.path.join(ckpt, "head.pt"))
+            dist.barrier()
+            first = steps
+        else:
+            if rank == 0:
+                emb.load(os.path.join(ckpt, "table"))
+            dist.barrier()
+            emb.resume(os.path.join(ckpt, "table"))
+            model.head.load_state_dict(torch.load(os.path.join(ckpt, "head.pt")))
+            ddp = DDP(model)
+            first = steps
+        _train_ps(rank, world, model, emb, ddp, first, first + steps, False)
+        result = {"embed": emb.weight_rows(np.arange(VOCAB)).numpy(),
+                  "head": [p.detach().numpy().copy() for p in model.head.parameters()]}
+        dist.barrier()
+        emb.close()
+    return result

@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from aggnet.torch import AggnetState, StaleStep, allreduce_hook
 from aggnet.torch import stale
+from aggnet.torch.teardown import ends_process_group
 
 LR = 0.05
 
@@ -36,34 +37,32 @@ def emulated(world: int, steps: int, staleness: int, predict: bool) -> list:
     return [[p.detach().numpy().copy() for p in m.parameters()] for m in models]
 
 
+@ends_process_group
 def ddp_run(rank: int, world: int, port: int, address: str, job: str, steps: int, staleness: int,
             predict: bool) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        model = make_model()
-        # small buckets: several per step, rebuilt after the first step
-        ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
-        state = AggnetState(address, job=job, staleness=staleness, predict=predict)
-        ddp.register_comm_hook(state, allreduce_hook)
-        opt = make_optimizer(ddp)
-        if staleness:
-            step = StaleStep(ddp, opt, state)
-            for x, y in batches(rank, steps):
-                with step.step():
-                    nn.functional.cross_entropy(ddp(x), y).backward()
-            step.finish()
-            updates = step.updates
-        else:
-            for x, y in batches(rank, steps):
-                opt.zero_grad()
+    model = make_model()
+    # small buckets: several per step, rebuilt after the first step
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
+    state = AggnetState(address, job=job, staleness=staleness, predict=predict)
+    ddp.register_comm_hook(state, allreduce_hook)
+    opt = make_optimizer(ddp)
+    if staleness:
+        step = StaleStep(ddp, opt, state)
+        for x, y in batches(rank, steps):
+            with step.step():
                 nn.functional.cross_entropy(ddp(x), y).backward()
-                opt.step()
-            updates = steps
-        calls = state.stale_queue.step if staleness else None
-        state.close()
-        dist.barrier()
-        return {"params": [p.detach().numpy().copy() for p in model.parameters()], "updates": updates,
-                "steps_seen": calls}
-    finally:
-        dist.destroy_process_group()
+        step.finish()
+        updates = step.updates
+    else:
+        for x, y in batches(rank, steps):
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        updates = steps
+    calls = state.stale_queue.step if staleness else None
+    state.close()
+    dist.barrier()
+    return {"params": [p.detach().numpy().copy() for p in model.parameters()], "updates": updates,
+            "steps_seen": calls}
