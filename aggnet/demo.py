@@ -21,7 +21,7 @@ import sys
 import time
 
 from aggnet.errors import AggnetError
-from aggnet.processes import TORCH_WORKER_PRELOAD, fork_server, free_port
+from aggnet.processes import DDP_WORKER_PRELOAD, fork_server, free_port
 
 
 def add_arguments(p) -> None:
@@ -228,7 +228,7 @@ def _hint(args, text: str) -> str:
 #: what every demo worker imports: its processes fork from a server that
 #: imported these once (torch and scikit-learn cost about 3.5 CPU-seconds
 #: each per process), and a fresh process's state is all they share
-WORKER_PRELOAD = (*TORCH_WORKER_PRELOAD, "sklearn.datasets", "aggnet.demo")
+WORKER_PRELOAD = (*DDP_WORKER_PRELOAD, "sklearn.datasets", "aggnet.demo")
 
 
 def _run(args, mode: str) -> dict:

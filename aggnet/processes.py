@@ -40,12 +40,14 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 #: what a worker that all-reduces numpy arrays imports anyway; a fork
 #: server imports it once (and sets numba's code generator up)
 NUMPY_WORKER_PRELOAD = ("numpy", "aggnet", "aggnet.kernels.warm")
-#: the same for a worker that uses torch.distributed or DDP, with
-#: torch._dynamo, which DDP's constructor imports (about 2 CPU-seconds a
-#: worker). Such a worker ends its process group after its models are gone
-#: (aggnet.torch.teardown says why)
-TORCH_WORKER_PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "aggnet",
-                        "aggnet.torch", "aggnet.kernels.warm")
+#: the same for a worker that uses torch.distributed
+TORCH_WORKER_PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn.parallel", "aggnet", "aggnet.torch",
+                        "aggnet.kernels.warm")
+#: and for one that trains with DDP, whose constructor imports
+#: torch._dynamo (about 2 CPU-seconds a worker; it also makes torch's
+#: compile cache folder in the temporary directory). Such a worker ends its
+#: process group after its models are gone (aggnet.torch.teardown says why)
+DDP_WORKER_PRELOAD = (*TORCH_WORKER_PRELOAD, "torch._dynamo")
 
 
 def fork_server(preload=TORCH_WORKER_PRELOAD):

@@ -28,7 +28,7 @@ from contextlib import nullcontext
 
 from aggnet.bench.cpu import own_cpu_seconds
 from aggnet.progress import Progress
-from aggnet.processes import TORCH_WORKER_PRELOAD, fork_server, free_port
+from aggnet.processes import DDP_WORKER_PRELOAD, fork_server, free_port
 
 
 def add_arguments(p) -> None:
@@ -249,7 +249,7 @@ def main(args) -> int:
     records = []
     for world in [int(w) for w in args.workers.split(",")]:
         os.environ.setdefault("AGGNET_TIMEOUT", "120")  # before the fork server starts: it keeps this environment
-        ctx = fork_server(TORCH_WORKER_PRELOAD)
+        ctx = fork_server(DDP_WORKER_PRELOAD)
         out = ctx.Queue()
         port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, world, port, args, systems, out)) for r in range(world)]

@@ -19,7 +19,7 @@ import numpy as np
 from aggnet import Client
 from aggnet.errors import AggregationTimeout
 from aggnet.hosts import service as service_mod
-from aggnet.processes import (TORCH_WORKER_PRELOAD, ServiceProcess, fork_server, free_port,  # noqa: F401
+from aggnet.processes import (DDP_WORKER_PRELOAD, ServiceProcess, fork_server, free_port,  # noqa: F401
                               free_ports)  # free_port(s): the harness's own names
 
 
@@ -76,7 +76,7 @@ def _fresh_process_context():
     the test's environment and directory (see _call); conftest.py names
     these imports before any test can start it with fewer (a benchmark run
     in-process)."""
-    return fork_server(TORCH_WORKER_PRELOAD)
+    return fork_server(DDP_WORKER_PRELOAD)
 
 
 def _call(fn, rank, args, out, env=None, cwd=None):
