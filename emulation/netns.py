@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 from aggnet.protocol.limits import SWITCH_PORT
 
+from aggnet.emulation.nsprocess import NETNS_ETC, NamespacePopen, forkable
+
 log = logging.getLogger("aggnet.emulation")
 
 SUBNET = "10.77.0"
@@ -88,10 +90,6 @@ def shape(ns: str, dev: str, rate_mbit: float, mtu: int = 9000, queue_bytes: int
     burst = max(TBF_BURST, 4 * mtu)
     sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst),
        "limit", str(queue_bytes), ns=ns)
-
-
-#: ``ip netns exec NS`` mounts the files of /etc/netns/NS over /etc's
-NETNS_ETC = "/etc/netns"
 
 
 def name_hosts(hosts: list) -> None:
@@ -334,7 +332,11 @@ class Rack(Emulated):
 
     def popen(self, host: Host | str, cmd: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
         ns = host.name if isinstance(host, Host) else host
-        p = subprocess.Popen(["ip", "netns", "exec", ns, *cmd], env={**os.environ, **(env or {})}, **kw)
+        env = {**os.environ, **(env or {})}
+        if forkable(ns, cmd, kw):  # a Python worker: forked, its imports done once
+            p = NamespacePopen(ns, cmd, env=env, **kw)
+        else:
+            p = subprocess.Popen(["ip", "netns", "exec", ns, *cmd], env=env, **kw)
         self._procs.append(p)
         return p
 
