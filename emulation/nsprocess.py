@@ -141,8 +141,11 @@ def _run_module_in(ns_path: str, argv: list[str], env: dict, cwd: str, stdio: li
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     module, args = argv[0], argv[1:]
     sys.argv = ["-m", *args]
-    # run fresh as __main__ (its imports are what the server saved)
-    sys.modules.pop(module, None)
+    # run fresh as __main__ (its imports are what the server saved); a
+    # package stays, its __main__ runs
+    if not hasattr(sys.modules.get(module), "__path__"):
+        sys.modules.pop(module, None)
+    sys.modules.pop(f"{module}.__main__", None)
     code = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
