@@ -1,0 +1,106 @@
+"""``aggnet serve`` forked from the fork server (aggnet.processes.forked) behaves as
+the exec'd command does for whoever started it: it serves, it leads a
+process group of its own with its shards in it, SIGTERM stops it with
+status 0 and a kill reads as the signal; a detached one outlives the
+process that started it without holding that process's exit up."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import numpy as np
+
+from aggnet import Client
+from aggnet.processes.forked import ForkedPopen
+from aggnet.processes import ServiceProcess
+from harness.helpers import child_pids, process_gone
+
+
+def _address() -> str:
+    return f"zmq+ipc://{tempfile.mkdtemp(prefix='aggnet-fs-')}/s.sock"
+
+
+def _sum_of_two(address: str) -> list:
+    def run(rank):
+        with Client(address, job=f"forked-{os.getpid()}", rank=rank, world_size=2, connect_timeout=30) as c:
+            buf = np.full(1000, rank + 1, np.int32)
+            c.allreduce(buf).result(timeout=60)
+            return buf
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return list(pool.map(run, range(2)))
+
+
+def _wait_gone(pids, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(process_gone(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_forked_service_serves_leads_its_group_and_stops_with_status_0():
+    # the suite's process keeps a fork server (conftest.py)
+    svc = ServiceProcess(_address(), shards=2, parent_pid=os.getpid())
+    try:
+        assert isinstance(svc.process, ForkedPopen)
+        assert os.getsid(svc.pid) == svc.pid and os.getpgid(svc.pid) == svc.pid
+        shards = child_pids(svc.pid)
+        assert len(shards) == 2 and all(os.getpgid(p) == svc.pid for p in shards), shards
+        assert all((b == 3).all() for b in _sum_of_two(svc.address))
+    finally:
+        code = svc.stop()
+    assert code == 0
+    assert _wait_gone(shards), "a shard outlived its service"
+
+
+def test_a_killed_forked_service_reads_as_the_signal_and_takes_its_shards():
+    svc = ServiceProcess(_address(), shards=2)
+    shards = child_pids(svc.pid)
+    os.kill(svc.pid, signal.SIGKILL)
+    assert svc.process.wait(timeout=30) == -signal.SIGKILL
+    assert not svc.alive() and svc.stop() == -signal.SIGKILL
+    assert _wait_gone(shards), "a shard outlived its killed service"
+
+
+def test_with_exec_children_set_the_service_is_a_fresh_interpreter(monkeypatch):
+    monkeypatch.setenv("AGGNET_EXEC_CHILDREN", "1")
+    with ServiceProcess(_address(), shards=1) as svc:
+        assert type(svc.process) is subprocess.Popen
+        assert all((b == 3).all() for b in _sum_of_two(svc.address))
+
+
+STARTER = textwrap.dedent("""
+    import sys
+    from aggnet.processes import NUMPY_WORKER_PRELOAD, ServiceProcess, fork_server
+
+    if __name__ == "__main__":
+        fork_server(NUMPY_WORKER_PRELOAD)
+        svc = ServiceProcess(sys.argv[1], shards=1)
+        print(type(svc.process).__name__, svc.pid, flush=True)
+        svc.detach()
+""")
+
+
+def test_a_detached_forked_service_does_not_hold_up_its_starters_exit(tmp_path):
+    script = tmp_path / "starter.py"
+    script.write_text(STARTER)
+    # the service keeps the starter's stderr, as an exec'd one would: a file
+    # here, since a pipe would stay open as long as the service runs
+    with open(tmp_path / "stderr", "w") as err:
+        starter = subprocess.run([sys.executable, str(script), _address()], stdout=subprocess.PIPE, stderr=err,
+                                 text=True, timeout=60)
+    assert starter.returncode == 0, (tmp_path / "stderr").read_text()
+    kind, pid = starter.stdout.split()
+    assert kind == "ForkedPopen"
+    try:
+        assert not process_gone(int(pid)), "the detached service stopped with its starter"
+    finally:
+        os.killpg(int(pid), signal.SIGKILL)
