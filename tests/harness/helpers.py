@@ -90,21 +90,36 @@ def _call(fn, rank, args, out, env=None, cwd=None):
         out.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
 
 
-def silent_rank_run(rank, address, job, idle_s: float, size: int, **client_opts):
+def silent_rank_run(rank, address, job, peers_failed, size: int, idle_s: float = 30.0, **client_opts):
     """Three workers of which rank 2 joins but never all-reduces: the
-    others return the error they got and how long they waited."""
+    others return the error they got and how long they waited. Rank 2
+    stays joined until both have (each releases ``peers_failed``, a
+    semaphore made before the workers start), ``idle_s`` at most."""
     # the aggregator names the silent rank at half the timeout, the worker's
     # own limit comes at the whole: room for a loaded machine between them
     with Client(address, job=job, rank=rank, world_size=3, timeout=3.0, **client_opts) as c:
         if rank == 2:
-            time.sleep(idle_s)
+            deadline = time.monotonic() + idle_s
+            for _peer in range(2):
+                peers_failed.acquire(timeout=max(0.0, deadline - time.monotonic()))
             return "idle"
         t0 = time.monotonic()
         try:
             c.allreduce(np.ones(size, np.float32)).result(30)
         except AggregationTimeout as exc:
             return str(exc), time.monotonic() - t0
+        finally:
+            peers_failed.release()
         return "no error", 0
+
+
+def worker_context(address: str, start_method: str = "fork"):
+    """The multiprocessing context :func:`run_workers` starts the workers
+    for ``address`` from, to make what they share (a semaphore) in."""
+    if address.startswith("ucx://"):
+        # UCX does not survive fork once a process has used it
+        start_method = "spawn"
+    return _fresh_process_context() if start_method == "spawn" else multiprocessing.get_context(start_method)
 
 
 def run_workers(address: str, world: int, fn, *args, timeout: float = 60.0, expect_errors: bool = False,
@@ -117,15 +132,12 @@ def run_workers(address: str, world: int, fn, *args, timeout: float = 60.0, expe
     ``expect_errors`` a failing worker's (type name, message) is returned
     in its place instead of failing the test."""
     inproc = address.startswith("inproc://")
-    if address.startswith("ucx://"):
-        # UCX does not survive fork once a process has used it
-        start_method = "spawn"
     if inproc:
         out = queue.Queue()
         workers = [threading.Thread(target=_call, args=(fn, r, args, out), daemon=True) for r in range(world)]
     else:
-        fresh = start_method == "spawn"
-        ctx = _fresh_process_context() if fresh else multiprocessing.get_context(start_method)
+        ctx = worker_context(address, start_method)
+        fresh = ctx is _fresh_process_context()
         out = ctx.Queue()
         where = (dict(os.environ), os.getcwd()) if fresh else ()
         workers = [ctx.Process(target=_call, args=(fn, r, args, out, *where), daemon=True) for r in range(world)]

@@ -25,7 +25,7 @@ from aggnet.errors import (
 )
 from aggnet.kernels import quant_shift
 from aggnet.transport import connect, listen
-from harness.helpers import free_port, run_workers, silent_rank_run
+from harness.helpers import free_port, run_workers, silent_rank_run, worker_context
 
 SIZES = [0, 1, 7, 1000, 4096, 70001]
 
@@ -262,7 +262,8 @@ def test_aggregator_that_dies_fails_the_allreduce_within_its_timeout(service_fac
 
 def test_a_silent_worker_is_named_by_the_others(service):
     job = f"stall-{uuid.uuid4().hex[:6]}"
-    stall = functools.partial(silent_rank_run, idle_s=5.0, size=10000)
+    failed = worker_context(service.address).Semaphore(0)
+    stall = functools.partial(silent_rank_run, peers_failed=failed, size=10000)
     res = run_workers(service.address, 3, stall, service.address, job, timeout=40)
     for text, waited in res[:2]:
         assert "rank(s) [2]" in text and job in text, text

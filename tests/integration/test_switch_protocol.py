@@ -25,7 +25,7 @@ from aggnet.client.switch import query_stats
 from aggnet.protocol import wire
 from aggnet.protocol.messages import padding_asked
 from aggnet.protocol.wire import HEADER_SIZE, DType, Flag, Header, MsgType
-from harness.helpers import run_workers, silent_rank_run
+from harness.helpers import run_workers, silent_rank_run, worker_context
 
 K = 64
 
@@ -248,7 +248,8 @@ def test_a_killed_jobs_slice_is_free_once_its_heartbeats_stop():
 
 def test_a_silent_worker_is_named_by_the_others(aggregator):
     job = f"stall-{uuid.uuid4().hex[:6]}"
-    stall = functools.partial(silent_rank_run, idle_s=5.5, size=1000, elements=K)
+    failed = worker_context("udp://").Semaphore(0)
+    stall = functools.partial(silent_rank_run, peers_failed=failed, size=1000, elements=K)
     res = run_workers("udp://", 3, stall, aggregator.address, job, timeout=60)
     for text, waited in res[:2]:
         assert "[2] never sent theirs" in text and job in text and "slot" in text, text
