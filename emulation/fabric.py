@@ -49,6 +49,7 @@ from aggnet.protocol.limits import SWITCH_PORT
 
 from aggnet.emulation.fabric_plan import GATEWAY_HOST, ROOT_IP, Names, Plan, RackPlan
 from aggnet.emulation.netns import Emulated, EmulationError, Host, Rack, name_hosts, remove_namespaces, sh, shape
+from aggnet.emulation.nsprocess import service_launcher
 
 log = logging.getLogger("aggnet.emulation")
 
@@ -248,7 +249,7 @@ class Fabric(Emulated):
         if p.root is not None:
             wanted.append((p.root.address, self.spine, args(None)))
         with ThreadPoolExecutor(len(wanted)) as pool:
-            futures = [pool.submit(ServiceProcess, address, prefix=["ip", "netns", "exec", ns], args=args,
+            futures = [pool.submit(ServiceProcess, address, launch=service_launcher(ns), args=args,
                                    start_timeout=start_timeout) for address, ns, args in wanted]
         started = [f.result() for f in futures if f.exception() is None]
         failed = [f.exception() for f in futures if f.exception() is not None]
@@ -266,7 +267,7 @@ class Fabric(Emulated):
         if self.root is None:
             raise EmulationError("this fabric has no root: one rack reduces by itself")
         self.root.stop()
-        self.root = ServiceProcess(self.plan.root.address, prefix=["ip", "netns", "exec", self.spine],
+        self.root = ServiceProcess(self.plan.root.address, launch=service_launcher(self.spine),
                                    args=self.plan.serve_args(None), start_timeout=start_timeout)
 
     def stop_aggregators(self) -> None:

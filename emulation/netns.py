@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from aggnet.protocol.limits import SWITCH_PORT
 
-from aggnet.emulation.nsprocess import NETNS_ETC, NamespacePopen, forkable
+from aggnet.emulation.nsprocess import NETNS_ETC, popen_in
 
 log = logging.getLogger("aggnet.emulation")
 
@@ -331,12 +331,7 @@ class Rack(Emulated):
     # -- running things inside -------------------------------------------------------
 
     def popen(self, host: Host | str, cmd: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
-        ns = host.name if isinstance(host, Host) else host
-        env = {**os.environ, **(env or {})}
-        if forkable(ns, cmd, kw):  # a Python worker: forked, its imports done once
-            p = NamespacePopen(ns, cmd, env=env, **kw)
-        else:
-            p = subprocess.Popen(["ip", "netns", "exec", ns, *cmd], env=env, **kw)
+        p = popen_in(host.name if isinstance(host, Host) else host, cmd, env, **kw)
         self._procs.append(p)
         return p
 

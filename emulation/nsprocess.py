@@ -22,10 +22,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import subprocess
 
 from aggnet.processes.forked import ForkedPopen
 from aggnet.processes.forked import forkable as _forkable_python
-from aggnet.processes import DDP_WORKER_PRELOAD
+from aggnet.processes import DDP_WORKER_PRELOAD, keeps_fork_server
 
 #: what the emulation's Python workers import anyway: DDP, the demo's data
 EMULATION_WORKER_PRELOAD = (*DDP_WORKER_PRELOAD, "sklearn.datasets")
@@ -50,6 +51,24 @@ def forkable(ns: str, cmd: list[str], kw: dict) -> bool:
     if os.environ.get("AGGNET_NETNS_EXEC") == "1" or not _forkable_python(cmd, kw):
         return False
     return os.path.exists(os.path.join(NETNS_DIR, ns))
+
+
+def popen_in(ns: str, cmd: list[str], env: dict | None = None, *, fork: bool = True, **kw) -> subprocess.Popen:
+    """``cmd`` in the network namespace ``ns`` with Popen's keywords ``kw``
+    and ``env`` over this process's environment: a Python module forked
+    from the fork server where it can be (and ``fork``), anything else
+    under ``ip netns exec``."""
+    env = {**os.environ, **(env or {})}
+    if fork and forkable(ns, cmd, kw):  # a Python worker: forked, its imports done once
+        return NamespacePopen(ns, cmd, env=env, **kw)
+    return subprocess.Popen(["ip", "netns", "exec", ns, *cmd], env=env, **kw)
+
+
+def service_launcher(ns: str):
+    """What :class:`aggnet.processes.ServiceProcess` starts ``aggnet serve``
+    in ``ns`` with: forked where this process keeps a fork server, as
+    services outside namespaces are, else under ``ip netns exec``."""
+    return functools.partial(popen_in, ns, fork=keeps_fork_server())
 
 
 class NamespacePopen(ForkedPopen):

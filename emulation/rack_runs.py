@@ -18,6 +18,7 @@ from aggnet.protocol.limits import SWITCH_PORT
 
 from aggnet.emulation.fabric_plan import BMV2_SLOTS
 from aggnet.emulation.netns import EmulationError, Rack
+from aggnet.emulation.nsprocess import service_launcher
 
 log = logging.getLogger("aggnet.emulation")
 
@@ -33,7 +34,7 @@ def start_aggregator(rack: Rack, elements: int | None = None, pool: int = 4096,
         args += ["--elements", str(elements)]
     if shards is not None:
         args += ["--shards", str(shards)]
-    return ServiceProcess(f"udp://{rack.aggregator.ip}:{SWITCH_PORT}", prefix=["ip", "netns", "exec", rack.aggregator.name],
+    return ServiceProcess(f"udp://{rack.aggregator.ip}:{SWITCH_PORT}", launch=service_launcher(rack.aggregator.name),
                           args=args)
 
 

@@ -179,10 +179,11 @@ def _service_popen(cmd: list[str], kw: dict) -> subprocess.Popen:
 class ServiceProcess:
     def __init__(self, listen: str, shards: int | None = None, *, parent_pid: int | None = None,
                  start_timeout: float = 60.0, log_level: str = "WARNING", env: dict | None = None,
-                 args: list[str] = (), prefix: list[str] = ()):
-        """``args`` go to ``aggnet serve`` (e.g. ``--mode switch``); ``prefix``
-        runs it under another command (``ip netns exec NAME``)."""
-        cmd = [*prefix, sys.executable, "-m", "aggnet", "serve", "--listen", listen, "--log-level", log_level, *args]
+                 args: list[str] = (), launch=None):
+        """``args`` go to ``aggnet serve`` (e.g. ``--mode switch``);
+        ``launch(cmd, **popen_keywords)`` starts it elsewhere than here (in
+        a network namespace: aggnet.emulation.nsprocess.popen_in)."""
+        cmd = [sys.executable, "-m", "aggnet", "serve", "--listen", listen, "--log-level", log_level, *args]
         if shards:
             cmd += ["--shards", str(shards)]
         if parent_pid is not None:
@@ -191,7 +192,7 @@ class ServiceProcess:
         # its own process group: a stop that has to kill takes the shards too
         kw = dict(stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=None if env is None else {**os.environ, **env},
                   start_new_session=True)
-        self.process = _service_popen(cmd, kw)
+        self.process = launch(cmd, **kw) if launch is not None else _service_popen(cmd, kw)
         atexit.register(self.stop)
         deadline = time.monotonic() + start_timeout
         # "aggnet serving ADDRESS shards=K pid=P"; libraries (UCX) may print
