@@ -15,7 +15,6 @@ Under torchrun the same training runs with env:// rendezvous::
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import time
@@ -231,24 +230,45 @@ def _hint(args, text: str) -> str:
 WORKER_PRELOAD = (*DDP_WORKER_PRELOAD, "sklearn.datasets", "aggnet.demo")
 
 
-def _run(args, mode: str) -> dict:
-    import torch.multiprocessing as mp
-
-    report = fork_server(WORKER_PRELOAD).Queue()
-    # a failed worker says why in one line; torch's note that it stops the
-    # others is noise to the user
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    workers = mp.start_processes(_spawned, args=(args.workers, free_port(), args, mode, report),
-                                 nprocs=args.workers, start_method="forkserver", join=False)
+def _run(args, mode: str) -> dict | None:
+    """One training run; None when a worker failed (it said why)."""
+    ctx = fork_server(WORKER_PRELOAD)
+    report = ctx.Queue()
+    port = free_port()
+    workers = [ctx.Process(target=_spawned, args=(rank, args.workers, port, args, mode, report),
+                           name=f"aggnet-demo-{mode}-{rank}") for rank in range(args.workers)]
+    for w in workers:
+        w.start()
     try:
-        while not workers.join():
-            pass
-    except (mp.ProcessExitedException, mp.ProcessRaisedException):
-        return None  # the worker said why, above
+        if not _all_succeed(workers):
+            return None
     except KeyboardInterrupt:
-        _stop(workers.processes)
+        _stop(workers)
         raise
     return report.get(timeout=10)
+
+
+def _all_succeed(workers) -> bool:
+    """Wait for every worker; at the first that fails, stop the others (its
+    peers would wait for it in a collective until their timeout)."""
+    from multiprocessing.connection import wait
+
+    running = list(workers)
+    while running:
+        for sentinel in wait([w.sentinel for w in running]):
+            w = next(p for p in running if p.sentinel == sentinel)
+            w.join()
+            running.remove(w)
+            if w.exitcode != 0:
+                for other in running:
+                    other.terminate()
+                for other in running:
+                    other.join(STOP_GRACE)
+                    if other.is_alive():
+                        other.kill()
+                        other.join(5)
+                return False
+    return True
 
 
 #: seconds Ctrl-C gives the workers (who got it too) before they are killed
@@ -269,9 +289,10 @@ def _stop(processes, grace: float = STOP_GRACE) -> None:
 
 
 def main(args) -> int:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    # not imported here: the workers fork from a server that imports it
+    if importlib.util.find_spec("torch") is None:
         print("aggnet demo trains with PyTorch: pip install 'aggnet[torch]' (./dev demo sets it up)", file=sys.stderr)
         return 2
     if "LOCAL_RANK" in os.environ and "RANK" in os.environ:
