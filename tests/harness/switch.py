@@ -36,9 +36,16 @@ def endpoints():
     return list(range(WORKERS)) + [PARENT, FOREIGN]
 
 
-def gather(socks: dict, wait: float, read) -> dict:
+#: seconds a collection waits for packets beyond those it expects
+EXTRA_WAIT = 0.05
+
+
+def gather(socks: dict, wait: float, read, expected: dict | None = None) -> dict:
     """What each endpoint's socket received within ``wait`` seconds;
-    ``read(sock)`` returns the aggnet bytes of one packet, or None to skip it."""
+    ``read(sock)`` returns the aggnet bytes of one packet, or None to skip it.
+    Once ``expected`` (endpoint -> packets, not empty) have all arrived, it
+    waits EXTRA_WAIT more for any the other side sent beyond them; silence
+    is only ever confirmed by the whole ``wait``."""
     got = {ep: [] for ep in socks}
     owner = {s: ep for ep, s in socks.items()}
     deadline = time.monotonic() + wait
@@ -48,6 +55,9 @@ def gather(socks: dict, wait: float, read) -> dict:
             data = read(owner[s], s)
             if data is not None:
                 got[owner[s]].append(data)
+        if expected and all(len(got[ep]) >= n for ep, n in expected.items()):
+            deadline = min(deadline, time.monotonic() + EXTRA_WAIT)
+            expected = None
     return got
 
 
@@ -135,14 +145,14 @@ class HostAggregator:
         else:
             self._send_raw(ep, data)
 
-    def collect(self, wait: float = 0.3) -> dict:
+    def collect(self, wait: float = 0.3, expected: dict | None = None) -> dict:
         def read(ep, s):
             data, _ = s.recvfrom(65536)
             if ep == PARENT and _drain_join(data):
                 return None  # the rack asking its parent in: not a data packet
             return bytes(data)
 
-        return gather(self.socks, wait, read)
+        return gather(self.socks, wait, read, expected)
 
     def drops(self) -> dict:
         from aggnet.client.switch import query_stats
@@ -269,7 +279,7 @@ class Bmv2Aggregator:
         ip, mac, port = self.addr[ep]
         self.socks[0 if ep == MOVED else ep].send(frame(mac, SWITCH_MAC, ip, SWITCH_IP, port, SWITCH_PORT, data))
 
-    def collect(self, wait: float = 0.3) -> dict:
+    def collect(self, wait: float = 0.3, expected: dict | None = None) -> dict:
         def read(ep, s):
             data, info = s.recvfrom(65536)
             if info[2] == socket.PACKET_OUTGOING:
@@ -288,7 +298,7 @@ class Bmv2Aggregator:
             assert dst_ip == self.addr[ep][0] and dport == self.addr[ep][2], (ep, dst_ip, dport)
             return bytes(body)
 
-        return gather(self.socks, wait, read)
+        return gather(self.socks, wait, read, expected)
 
     def drops(self) -> dict:
         return dict(self.ctl.counters()["drops"])
