@@ -39,7 +39,7 @@ def test_prediction_check_writes_errors_per_version_difference(tmp_path):
 @pytest.mark.slow
 def test_pipeline_modes_table_has_every_mode_with_its_spread(tmp_path):
     pytest.importorskip("matplotlib")
-    out = _run(tmp_path, "bench-spectrain", "modes", "--stages", "2", "--seeds", "2", "--steps", "400",
+    out = _run(tmp_path, "bench-spectrain", "modes", "--stages", "2", "--seeds", "2", "--steps", "200",
                "--lrs", "0.1", "--jobs", "2")
     doc = json.loads((tmp_path / "bench-spectrain-modes.json").read_text())
     assert {r["mode"] for r in doc["table"]} == {"sync", "vanilla", "stash", "spectrain"}
