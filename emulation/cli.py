@@ -15,6 +15,8 @@ from aggnet.client.config import format_size, parse_size
 from aggnet.emulation import rack_runs
 from aggnet.emulation.netns import EmulationError, Rack, free_prefix
 from aggnet.progress import Progress
+from aggnet.emulation.nsprocess import EMULATION_WORKER_PRELOAD
+from aggnet.processes import fork_server
 
 
 def add_arguments(p) -> None:
@@ -99,6 +101,8 @@ def main(args) -> int:
 
         for name in args.systems.split(","):
             check_system(name.strip())  # before any namespace exists
+    # the namespaces' Python workers and aggregators fork from one server
+    fork_server(EMULATION_WORKER_PRELOAD)
     args.workers = 4 if args.workers is None else args.workers
     args.rate = 100.0 if args.rate is None else args.rate
     args.size = args.size or "16MiB"

@@ -17,6 +17,8 @@ from aggnet.emulation.fabric import Fabric
 from aggnet.emulation.fabric_plan import Plan, PlanError, plan
 from aggnet.progress import Progress
 from aggnet.emulation.netns import EmulationError, free_prefix
+from aggnet.emulation.nsprocess import EMULATION_WORKER_PRELOAD
+from aggnet.processes import fork_server
 
 DEFAULT_SIZE = "32MiB"
 #: chaos: the all-reduce size and how many make a checked batch
@@ -56,6 +58,8 @@ def main(args) -> int:
         print(f"aggnet emulate chaos: --minutes and --every must be positive, got {args.minutes:g} and "
               f"{args.every:g}", file=sys.stderr)
         return 2
+    # the namespaces' Python workers and aggregators fork from one server
+    fork_server(EMULATION_WORKER_PRELOAD)
     try:
         with Fabric(pl, prefix=args.prefix or free_prefix("agf")) as fabric:
             fabric.start_aggregators(restart=args.what == "chaos")
