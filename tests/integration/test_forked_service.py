@@ -52,6 +52,8 @@ def test_a_forked_service_serves_leads_its_group_and_stops_with_status_0():
     try:
         assert isinstance(svc.process, ForkedPopen)
         assert os.getsid(svc.pid) == svc.pid and os.getpgid(svc.pid) == svc.pid
+        with open(f"/proc/{svc.pid}/comm") as f:
+            assert f.read().strip() == "aggnet serve"  # what top and pgrep show
         shards = child_pids(svc.pid)
         assert len(shards) == 2 and all(os.getpgid(p) == svc.pid for p in shards), shards
         assert all((b == 3).all() for b in _sum_of_two(svc.address))
