@@ -262,11 +262,7 @@ def _all_succeed(workers) -> bool:
             if w.exitcode != 0:
                 for other in running:
                     other.terminate()
-                for other in running:
-                    other.join(STOP_GRACE)
-                    if other.is_alive():
-                        other.kill()
-                        other.join(5)
+                _stop(running)
                 return False
     return True
 
@@ -276,9 +272,10 @@ STOP_GRACE = 5.0
 
 
 def _stop(processes, grace: float = STOP_GRACE) -> None:
-    """Ctrl-C reached every worker, and each exits at once, unless it is
-    blocked in a collective whose peers left (it would hold the terminal
-    until that times out): those are killed after ``grace`` seconds."""
+    """Workers told to stop (Ctrl-C reached every one, or SIGTERM after a
+    peer failed) exit at once, unless blocked in a collective whose peers
+    left (it would hold the terminal until that times out): those are
+    killed after ``grace`` seconds."""
     deadline = time.monotonic() + grace
     for p in processes:
         p.join(max(0.0, deadline - time.monotonic()))

@@ -137,7 +137,7 @@ def run_workers(address: str, world: int, fn, *args, timeout: float = 60.0, expe
         workers = [threading.Thread(target=_call, args=(fn, r, args, out), daemon=True) for r in range(world)]
     else:
         ctx = worker_context(address, start_method)
-        fresh = ctx is _fresh_process_context()
+        fresh = ctx.get_start_method() == "forkserver"
         out = ctx.Queue()
         where = (dict(os.environ), os.getcwd()) if fresh else ()
         workers = [ctx.Process(target=_call, args=(fn, r, args, out, *where), daemon=True) for r in range(world)]
