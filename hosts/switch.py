@@ -69,6 +69,10 @@ ACTIVITY_CHECK_INTERVAL = 1.0
 DEFAULT_HEARTBEAT_LAPSE = 1.5
 #: how often the loop looks for lapsed members
 HEARTBEAT_CHECK_INTERVAL = 0.1
+#: a pass of the loop longer than this (with the check interval) is the
+#: aggregator's own pause: it was not reading, so the heartbeats still
+#: queued in its socket say nothing of its members
+OWN_PAUSE = 0.5
 #: datagrams one receive takes at most (a few MiB of packets)
 MAX_BATCH = 8192
 #: seconds a shard waits for datagrams before looking at its stop flag
@@ -156,6 +160,7 @@ class SwitchService(Aggregator):
         #: seconds without a heartbeat after which a member is gone (0: never)
         self.heartbeat_lapse = heartbeat_lapse
         self._next_heartbeat_check = 0.0
+        self._heartbeats_checked: float | None = None
         if not 0 <= rack_id < racks <= MAX_WORKERS:
             raise ValueError(f"rack id {rack_id} of {racks} racks: a parent takes 1..{MAX_WORKERS} racks")
         self.reclaim_idle = reclaim_idle
@@ -183,8 +188,7 @@ class SwitchService(Aggregator):
         self.racks = racks
         self.control_counters: collections.Counter = collections.Counter()
         self._supervisor: ShardSupervisor | None = None  #: shards 1.. once serving
-        # compile the data path before serving: a first packet must not wait
-        self._step(self.sock, 0, 0)
+        self._warm_data_path()
 
     @property
     def io(self) -> str:
@@ -264,6 +268,16 @@ class SwitchService(Aggregator):
         runs = self.plan.plan(sock, self.regs, self.verdicts)
         if runs:
             self.plan.send(sock, runs)
+
+    def _warm_data_path(self) -> None:
+        """Compile (or load from numba's cache) the data path's kernels on
+        an empty batch, before serving. Compiled at the first packet
+        instead, they took seconds on a cold cache (a fresh install) in the
+        one loop that also hears heartbeats: the first members of the first
+        job were dropped as silent. The shards fork after this and inherit
+        the compiled kernels."""
+        self.regs.run(self.sock, 0, self.verdicts)
+        self.plan.plan(self.sock, self.regs, self.verdicts)
 
     def _send(self, data, dest) -> None:
         self.sock.send(data, dest)
@@ -561,6 +575,17 @@ class SwitchService(Aggregator):
         """Members whose heartbeats stopped are gone: each other member
         hears it at once, as an ERROR that fails its open all-reduce."""
         if self.heartbeat_lapse == 0:
+            return
+        last, self._heartbeats_checked = self._heartbeats_checked, now
+        paused = 0.0 if last is None else now - last - HEARTBEAT_CHECK_INTERVAL
+        if paused > min(OWN_PAUSE, self.heartbeat_lapse / 3):
+            # descheduled on a loaded host, a long batch, a slow send: a
+            # member's silence is measured over time this loop listened
+            self.control_counters["own_pauses"] += 1
+            log.info("switch: the aggregator's loop paused %.1fs; members' heartbeat lapses start again", paused)
+            for job in self.jobs.values():
+                for rank in job.heard:
+                    job.heard[rank] += paused
             return
         for job in list(self.jobs.values()):
             for rank, heard in list(job.heard.items()):

@@ -2,10 +2,12 @@
 host in switch mode hears its members' heartbeats instead, and tells the
 others at once when one stops (docs/protocol.md "A worker that dies")."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -90,3 +92,78 @@ def test_a_worker_that_is_only_slow_to_call_stays_a_member(shared_service):
         other.kill()
         other.wait(10)
     assert svc.new_counts()["members_disconnected"] == 0
+
+
+def test_the_aggregators_own_pause_drops_no_member():
+    """Silence counts only while the aggregator listened. A pass of its
+    loop longer than the lapse (here one send of results that stalls 2 s;
+    a first packet compiling the data path on a cold cache did it, as can
+    a loaded host) leaves every member's heartbeats queued in its socket:
+    the members stay, and the next all-reduce sums."""
+    from aggnet.hosts.switch import SwitchService
+
+    svc = SwitchService("udp://127.0.0.1:0", pool=64, heartbeat_lapse=0.6)
+    stalls = []
+    send = svc.plan.send
+
+    def stalled_send(sock, runs):
+        if runs and not stalls:
+            stalls.append(time.monotonic())
+            time.sleep(2.0)
+        send(sock, runs)
+
+    svc.plan.send = stalled_send
+    stop = threading.Event()
+    loop = threading.Thread(target=svc.serve, args=(stop.is_set,), name="switch-under-test", daemon=True)
+    loop.start()
+    job = f"pause-{uuid.uuid4().hex[:6]}"
+    try:
+        clients = [Client(str(svc.address), job=job, rank=r, world_size=2, timeout=30) for r in range(2)]
+        try:
+            assert all(c.heartbeat_lapse == 0.6 for c in clients)
+            for round_ in range(2):
+                pending = [c.allreduce(np.full(1000, r + 1.0, np.float32)) for r, c in enumerate(clients)]
+                assert [float(p.result(timeout=10)[0]) for p in pending] == [3.0, 3.0], round_
+        finally:
+            for c in clients:
+                c.close()
+    finally:
+        stop.set()
+        loop.join(10)
+    assert len(stalls) == 1
+    assert svc.control_counters["own_pauses"] >= 1
+    assert svc.control_counters["members_disconnected"] == 0
+
+
+_FIRST_JOB = """
+import json, threading
+import numpy as np
+from aggnet import Client
+from aggnet.hosts import switch_datapath
+from aggnet.hosts.switch import SwitchService
+
+kernels = (switch_datapath.process_batch, switch_datapath.plan_sends)
+svc = SwitchService("udp://127.0.0.1:0", pool=64, heartbeat_lapse=10.0)
+ready = [len(k.signatures) for k in kernels]
+stop = threading.Event()
+loop = threading.Thread(target=svc.serve, args=(stop.is_set,), daemon=True)
+loop.start()
+clients = [Client(str(svc.address), job="first", rank=r, world_size=2, timeout=30) for r in range(2)]
+sums = [float(p.result(30)[0]) for p in [c.allreduce(np.ones(5000, np.float32)) for c in clients]]
+for c in clients:
+    c.close()
+stop.set()
+loop.join(10)
+print(json.dumps({"ready": ready, "after": [len(k.signatures) for k in kernels], "sums": sums}))
+"""
+
+
+def test_a_switch_service_has_its_data_path_compiled_before_it_serves():
+    """The first packet of a fresh process's first job finds the kernels
+    ready: compiled at that packet instead, a fresh install's (cold cache)
+    loop stopped listening for seconds, and its first members lapsed."""
+    out = subprocess.run([sys.executable, "-c", _FIRST_JOB], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert seen["sums"] == [2.0, 2.0]
+    assert seen["ready"] == [1, 1] and seen["after"] == seen["ready"], seen
