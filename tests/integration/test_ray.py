@@ -65,7 +65,7 @@ def test_aggregators_ray_cannot_place_are_refused_naming_the_label_or_the_cpus(t
         "except TopologyError as exc:\n"
         "    print(exc)\n"
         "try:\n"
-        f"    Aggregators({one_rack!r}, start_timeout=5)\n"
+        f"    Aggregators({one_rack!r}, start_timeout=2)\n"
         "except TimeoutError as exc:\n"
         "    print(exc)\n"
         "    sys.exit(3)\n"
@@ -78,5 +78,5 @@ def test_aggregators_ray_cannot_place_are_refused_naming_the_label_or_the_cpus(t
                              "start --labels aggnet.io/rack=rack1 (or Cluster.add_node(labels=...))")
                for line in said), said
     # four shards ask four CPUs of a two-CPU node
-    assert ("rack rack0: no Ray node took its aggregator within 5s; it asks for 4 CPU(s) on a node labeled "
+    assert ("rack rack0: no Ray node took its aggregator within 2s; it asks for 4 CPU(s) on a node labeled "
             "{'aggnet.io/rack': 'rack0'}: free them, or pass a smaller cpus_per_shard") in said, said

@@ -89,7 +89,7 @@ def test_ddp_across_racks_survives_link_and_shard_faults_bit_for_bit():
 def test_the_chaos_command_checks_every_allreduce_and_reports_each_fault(tmp_path):
     out = tmp_path / "chaos.json"
     r = subprocess.run([sys.executable, "-m", "aggnet", "emulate", "--topology", SERVICE_RACKS, "chaos",
-                        "--workers", "2", "--rate", "0", "--uplink-rate", "0", "--minutes", "0.3", "--every", "4",
+                        "--workers", "2", "--rate", "0", "--uplink-rate", "0", "--minutes", "0.1", "--every", "2.5",
                         "--size", "1MiB", "--prefix", "agv", "--json", str(out)],
                        capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
