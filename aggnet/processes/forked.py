@@ -96,7 +96,12 @@ class ForkedPopen(subprocess.Popen):
         would otherwise wait for it at exit, as for any of its children."""
         multiprocessing.process._children.discard(self._process)
 
-    def _internal_poll(self, *args, **kwargs):
+    def _internal_poll(self, *args, _finalizing=sys.is_finalizing, **kwargs):
+        # Popen.__del__ polls too: at the interpreter's exit multiprocessing
+        # can no longer import what its poll needs, and the fork server
+        # reaps the child anyway
+        if _finalizing():
+            return self.returncode
         if self.returncode is None and self._process is not None and self._process.exitcode is not None:
             self.returncode = self._process.exitcode
         return self.returncode
