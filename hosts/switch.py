@@ -558,18 +558,20 @@ class SwitchService(Aggregator):
         """A member's heartbeat says it is alive. One from a worker that is
         not a member (any more) is answered, so that a worker dropped for
         silence (a paused process, a cut-off host) learns that its job went
-        on without it; the answer is as large as the heartbeat: no
-        amplifier for forged sources."""
-        job = self.jobs.get(h.job_id)
-        if self.heartbeat_lapse == 0 or job is None or h.count:
+        on without it, or ended with it: a job whose every member lapsed,
+        or that this host lost in a restart, is no longer here at all. The
+        answer is as large as the heartbeat: no amplifier for forged
+        sources."""
+        if self.heartbeat_lapse == 0 or h.count:
             self.control_counters["dropped_heartbeat"] += 1
             return
-        if job.members.get(h.sender) == src:
+        job = self.jobs.get(h.job_id)
+        if job is not None and job.members.get(h.sender) == src:
             job.heard[h.sender] = time.monotonic()
             return
         self.control_counters["heartbeats_of_non_members"] += 1
         self._send(Heartbeat(0).to_header(Header(MsgType.HEARTBEAT, job_id=h.job_id, sender=h.sender,
-                                                 world=job.world)).pack(), src)
+                                                 world=h.world if job is None else job.world)).pack(), src)
 
     def _check_heartbeats(self, now: float) -> None:
         """Members whose heartbeats stopped are gone: each other member

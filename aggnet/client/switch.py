@@ -702,7 +702,8 @@ class SwitchClient(Client):
         self._job_ended(AggregationError(
             f"{self._context()}: the aggregator at {self.address} no longer counts this worker as a member: "
             f"its heartbeats stopped for longer than the aggregator allows (was the process paused, or its "
-            f"host cut off?), and the other workers were told; start the job's workers again"))
+            f"host cut off?) and the other workers were told, or the aggregator restarted without the job; "
+            f"start the job's workers again"))
 
     def _on_probe(self, data: bytes) -> None:
         if self._probing is None or not self._reqs:

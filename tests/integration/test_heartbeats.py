@@ -94,6 +94,59 @@ def test_a_worker_that_is_only_slow_to_call_stays_a_member(shared_service):
     assert svc.new_counts()["members_disconnected"] == 0
 
 
+_BOTH_RANKS = """
+import sys, threading, time
+import numpy as np
+from aggnet import Client
+clients = [Client(sys.argv[1], job=sys.argv[2], rank=r, world_size=2, timeout=30) for r in range(2)]
+for p in [c.allreduce(np.ones(1000, np.float32)) for c in clients]:
+    p.result(timeout=30)
+print("summed", flush=True)
+sys.stdin.readline()
+t0 = time.monotonic()
+said = []
+for r, p in enumerate([c.allreduce(np.ones(1000, np.float32)) for c in clients]):
+    try:
+        p.result(timeout=30)
+        said.append(f"rank {r} summed")
+    except Exception as exc:
+        said.append(f"rank {r} {type(exc).__name__} after {time.monotonic() - t0:.1f}s: {exc}")
+print("\\n".join(said), flush=True)
+for c in clients:
+    c.close()
+"""
+
+
+def test_workers_whose_whole_job_lapsed_are_told_when_they_wake(shared_service):
+    """Every member paused (one host with both ranks stopped, or cut off):
+    the host drops them all and with the last one the job. Woken, the rank
+    that heard no ERROR learns from its next heartbeat that it is no
+    longer a member, at once, instead of waiting out its timeout."""
+    svc = shared_service("udp")
+    job = f"all-paused-{uuid.uuid4().hex[:6]}"
+    ranks = subprocess.Popen([sys.executable, "-c", _BOTH_RANKS, svc.address, job], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert ranks.stdout.readline().strip() == "summed"
+        os.kill(ranks.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while svc.new_counts()["members_disconnected"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(ranks.pid, signal.SIGCONT)
+        ranks.stdin.write("go\n")
+        ranks.stdin.flush()
+        said = [ranks.stdout.readline().strip() for _ in range(2)]
+    finally:
+        if ranks.poll() is None:
+            os.kill(ranks.pid, signal.SIGCONT)
+            ranks.kill()
+        ranks.wait(10)
+    assert svc.new_counts()["members_disconnected"] == 2
+    assert said[0].startswith("rank 0 AggregationError after") and "no longer counts this worker" in said[0], said
+    assert said[1].startswith("rank 1 AggregationTimeout after") and "rank 0 of job" in said[1], said
+    assert all(float(line.split(" after ")[1].split("s:")[0]) < 5 for line in said), said
+
+
 _TWO_RANKS = """
 import sys
 import numpy as np
