@@ -117,12 +117,14 @@ for c in clients:
 """
 
 
-def test_workers_whose_whole_job_lapsed_are_told_when_they_wake(shared_service):
+def test_workers_whose_whole_job_lapsed_are_told_when_they_wake(service_factory):
     """Every member paused (one host with both ranks stopped, or cut off):
     the host drops them all and with the last one the job. Woken, the rank
     that heard no ERROR learns from its next heartbeat that it is no
     longer a member, at once, instead of waiting out its timeout."""
-    svc = shared_service("udp")
+    # a service of its own: a shared one also counts the lapses of workers
+    # that earlier tests killed
+    svc = service_factory("udp")
     job = f"all-paused-{uuid.uuid4().hex[:6]}"
     ranks = subprocess.Popen([sys.executable, "-c", _BOTH_RANKS, svc.address, job], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
