@@ -40,12 +40,12 @@ def _rank_1(address: str, job: str, idle_s: float = 0.0) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True)
 
 
-def test_a_paused_worker_is_dropped_and_told_so_when_it_wakes(shared_service):
+def test_a_paused_worker_is_dropped_and_told_so_when_it_wakes(service_factory):
     """SIGSTOP is a hung host as the aggregator sees it: its heartbeats stop.
     The survivor's all-reduce fails within 2 s naming it; the paused worker,
     woken, hears that it is no longer a member instead of waiting for its
     own timeout."""
-    svc = shared_service("udp")
+    svc = service_factory("udp")  # its own: a shared one counts other tests' killed workers
     job = f"paused-{uuid.uuid4().hex[:6]}"
     other = _rank_1(svc.address, job)
     try:
@@ -72,11 +72,11 @@ def test_a_paused_worker_is_dropped_and_told_so_when_it_wakes(shared_service):
     assert totals["members_disconnected"] == 1 and totals["heartbeats_of_non_members"] >= 1
 
 
-def test_a_worker_that_is_only_slow_to_call_stays_a_member(shared_service):
+def test_a_worker_that_is_only_slow_to_call_stays_a_member(service_factory):
     """Heartbeats come from a thread of their own: a worker that calls its
     next all-reduce seconds later (twice the lapse) is alive, and the round
     completes."""
-    svc = shared_service("udp")
+    svc = service_factory("udp")  # its own: a shared one counts other tests' killed workers
     job = f"slow-{uuid.uuid4().hex[:6]}"
     other = _rank_1(svc.address, job, idle_s=3.0)
     try:
@@ -122,9 +122,7 @@ def test_workers_whose_whole_job_lapsed_are_told_when_they_wake(service_factory)
     the host drops them all and with the last one the job. Woken, the rank
     that heard no ERROR learns from its next heartbeat that it is no
     longer a member, at once, instead of waiting out its timeout."""
-    # a service of its own: a shared one also counts the lapses of workers
-    # that earlier tests killed
-    svc = service_factory("udp")
+    svc = service_factory("udp")  # its own: a shared one counts other tests' killed workers
     job = f"all-paused-{uuid.uuid4().hex[:6]}"
     ranks = subprocess.Popen([sys.executable, "-c", _BOTH_RANKS, svc.address, job], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
