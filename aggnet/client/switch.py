@@ -60,6 +60,10 @@ TIMER_CHECK = 0.002
 RECEIVES_PER_TURN = 8
 #: heartbeats per lapse the aggregator allows: a few may be lost
 HEARTBEATS_PER_LAPSE = 6
+#: seconds before a control request over UDP (STATS, HELLO) goes again
+#: unanswered, doubling up to REQUEST_RESEND_MAX
+REQUEST_RESEND = 0.25
+REQUEST_RESEND_MAX = 1.0
 #: seconds a rack's switch may take to answer a JOIN before its workers go
 #: to the rack's fallback host aggregator (when the topology names one)
 FALLBACK_AFTER = 5.0
@@ -753,39 +757,53 @@ def query_stats(address: str, timeout: float = 5.0, payload: bytes = b"") -> dic
 def udp_request(sock, dest, msg_type: MsgType, payload: bytes, want: MsgType, timeout: float,
                 refused: str) -> dict | None:
     """A control request over UDP and its JSON answer (None: no answer in
-    time). An aggregator answers an unsigned request with no more bytes
-    than it got; when the answer is larger it asks for the request again,
-    padded (messages.padding_asked), and this sends it so."""
+    time). The request goes again while no answer comes (every
+    REQUEST_RESEND seconds, doubling): a lost request or answer on a lossy
+    path costs a resend, not the whole timeout. An aggregator answers an
+    unsigned request with no more bytes than it got; when the answer is
+    larger it asks for the request again, padded
+    (messages.padding_asked), and this sends it so."""
     request = Header(msg_type).pack_for(payload) + payload
-    deadline = time.monotonic() + timeout
-    sock.settimeout(timeout)
-    for _ in range(3):
-        sock.sendto(request, dest)
-        while time.monotonic() < deadline:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            try:
-                data, src = sock.recvfrom(1 << 20)
-            except (socket.timeout, ConnectionRefusedError, BlockingIOError):
-                return None
-            if src != dest:
-                continue
-            try:
-                h = wire.unpack_header(data)
-            except wire.WireError:
-                continue
-            if h.msg_type == MsgType.ERROR:
-                raise session.wire_error(memoryview(data)[HEADER_SIZE:], refused)
-            if h.msg_type != want:
-                continue
-            needed = padding_asked(h)
-            if not needed:
-                return wire.parse_json(memoryview(data)[HEADER_SIZE:HEADER_SIZE + h.count])
-            if needed > MAX_DATAGRAM:
-                raise AggregationError(f"{refused}: its answer is {needed} bytes, more than an unsigned UDP request "
-                                       f"can draw ({MAX_DATAGRAM}); sign the request with the job's key (or the "
-                                       f"admin key)")
-            # room for counters that grew between the two answers
-            target = min(MAX_DATAGRAM, needed + needed // 4 + 256)
-            request = request + bytes(max(0, target - len(request)))
-            break
+    now = time.monotonic()
+    deadline = now + timeout
+    send_at, wait, paddings = now, REQUEST_RESEND, 0
+    while now < deadline:
+        if now >= send_at:
+            sock.sendto(request, dest)
+            send_at, wait = now + wait, min(2 * wait, REQUEST_RESEND_MAX)
+        sock.settimeout(max(0.001, min(send_at, deadline) - now))
+        try:
+            data, src = sock.recvfrom(1 << 20)
+        except socket.timeout:
+            now = time.monotonic()
+            continue
+        except (ConnectionRefusedError, BlockingIOError):
+            return None  # nothing listens there
+        now = time.monotonic()
+        if src != dest:
+            continue
+        try:
+            h = wire.unpack_header(data)
+        except wire.WireError:
+            continue
+        if h.msg_type == MsgType.ERROR:
+            raise session.wire_error(memoryview(data)[HEADER_SIZE:], refused)
+        if h.msg_type != want:
+            continue
+        needed = padding_asked(h)
+        if not needed:
+            return wire.parse_json(memoryview(data)[HEADER_SIZE:HEADER_SIZE + h.count])
+        if needed > MAX_DATAGRAM:
+            raise AggregationError(f"{refused}: its answer is {needed} bytes, more than an unsigned UDP request "
+                                   f"can draw ({MAX_DATAGRAM}); sign the request with the job's key (or the "
+                                   f"admin key)")
+        # room for counters that grew between the two answers
+        target = min(MAX_DATAGRAM, needed + needed // 4 + 256)
+        if len(request) >= target:
+            continue  # the ask for a shorter request sent earlier
+        paddings += 1
+        if paddings > 3:
+            return None
+        request = request + bytes(target - len(request))
+        send_at, wait = now, REQUEST_RESEND
     return None

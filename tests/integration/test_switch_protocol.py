@@ -278,6 +278,20 @@ def test_nan_stops_every_worker_and_names_the_one_that_had_it(aggregator):
     np.testing.assert_array_equal(y0, np.full(10, 3, np.float32))
 
 
+def test_stats_over_a_lossy_path_are_asked_again_until_answered(aggregator):
+    """A fifth of the datagrams each way lost: each STATS (and each padding
+    round) is asked again after a quarter second, doubling, instead of
+    waiting out the whole timeout for an answer that was lost."""
+    host, port = aggregator.address[len("udp://"):].rsplit(":", 1)
+    with LossyRelay((host, int(port)), 1, drop=0.2, seed=11) as relay:
+        t0 = time.monotonic()
+        for _ in range(5):
+            assert "totals" in query_stats(relay.addresses[0], timeout=5)
+        took = time.monotonic() - t0
+        dropped = relay.counters["dropped"]
+    assert dropped > 0 and took < 15, (dropped, took)
+
+
 def test_bad_packets_are_dropped_and_counted(aggregator):
     host, port = aggregator.address[len("udp://"):].rsplit(":", 1)
     dest = (host, int(port))
