@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 from aggnet.protocol.limits import SWITCH_PORT
 
+from aggnet.processes import keeps_fork_server
+
 from aggnet.emulation.nsprocess import NETNS_ETC, popen_in
 
 log = logging.getLogger("aggnet.emulation")
@@ -65,8 +67,23 @@ def can_emulate() -> tuple[bool, str]:
 
 
 def sh(*cmd: str, check: bool = True, ns: str | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+    """``cmd`` (in namespace ``ns``) to its end, its output captured. An
+    aggnet command there (``python -m aggnet switch``, ``... stats``) forks
+    from the fork server where this process keeps one: a fabric's set-up
+    runs dozens, each an interpreter and aggnet's imports when exec'd."""
     full = (["ip", "netns", "exec", ns] if ns else []) + list(cmd)
-    r = subprocess.run(full, capture_output=True, text=True, timeout=timeout)
+    if ns is None:
+        r = subprocess.run(full, capture_output=True, text=True, timeout=timeout)
+    else:
+        p = popen_in(ns, list(cmd), fork=keeps_fork_server(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     text=True)
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            raise
+        r = subprocess.CompletedProcess(full, p.returncode, out, err)
     if check and r.returncode != 0:
         raise EmulationError(f"`{' '.join(full)}` failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}")
     return r

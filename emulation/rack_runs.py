@@ -13,12 +13,12 @@ import threading
 import time
 import uuid
 
-from aggnet.processes import ServiceProcess, keeps_fork_server
+from aggnet.processes import ServiceProcess
 from aggnet.protocol.limits import SWITCH_PORT
 
 from aggnet.emulation.fabric_plan import BMV2_SLOTS
 from aggnet.emulation.netns import EmulationError, Rack
-from aggnet.emulation.nsprocess import popen_in, service_launcher
+from aggnet.emulation.nsprocess import service_launcher
 
 log = logging.getLogger("aggnet.emulation")
 
@@ -238,23 +238,12 @@ class RackSwitch:
             self.stop()
             raise
 
-    def ctl(self, *args: str, timeout: float = 120) -> str:
-        """``aggnet switch ARGS`` in the ToR's namespace: forked where this
-        process keeps a fork server (a rack's set-up alone runs it a few
-        times, each an interpreter and aggnet's imports when exec'd)."""
+    def ctl(self, *args: str) -> str:
         cmd = [sys.executable, "-m", "aggnet", "switch", "--switch-ip", SWITCH_IP, "--switch-mac", SWITCH_MAC, *args]
-        p = popen_in(self.rack.tor, cmd, fork=keeps_fork_server(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                     text=True)
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            raise EmulationError(f"aggnet switch {' '.join(args)} did not finish within {timeout:g}s; is BMv2 "
-                                 f"still running in {self.rack.tor}?") from None
-        if p.returncode != 0:
-            raise EmulationError(f"aggnet switch {' '.join(args)} failed: {err.strip()[-1500:]}")
-        return out
+        r = self.rack.run(self.rack.tor, cmd, timeout=120, check=False)
+        if r.returncode != 0:
+            raise EmulationError(f"aggnet switch {' '.join(args)} failed: {r.stderr.strip()[-1500:]}")
+        return r.stdout
 
     def install(self, job: str, slots: int = 128) -> None:
         members = [f"{h.ip},{self.rack.mac(h)},{i}" for i, h in enumerate(self.rack.workers)]
