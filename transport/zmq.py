@@ -233,6 +233,10 @@ class ZmqConnection(Connection):
         self._socks = []
         self._poller = zmq.Poller()
         self._index = {}
+        # a shard that dies closes its connections: the client hears it at
+        # once on its monitor and can join the shard's successor on the same
+        # address
+        self._monitors = {}
         for i, addr in enumerate(self.addresses):
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
@@ -243,6 +247,12 @@ class ZmqConnection(Connection):
             s.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
             s.setsockopt(zmq.IPV6, 1)  # IPv6 service addresses; IPv4 ones work as before
             _apply_curve(s, curve, server=False)
+            # the monitor before the connect: a refused handshake is one
+            # event, never repeated (libzmq does not reconnect after a
+            # protocol error), and one attached after it would miss it
+            m = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
+            self._monitors[m] = i
+            self._poller.register(m, zmq.POLLIN)
             try:
                 s.connect(zmq_endpoint(addr))
             except zmq.ZMQError as exc:
@@ -252,13 +262,6 @@ class ZmqConnection(Connection):
             self._socks.append(s)
             self._poller.register(s, zmq.POLLIN)
             self._index[s] = i
-        # a shard that dies closes its connections: the client hears it at
-        # once and can join the shard's successor on the same address
-        self._monitors = {}
-        for i, s in enumerate(self._socks):
-            m = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
-            self._monitors[m] = i
-            self._poller.register(m, zmq.POLLIN)
         self._gone: set[int] = set()
         self._refused: dict[int, str] = {}
         #: endpoints that sent something; and, of the others, how often each

@@ -371,6 +371,39 @@ def test_a_peer_that_drops_every_connection_before_a_word_is_named_at_once():
         listener.close()
 
 
+def test_a_refused_handshake_is_heard_by_a_worker_descheduled_after_its_connect(monkeypatch):
+    """libzmq reports a refused handshake once and does not reconnect, and
+    it can finish before the worker's next line runs on a loaded machine: a
+    worker that began listening for it only after its connect waited out its
+    whole connect timeout. The worker here stops for half a second right
+    after each connect; the peer is a plain ZeroMQ socket with CURVE."""
+    import zmq
+
+    from aggnet.errors import AggregatorUnreachable
+
+    public, secret = zmq.curve_keypair()
+    ctx = zmq.Context.instance()
+    server = ctx.socket(zmq.ROUTER)
+    server.curve_server = True
+    server.curve_publickey, server.curve_secretkey = public, secret
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    connect = zmq.Socket.connect
+
+    def descheduled_after(sock, addr):
+        out = connect(sock, addr)
+        time.sleep(0.5)
+        return out
+
+    monkeypatch.setattr(zmq.Socket, "connect", descheduled_after)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(AggregatorUnreachable, match="encrypts with CURVE .* AGGNET_SERVER_KEY"):
+            Client(f"zmq+tcp://127.0.0.1:{port}", job=_job(), rank=0, world_size=1, connect_timeout=30)
+        assert time.monotonic() - t0 < 10
+    finally:
+        server.close(linger=0)
+
+
 # -- faults ---------------------------------------------------------------------------------
 
 
