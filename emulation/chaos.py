@@ -24,7 +24,7 @@ from aggnet.emulation.fabric import Fabric
 
 #: seconds a worker's cable stays out (service racks; TCP rides it out)
 CABLE_SECONDS = 2.0
-#: switch-mode racks: shorter than their default heartbeat lapse (1.5 s)
+#: switch-mode racks: shorter than their default heartbeat lapse (3 s)
 SWITCH_CABLE_SECONDS = 0.8
 #: the loss of a burst on a spine link, and how long it lasts
 BURST_DROP = 0.10

@@ -65,8 +65,10 @@ ACTIVITY_CHECK_INTERVAL = 1.0
 #: timeout. Only members whose JOIN asked for heartbeats are judged (a
 #: rack joining its parent, and older clients, ask for none). A datagram
 #: path has no connection whose closing says a worker died, as a ZeroMQ
-#: service has.
-DEFAULT_HEARTBEAT_LAPSE = 1.5
+#: service has. Seconds, not less: a training process on a loaded host (its
+#: data loaders busy, a collection of a large heap) can stop for over a
+#: second and is alive, and a false lapse fails the whole job.
+DEFAULT_HEARTBEAT_LAPSE = 3.0
 #: how often the loop looks for lapsed members
 HEARTBEAT_CHECK_INTERVAL = 0.1
 #: a pass of the loop longer than this (with the check interval) is the

@@ -33,7 +33,7 @@ def _switch():
     from aggnet.hosts.switch import SwitchService
 
     # its loop shares this process (and its GIL) with the clients under
-    # test: a heartbeat lapse of a separate process's 1.5 s dropped them
+    # test: a heartbeat lapse meant for a separate process (1.5 s) dropped them
     # once on a loaded machine; heartbeats are tested in test_torch_faults
     return SwitchService("udp://127.0.0.1:0", pool=64, elements=K, shards=2, heartbeat_lapse=10.0)
 

@@ -42,7 +42,8 @@ def _rank_1(address: str, job: str, idle_s: float = 0.0) -> subprocess.Popen:
 
 def test_a_paused_worker_is_dropped_and_told_so_when_it_wakes(service_factory):
     """SIGSTOP is a hung host as the aggregator sees it: its heartbeats stop.
-    The survivor's all-reduce fails within 2 s naming it; the paused worker,
+    The survivor's all-reduce fails within the lapse (3 s) and a second
+    naming it; the paused worker,
     woken, hears that it is no longer a member instead of waiting for its
     own timeout."""
     svc = service_factory("udp")  # its own: a shared one counts other tests' killed workers
@@ -55,9 +56,9 @@ def test_a_paused_worker_is_dropped_and_told_so_when_it_wakes(service_factory):
             os.kill(other.pid, signal.SIGSTOP)
             t0 = time.monotonic()
             pending = c.allreduce(np.ones(200_000, np.float32))
-            with pytest.raises(AggregationTimeout, match=r"rank 1 of job .* sent no heartbeat .* for 1\.\ds"):
+            with pytest.raises(AggregationTimeout, match=r"rank 1 of job .* sent no heartbeat .* for 3\.\ds"):
                 pending.result(timeout=60)
-            assert time.monotonic() - t0 < 2
+            assert time.monotonic() - t0 < 4
             os.kill(other.pid, signal.SIGCONT)
             other.stdin.write("go\n")
             other.stdin.flush()
@@ -74,11 +75,11 @@ def test_a_paused_worker_is_dropped_and_told_so_when_it_wakes(service_factory):
 
 def test_a_worker_that_is_only_slow_to_call_stays_a_member(service_factory):
     """Heartbeats come from a thread of their own: a worker that calls its
-    next all-reduce seconds later (twice the lapse) is alive, and the round
+    next all-reduce seconds later (longer than the lapse) is alive, and the round
     completes."""
     svc = service_factory("udp")  # its own: a shared one counts other tests' killed workers
     job = f"slow-{uuid.uuid4().hex[:6]}"
-    other = _rank_1(svc.address, job, idle_s=3.0)
+    other = _rank_1(svc.address, job, idle_s=4.0)
     try:
         with Client(svc.address, job=job, rank=0, world_size=2, timeout=60) as c:
             c.allreduce(np.ones(1000, np.float32)).result(timeout=60)
@@ -169,7 +170,7 @@ def test_the_aggregators_own_pause_drops_no_member():
     the members stay, and the next all-reduce sums."""
     from aggnet.hosts.switch import SwitchService
 
-    svc = SwitchService("udp://127.0.0.1:0", pool=64)  # the default lapse, 1.5 s
+    svc = SwitchService("udp://127.0.0.1:0", pool=64, heartbeat_lapse=1.5)
     stalls = []
     send = svc.plan.send
 

@@ -239,9 +239,9 @@ def test_a_killed_jobs_slice_is_free_once_its_heartbeats_stop():
     with _a_killed_job_beside_a_live_one("--reclaim-idle", "300") as (agg, alive):
         t0 = time.monotonic()
         while "killed" in query_stats(agg.address)["jobs"]:
-            assert time.monotonic() - t0 < 5, "the killed job kept its slice"
+            assert time.monotonic() - t0 < 8, "the killed job kept its slice"
             time.sleep(0.1)
-        assert time.monotonic() - t0 < 2.5
+        assert time.monotonic() - t0 < 4
         totals = _next_job_sums_beside(agg, alive)["totals"]
         assert totals["members_disconnected"] == 1 and "jobs_reclaimed" not in totals
 

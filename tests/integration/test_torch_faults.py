@@ -1,5 +1,5 @@
 """A worker killed mid-training, as DDP on the aggnet backend sees it: the
-survivor's backward fails within 2 s with torch's RuntimeError, whose
+survivor's backward fails within seconds with torch's RuntimeError, whose
 message names the aggnet exception and the dead rank, on both aggregator
 kinds (the service hears the connection close, a host in switch mode the
 heartbeats stop)."""
@@ -53,7 +53,7 @@ os._exit(0)  # the process group cannot be destroyed cleanly with a peer gone
 
 @pytest.mark.parametrize("kind", ["zmq+tcp", "udp"])
 @pytest.mark.slow
-def test_ddp_on_the_backend_names_a_killed_worker_within_2s(shared_service, tmp_path, kind):
+def test_ddp_on_the_backend_names_a_killed_worker_within_seconds(shared_service, tmp_path, kind):
     svc = shared_service(kind)
     init = f"file://{tmp_path}/init-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "AGGNET_JOB": f"ddp-killed-{uuid.uuid4().hex[:6]}"}
@@ -75,6 +75,7 @@ def test_ddp_on_the_backend_names_a_killed_worker_within_2s(shared_service, tmp_
             p.wait(10)
     assert line.startswith("failed after"), line
     seconds = float(line.split()[2].rstrip("s:"))
-    assert seconds < 2, line
+    # a closed connection at once; silence within the lapse (3 s)
+    assert seconds < (4 if kind == "udp" else 2), line
     # the service names it as the connection closes, or as a round finds it gone
     assert "AggregationTimeout" in line and ("rank 1 of job" in line or "rank(s) [1]" in line), line
