@@ -614,6 +614,11 @@ class SwitchService(Aggregator):
                         Header(MsgType.ERROR, job_id=job.job_id, sender=other))
 
     def _remove(self, job: SwitchJob) -> None:
+        if self.parent is not None and not job.whole:
+            # the parent holds the job's slots for this rack: without a
+            # LEAVE they stay taken until its idle reclaim (minutes)
+            self._send(Header(MsgType.LEAVE, job_id=job.job_id, sender=self.rack_id, world=self.racks).pack(),
+                       self.parent)
         self.regs.remove(job.index)
         self.pool.release(job.index, job.base, job.slots)
         del self.jobs[job.job_id]

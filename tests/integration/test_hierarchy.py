@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import subprocess
+import time
 import uuid
 
 import numpy as np
@@ -135,6 +136,18 @@ def test_two_racks_sum_like_one_aggregator(racks):
     check(results, racks.world, codecs)
     assert [r["members"] for r in results] == [(0, 2, 4), (1, 2, 4), (0, 2, 4), (1, 2, 4)]
     assert [r["address"] for r in results] == [racks.racks[0].address] * 2 + [racks.racks[1].address] * 2
+
+
+def test_a_finished_job_leaves_the_root_too(racks):
+    """A rack whose job's last worker left leaves the root as well: the
+    root's share of the job (its slots, in switch mode) is free at once,
+    not after the root's idle reclaim minutes later."""
+    job = _job()
+    run_workers("topology://", racks.world, _worker, racks.topology, job, (None,), 1000, 1, timeout=240)
+    deadline = time.monotonic() + 10
+    while job in _job_names(stats_cli.query(racks.root.address)):
+        assert time.monotonic() < deadline, f"the root still holds job {job!r} its racks finished"
+        time.sleep(0.1)
 
 
 def test_service_racks_carry_one_partial_per_chunk_across_racks():
