@@ -62,7 +62,7 @@ def add_arguments(s) -> None:
                         "nothing for this long (workers killed without LEAVE); default %(default)g")
     s.add_argument("--heartbeat-lapse", type=float, default=None, metavar="SECONDS",
                    help="switch mode: a worker whose heartbeats stop for this long is gone, and the others' "
-                        "all-reduces fail at once naming it; 0: off (they wait for their timeout); default 1.5")
+                        "all-reduces fail at once naming it; 0: off (they wait for their timeout); default 3")
     s.add_argument("--job-lease", type=float, default=None, metavar="SECONDS",
                    help="service mode: reclaim a job none of whose members was heard from for this long "
                         "(workers killed without LEAVE, junk JOINs); a member that comes back later fails one "
