@@ -20,7 +20,7 @@ import sys
 import time
 
 from aggnet.errors import AggnetError
-from aggnet.processes import DDP_WORKER_PRELOAD, fork_server, free_port
+from aggnet.processes import DDP_WORKER_PRELOAD, fork_server, free_port, interrupted
 
 
 def add_arguments(p) -> None:
@@ -171,7 +171,7 @@ def _spawned(rank: int, world: int, port: int, args, mode: str, report) -> None:
         train(rank, world, args, mode, report)
         dist.barrier()  # as in _torchrun: nobody tears down while others talk
     except Exception as exc:
-        if _interrupted(exc):
+        if interrupted(exc):
             os._exit(130)  # Ctrl-C reached every worker: the parent says so once
         text = _failure(exc)
         if text is None:
@@ -183,20 +183,6 @@ def _spawned(rank: int, world: int, port: int, args, mode: str, report) -> None:
         os._exit(130)  # Ctrl-C reached every worker: the parent says so once
     finally:
         dist.destroy_process_group()
-
-
-def _interrupted(exc: BaseException) -> bool:
-    """Ctrl-C that landed in a comm hook's callback: torch hands it to
-    ``backward()`` as a RuntimeError whose text names it ("Got the following
-    error when running the callback: KeyboardInterrupt")."""
-    seen, chain = exc, set()
-    while seen is not None and id(seen) not in chain:
-        if isinstance(seen, KeyboardInterrupt) or (
-                isinstance(seen, RuntimeError) and "running the callback: KeyboardInterrupt" in str(seen)):
-            return True
-        chain.add(id(seen))
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 def _failure(exc: BaseException) -> str | None:
@@ -340,7 +326,7 @@ def _torchrun(args) -> int:
         # while another still talks to it (an abort at exit otherwise)
         dist.barrier()
     except Exception as exc:
-        if _interrupted(exc):
+        if interrupted(exc):
             os._exit(130)  # Ctrl-C: torchrun says what stopped
         text = _failure(exc)
         if text is None:

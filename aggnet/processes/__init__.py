@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing
+import multiprocessing.context
 import os
 import random
 import select
@@ -50,6 +51,43 @@ TORCH_WORKER_PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn.paralle
 DDP_WORKER_PRELOAD = (*TORCH_WORKER_PRELOAD, "torch._dynamo")
 
 
+def interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` is Ctrl-C as a worker meets it: a KeyboardInterrupt,
+    or one that landed in a comm hook's callback, which torch hands to
+    ``backward()`` as a RuntimeError naming it ("Got the following error
+    when running the callback: KeyboardInterrupt")."""
+    seen, chain = exc, set()
+    while seen is not None and id(seen) not in chain:
+        if isinstance(seen, KeyboardInterrupt) or (
+                isinstance(seen, RuntimeError) and "running the callback: KeyboardInterrupt" in str(seen)):
+            return True
+        chain.add(id(seen))
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+class _WorkerProcess(multiprocessing.context.ForkServerProcess):
+    """A worker from the fork server that Ctrl-C stops quietly: a
+    terminal's SIGINT reaches every process of the foreground group, the
+    command itself says "interrupted" once, and a traceback from each
+    worker would bury that line. Any other error is reported as before."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except BaseException as exc:
+            if interrupted(exc):
+                os._exit(130)
+            raise
+
+
+class _ForkServerContext(multiprocessing.context.ForkServerContext):
+    Process = _WorkerProcess
+
+
+_FORK_SERVER_CONTEXT = _ForkServerContext()
+
+
 def fork_server(preload=TORCH_WORKER_PRELOAD):
     """A multiprocessing context for workers that must start with a fresh
     process's state (none of the caller's threads, sockets, torch, CUDA or
@@ -65,7 +103,7 @@ def fork_server(preload=TORCH_WORKER_PRELOAD):
     global _SERVER_OWNER
     _PRELOAD.extend(m for m in preload if m not in _PRELOAD)
     _SERVER_OWNER = os.getpid()
-    ctx = multiprocessing.get_context("forkserver")
+    ctx = _FORK_SERVER_CONTEXT
     ctx.set_forkserver_preload(list(_PRELOAD))
     return ctx
 
