@@ -77,6 +77,11 @@ class _WorkerProcess(multiprocessing.context.ForkServerProcess):
             super().run()
         except BaseException as exc:
             if interrupted(exc):
+                for stream in (sys.stdout, sys.stderr):
+                    try:
+                        stream.flush()  # what it printed before still reaches its reader
+                    except (OSError, ValueError, AttributeError):
+                        pass
                 os._exit(130)
             raise
 
