@@ -42,10 +42,9 @@ def _rank_1(address: str, job: str, idle_s: float = 0.0) -> subprocess.Popen:
 
 def test_a_paused_worker_is_dropped_and_told_so_when_it_wakes(service_factory):
     """SIGSTOP is a hung host as the aggregator sees it: its heartbeats stop.
-    The survivor's all-reduce fails within the lapse (3 s) and a second
-    naming it; the paused worker,
-    woken, hears that it is no longer a member instead of waiting for its
-    own timeout."""
+    The survivor's all-reduce fails within the lapse (3 s) and two seconds
+    naming it; the paused worker, woken, hears that it is no longer a
+    member instead of waiting for its own timeout."""
     svc = service_factory("udp")  # its own: a shared one counts other tests' killed workers
     job = f"paused-{uuid.uuid4().hex[:6]}"
     other = _rank_1(svc.address, job)
@@ -58,7 +57,7 @@ def test_a_paused_worker_is_dropped_and_told_so_when_it_wakes(service_factory):
             pending = c.allreduce(np.ones(200_000, np.float32))
             with pytest.raises(AggregationTimeout, match=r"rank 1 of job .* sent no heartbeat .* for 3\.\ds"):
                 pending.result(timeout=60)
-            assert time.monotonic() - t0 < 4
+            assert time.monotonic() - t0 < 5
             os.kill(other.pid, signal.SIGCONT)
             other.stdin.write("go\n")
             other.stdin.flush()

@@ -241,7 +241,7 @@ def test_a_killed_jobs_slice_is_free_once_its_heartbeats_stop():
         while "killed" in query_stats(agg.address)["jobs"]:
             assert time.monotonic() - t0 < 8, "the killed job kept its slice"
             time.sleep(0.1)
-        assert time.monotonic() - t0 < 4
+        assert time.monotonic() - t0 < 5
         totals = _next_job_sums_beside(agg, alive)["totals"]
         assert totals["members_disconnected"] == 1 and "jobs_reclaimed" not in totals
 

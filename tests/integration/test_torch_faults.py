@@ -76,6 +76,6 @@ def test_ddp_on_the_backend_names_a_killed_worker_within_seconds(shared_service,
     assert line.startswith("failed after"), line
     seconds = float(line.split()[2].rstrip("s:"))
     # a closed connection at once; silence within the lapse (3 s)
-    assert seconds < (4 if kind == "udp" else 2), line
+    assert seconds < (5 if kind == "udp" else 2), line
     # the service names it as the connection closes, or as a round finds it gone
     assert "AggregationTimeout" in line and ("rank 1 of job" in line or "rank(s) [1]" in line), line
