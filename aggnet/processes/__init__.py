@@ -75,6 +75,8 @@ class _WorkerProcess(multiprocessing.context.ForkServerProcess):
     def run(self) -> None:
         try:
             super().run()
+        except SystemExit:
+            raise  # an exit the worker chose (after a Ctrl-C too) keeps its status
         except BaseException as exc:
             if interrupted(exc):
                 for stream in (sys.stdout, sys.stderr):
