@@ -46,6 +46,9 @@ def add_arguments(p) -> None:
     p.add_argument("--shards", type=int, default=None, help="aggregator shards (default: one per core)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per point (default %(default)s)")
     p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
+    p.add_argument("--no-floor", action="store_true",
+                   help="skip the floor: a parameter server in plain TCP sockets moving the same chunks, what any "
+                        "parameter server pays on this machine (aggnet/bench/floor.py)")
     p.add_argument("--memory", choices=("host", "cuda"), default="host",
                    help="where the buffers live: cuda puts them on the GPU (CuPy); aggnet then sends them as they "
                         "are over ucx (dev), staged by the client through pinned memory (staged) and through a "
@@ -89,6 +92,7 @@ def _fill(buf: np.ndarray, rank: int) -> None:
 def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_port: int | None, barrier, out,
             *, aggregator: list | None = None) -> None:
     from aggnet import Client
+    from aggnet.bench.floor import FloorClient
 
     results = []
     if gloo_port is not None:
@@ -120,6 +124,11 @@ def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_p
                     times = _timed(barrier, reduce_on_gpu, reps)
                 else:
                     times = _timed(barrier, lambda: dist.all_reduce(t), reps)
+            elif system == "floor":
+                if "floor" not in clients:
+                    clients["floor"] = FloorClient(services["floor"], rank, world, chunk)
+                times = _timed(barrier, lambda: clients["floor"].allreduce(buf), reps, rank, aggregator)
+                _check(buf, world, reps, f"rank {rank}: floor/{dtype}")
             elif on_gpu:
                 device_path = {"dev": "direct", "staged": "staged"}.get(point["path"])
                 key = (transport, chunk, device_path)
@@ -340,7 +349,8 @@ def _run(args, sizes: list, worlds: list, transports: list, dtypes: list, chunks
                                 "chunk_bytes": None}, 1, _memcpy_times(nbytes, args.reps)))
     # one system at a time, each with its own service and workers: nothing of
     # one (UCX's progress engines poll) runs while another is timed
-    groups = (["gloo"] if gloo else []) + transports
+    floor = not args.no_floor and args.memory == "host" and any(d != "q-int32" for d in dtypes)
+    groups = (["gloo"] if gloo else []) + (["floor"] if floor else []) + transports
     with Progress("aggnet bench", len(worlds) * len(groups)) as progress:
         for world in worlds:
             for group in groups:
@@ -364,6 +374,8 @@ def _time_group(group: str, world: int, plan: list[dict], listen: str | None, ar
     ``sums``."""
     from aggnet.processes import ServiceProcess
 
+    if group == "floor":
+        return _time_floor(world, plan, args)
     service = None if group == "gloo" else ServiceProcess(listen, args.shards)
     try:
         services = {group: service.address} if service else {}
@@ -377,9 +389,36 @@ def _time_group(group: str, world: int, plan: list[dict], listen: str | None, ar
     finally:
         if service is not None:
             service.stop()
+    return _records(plan, world, per_rank, args.reps)
+
+
+def _time_floor(world: int, plan: list[dict], args) -> list[dict]:
+    """The floor's records: its shards (one per core, as the service's)
+    are processes of their own, whose CPU counts as the aggregator's."""
+    from aggnet.bench.floor import serve_shard
+
+    ctx = fork_server()
+    ready = ctx.Queue()
+    shards = [ctx.Process(target=serve_shard, args=(world, ready, i), daemon=True)
+              for i in range(args.shards or os.cpu_count() or 1)]
+    for p in shards:
+        p.start()
+    try:
+        ports = dict(ready.get(timeout=60) for _ in shards)
+        per_rank = _run_group(world, plan, {"floor": [ports[i] for i in range(len(shards))]}, args.reps, None,
+                              [p.pid for p in shards])
+    finally:
+        for p in shards:
+            p.join(10)  # a shard ends when its workers close
+            if p.is_alive():
+                p.kill()
+    return _records(plan, world, per_rank, args.reps)
+
+
+def _records(plan: list[dict], world: int, per_rank: dict, reps: int) -> list[dict]:
     records = []
     for i, point in enumerate(plan):
-        slowest = [max(per_rank[r][i]["times"][k] for r in range(world)) for k in range(args.reps)]
+        slowest = [max(per_rank[r][i]["times"][k] for r in range(world)) for k in range(reps)]
         records.append(_record(point, world, slowest, [per_rank[r][i]["cpu_s"] for r in range(world)],
                                per_rank[0][i]["aggregator_cpu_s"]))
     return records
@@ -393,6 +432,11 @@ def _plan(group: str, sizes: list, dtypes: list, chunks: list, listen: dict, mem
         if group == "gloo":
             plan += [{"system": "gloo", "transport": "tcp", "dtype": d, "bytes": nbytes, "chunk_bytes": None,
                       "memory": memory} for d in dtypes if d != "q-int32"]
+        elif group == "floor":
+            # the chunks aggnet sends over zmq+tcp, with no codec
+            plan += [{"system": "floor", "transport": "tcp", "dtype": d, "bytes": nbytes,
+                      "chunk_bytes": ClientConfig().chunk_bytes_for("zmq+tcp"), "memory": memory}
+                     for d in dtypes if d != "q-int32"]
         else:
             # the transport's default chunk size where none is asked for
             scheme = listen[group].split("://", 1)[0]
@@ -423,17 +467,33 @@ def _summation_summary(records: list[dict], sums: dict) -> tuple[dict, float]:
     return summary, memcpy_bw
 
 def _print_table(records: list[dict]) -> None:
-    gloo = {(r["workers"], r["bytes"], r["dtype"]): r["median_s"] for r in records if r["system"] == "gloo"}
-    gloo_f32 = {(w, b): t for (w, b, d), t in gloo.items() if d == "float32"}
+    gloo = _medians(records, "gloo")
+    floor = _medians(records, "floor")
     print(f"{'N':>2} {'size':>7} {'system':>7} {'transport':>9} {'dtype':>8} {'chunk':>7} {'median ms':>10} "
-          f"{'min ms':>8} {'max ms':>8} {'GB/s':>6} {'gloo/this':>9} {'cpu s/GB':>8} {'agg s/GB':>8}")
-    for r in sorted(records, key=lambda r: (r["workers"], r["bytes"], r["system"] != "memcpy", r["system"] != "gloo")):
-        ref = gloo.get((r["workers"], r["bytes"], r["dtype"]), gloo_f32.get((r["workers"], r["bytes"])))
-        ratio = f"{ref / r['median_s']:9.2f}" if ref and r["system"] == "aggnet" else f"{'':>9}"
+          f"{'min ms':>8} {'max ms':>8} {'GB/s':>6} {'gloo/this':>9} {'floor/this':>10} {'cpu s/GB':>8} "
+          f"{'agg s/GB':>8}")
+    order = {"memcpy": 0, "gloo": 1, "floor": 2}
+    for r in sorted(records, key=lambda r: (r["workers"], r["bytes"], order.get(r["system"], 3))):
+        ratio = _ratio(gloo, r) if r["system"] in ("aggnet", "floor") else f"{'':>9}"
+        to_floor = _ratio(floor, r, 10) if r["system"] == "aggnet" else f"{'':>10}"
         chunk = format_size(r["chunk_bytes"]) if r.get("chunk_bytes") else "-"
         where = r["transport"] + (f"/{r['path']}" if r.get("path") else "/cuda" if r.get("memory") == "cuda" else "")
         cpu = f"{r['worker_cpu_s_per_gb']:8.2f}" if "worker_cpu_s_per_gb" in r else f"{'':>8}"
         agg = f"{r['aggregator_cpu_s_per_gb']:8.2f}" if "aggregator_cpu_s_per_gb" in r else f"{'':>8}"
         print(f"{r['workers']:>2} {format_size(r['bytes']):>7} {r['system']:>7} {where:>9} {r['dtype']:>8} "
               f"{chunk:>7} {r['median_s'] * 1e3:10.1f} {r['min_s'] * 1e3:8.1f} {r['max_s'] * 1e3:8.1f} "
-              f"{r['bytes'] / r['median_s'] / 1e9:6.2f} {ratio} {cpu} {agg}")
+              f"{r['bytes'] / r['median_s'] / 1e9:6.2f} {ratio} {to_floor} {cpu} {agg}")
+    if floor:
+        print("floor: a parameter server in plain TCP sockets, the same chunks and bytes as aggnet over tcp with "
+              "nothing else; floor/this is the share of its speed a system reaches, gloo/this on its row is "
+              "what any parameter server can reach against gloo here")
+
+
+def _medians(records: list[dict], system: str) -> dict:
+    return {(r["workers"], r["bytes"], r["dtype"]): r["median_s"] for r in records if r["system"] == system}
+
+
+def _ratio(ref: dict, r: dict, width: int = 9) -> str:
+    """ref's median over r's at r's point (float32's for a dtype ref lacks)."""
+    t = ref.get((r["workers"], r["bytes"], r["dtype"]), ref.get((r["workers"], r["bytes"], "float32")))
+    return f"{t / r['median_s']:{width}.2f}" if t else f"{'':>{width}}"

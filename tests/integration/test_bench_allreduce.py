@@ -29,12 +29,15 @@ def test_bench_reports_cpu_seconds_per_gb_beside_gloo(tmp_path):
     left = list(scratch.iterdir())
     shutil.rmtree(scratch)
     assert not left, left
-    assert "cpu s/GB" in r.stdout and "agg s/GB" in r.stdout
+    assert "cpu s/GB" in r.stdout and "agg s/GB" in r.stdout and "floor/this" in r.stdout
     records = {x["system"]: x for x in json.loads(out.read_text())["records"]}
-    assert set(records) == {"memcpy", "gloo", "aggnet"}
+    assert set(records) == {"memcpy", "gloo", "floor", "aggnet"}
     # a worker spends CPU on every all-reduce, and so does the aggregator
-    # (which gloo does not have)
-    for system in ("gloo", "aggnet"):
+    # (which gloo does not have); the floor's shards are its aggregator
+    for system in ("gloo", "floor", "aggnet"):
         assert 0 < records[system]["worker_cpu_s_per_gb"] < 100, records[system]
-    assert 0 < records["aggnet"]["aggregator_cpu_s_per_gb"] < 100
+    for system in ("floor", "aggnet"):
+        assert 0 < records[system]["aggregator_cpu_s_per_gb"] < 100, records[system]
     assert "aggregator_cpu_s_per_gb" not in records["gloo"]
+    assert records["floor"]["chunk_bytes"] == records["aggnet"]["chunk_bytes"] or \
+        records["aggnet"]["transport"] != "tcp"

@@ -1,0 +1,216 @@
+"""The floor of ``aggnet bench``: a parameter server in plain TCP sockets.
+
+Each worker sends every chunk of its buffer to the shard that owns it and
+receives the chunk's sum straight into its buffer; each shard (a process,
+one per core as the service has) sums with numpy and sends each sum to every
+worker. The same chunks and the same bytes through the same kernel as the
+service over zmq+tcp, with nothing else: no framing beyond a 16-byte header,
+no admission, loss recovery, codec or accounting, and no copy the kernel
+does not make itself (the first contribution becomes the sum; results land
+in the worker's buffer).
+
+Why it is here: on one host every byte that crosses a socket costs the
+kernel's copies on both ends, and a parameter server moves 2N buffer sizes
+through them where gloo's ring moves 2(N-1). This floor, timed in the same
+run, shows what any parameter server can reach on the machine at hand, so
+the distance from aggnet to it (what aggnet's own work costs) is read
+apart from the distance from it to gloo (what the topology costs here).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import struct
+import threading
+
+import numpy as np
+
+_HELLO = struct.Struct("!II")  # rank, world
+_HEADER = struct.Struct("!IIII")  # round, chunk index, payload bytes, dtype code
+_DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.int32)}
+_CODES = {v: k for k, v in _DTYPES.items()}
+#: seconds a worker waits for its all-reduce's sums before it gives up
+WAIT_S = 300.0
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        r = sock.recv_into(view[got:], n - got)
+        if r == 0:
+            raise EOFError("the peer closed its connection")
+        got += r
+
+
+def serve_shard(world: int, ready, index: int = 0) -> None:
+    """One floor shard: accept ``world`` workers, then sum what they send
+    until they close. ``ready.put((index, port))`` says where it listens."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    ready.put((index, listener.getsockname()[1]))
+    conns: list = [None] * world
+    for _ in range(world):
+        conn, _ = listener.accept()
+        hello = bytearray(_HELLO.size)
+        _recv_exactly(conn, memoryview(hello))
+        rank, _ = _HELLO.unpack(hello)
+        conns[rank] = conn
+    listener.close()
+    lock = threading.Lock()
+    pool: dict[int, list] = {}
+    sums: dict = {}  # (round, index) -> [buffer, contributions]
+    outboxes = [queue.SimpleQueue() for _ in range(world)]
+    sending: dict = {}  # id(buffer) -> sends left
+
+    def take(nbytes: int) -> np.ndarray:
+        free = pool.get(nbytes)
+        return free.pop() if free else np.empty(nbytes, np.uint8)
+
+    def receive(rank: int) -> None:
+        header = bytearray(_HEADER.size)
+        buf = None
+        try:
+            while True:
+                _recv_exactly(conns[rank], memoryview(header))
+                rnd, idx, nbytes, code = _HEADER.unpack(header)
+                with lock:
+                    if buf is None or len(buf) != nbytes:
+                        buf = take(nbytes)
+                _recv_exactly(conns[rank], memoryview(buf))
+                with lock:
+                    entry = sums.get((rnd, idx))
+                    if entry is None:
+                        # the first contribution is the sum so far: no copy
+                        sums[(rnd, idx)] = entry = [buf, 0]
+                        buf = take(nbytes)
+                    else:
+                        dt = _DTYPES[code]
+                        acc = entry[0].view(dt)
+                        np.add(acc, buf.view(dt), out=acc)
+                    entry[1] += 1
+                    done = entry[1] == world
+                    if done:
+                        del sums[(rnd, idx)]
+                        sending[id(entry[0])] = world
+                if done:
+                    for box in outboxes:
+                        box.put((bytes(header), entry[0]))
+        except (EOFError, OSError):
+            return
+
+    def send(rank: int) -> None:
+        try:
+            while True:
+                header, result = outboxes[rank].get()
+                conns[rank].sendall(header)
+                conns[rank].sendall(result)
+                with lock:
+                    left = sending[id(result)] - 1
+                    if left:
+                        sending[id(result)] = left
+                    else:
+                        del sending[id(result)]
+                        pool.setdefault(len(result), []).append(result)
+        except OSError:
+            return
+
+    threads = [threading.Thread(target=receive, args=(r,), daemon=True) for r in range(world)]
+    threads += [threading.Thread(target=send, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads[:world]:
+        t.join()
+    os._exit(0)  # the senders wait on their outboxes for ever
+
+
+class FloorClient:
+    """A worker's side of the floor: one connection per shard, a thread
+    each way per connection, every chunk sent from and received into the
+    caller's buffer."""
+
+    def __init__(self, ports: list[int], rank: int, world: int, chunk_bytes: int):
+        self.chunk_bytes = chunk_bytes
+        self._round = 0
+        self._conns = []
+        for port in ports:
+            conn = socket.create_connection(("127.0.0.1", port), timeout=60)
+            conn.settimeout(None)
+            conn.sendall(_HELLO.pack(rank, world))
+            self._conns.append(conn)
+        self._work = [queue.SimpleQueue() for _ in ports]
+        self._done = [threading.Semaphore(0) for _ in ports]
+        self._dest: memoryview | None = None
+        self._expect = [0] * len(ports)
+        self._failed: list = []
+        self._threads = [threading.Thread(target=self._sender, args=(i,), daemon=True) for i in range(len(ports))]
+        self._threads += [threading.Thread(target=self._receiver, args=(i,), daemon=True) for i in range(len(ports))]
+        for t in self._threads:
+            t.start()
+
+    def _chunks(self, nbytes: int, shard: int) -> list[tuple[int, int, int]]:
+        n = len(self._conns)
+        starts = range(0, nbytes, self.chunk_bytes)
+        return [(i, s, min(s + self.chunk_bytes, nbytes)) for i, s in enumerate(starts) if i % n == shard]
+
+    def allreduce(self, buf: np.ndarray) -> None:
+        """Sum ``buf`` (float32 or int32) over every worker, in place."""
+        self._round += 1
+        raw = memoryview(buf.reshape(-1).view(np.uint8))
+        self._dest = raw
+        code = _CODES[buf.dtype]
+        waiting = []
+        for shard, work in enumerate(self._work):
+            chunks = self._chunks(len(raw), shard)
+            self._expect[shard] = len(chunks)
+            if chunks:  # a buffer smaller than the shards' count of chunks leaves some out
+                work.put((self._round, code, raw, chunks))
+                waiting.append(shard)
+        for shard in waiting:
+            if not self._done[shard].acquire(timeout=WAIT_S):
+                raise RuntimeError(f"floor shard {shard} sent no sums within {WAIT_S:g}s")
+        if self._failed:
+            raise RuntimeError(f"floor all-reduce failed: {self._failed[0]}")
+
+    def _sender(self, shard: int) -> None:
+        conn = self._conns[shard]
+        while True:
+            item = self._work[shard].get()
+            if item is None:
+                return
+            rnd, code, raw, chunks = item
+            try:
+                for i, start, end in chunks:
+                    conn.sendall(_HEADER.pack(rnd, i, end - start, code))
+                    conn.sendall(raw[start:end])
+            except OSError as exc:  # its receiver hears the close too, and wakes the caller
+                self._failed.append(f"shard {shard}: {exc}")
+                return
+
+    def _receiver(self, shard: int) -> None:
+        conn = self._conns[shard]
+        header = bytearray(_HEADER.size)
+        got = 0
+        try:
+            while True:
+                _recv_exactly(conn, memoryview(header))
+                _, i, nbytes, _ = _HEADER.unpack(header)
+                start = i * self.chunk_bytes
+                _recv_exactly(conn, self._dest[start:start + nbytes])
+                got += 1
+                if got == self._expect[shard]:
+                    got = 0
+                    self._done[shard].release()
+        except (EOFError, OSError) as exc:
+            self._failed.append(f"shard {shard}: {exc}")
+            self._done[shard].release()
+
+    def close(self) -> None:
+        for work in self._work:
+            work.put(None)
+        for conn in self._conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
