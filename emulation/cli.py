@@ -58,6 +58,9 @@ def add_arguments(p) -> None:
                    help="MTU of every link (default 9000, jumbo frames; 1500 for a plain Ethernet rack); the "
                         "aggregator's packets are sized to fit it")
     p.add_argument("--shards", type=int, default=None, help="aggregator host's shard processes (default: cores)")
+    p.add_argument("--no-floor", action="store_true",
+                   help="bench of one rack: skip the floor, a parameter server in plain TCP sockets on the aggregator host "
+                        "(the same bytes over the same links: what any parameter server pays here)")
     p.add_argument("--elements", type=int, default=None,
                    help="int32 values per packet (default: the host's 2048, or what the MTU fits; BMv2: 64)")
     p.add_argument("--steps", type=int, default=10, help="bench-ddp: timed steps per system")
@@ -134,12 +137,13 @@ def main(args) -> int:
                                        on_line=lambda line: print(line, flush=True))
                     return 0
                 systems = ["aggnet"] + (["gloo"] if args.what == "bench" else [])
+                if args.what == "bench" and not bmv2 and not args.no_floor:
+                    systems.append("floor")
                 pids = None if bmv2 else [agg.pid]
                 results = []
                 with Progress(f"aggnet emulate {args.what}", len(systems)) as progress:
                     for s in systems:
-                        results.append(rack_runs.run_system(rack, s, nbytes, args.reps, switch=switch,
-                                                            aggregator_pids=pids, progress=args.reps > 1, **extra))
+                        results.append(_run_one(rack, s, nbytes, args, switch, pids, extra))
                         progress.step(f"{s}: {args.reps} x {format_size(nbytes)}")
                 impaired = rack.impairment_counts() if (args.drop or args.duplicate) else None
                 if bmv2:
@@ -157,6 +161,20 @@ def main(args) -> int:
               f"{ev.get('results_resent', 0)} resent; about {ev.get('received', 0) / max(t, 1e-9):,.0f} packets/s "
               f"while all-reducing; drops {switch_stats['drops']}")
     return 0
+
+
+def _run_one(rack, system: str, nbytes: int, args, switch, pids, extra: dict) -> dict:
+    """One system's run; the floor gets shards of its own on the aggregator
+    host, as many as the aggregator has, while the aggregator idles."""
+    if system != "floor":
+        return rack_runs.run_system(rack, system, nbytes, args.reps, switch=switch, aggregator_pids=pids,
+                                    progress=args.reps > 1, **extra)
+    floor = rack_runs.FloorProcess(rack, args.shards)
+    try:
+        return rack_runs.run_system(rack, "floor", nbytes, args.reps, address=floor.address,
+                                    aggregator_pids=[floor.pid], progress=args.reps > 1)
+    finally:
+        floor.stop()
 
 
 def _report_ddp(args, records: list[dict]) -> None:
@@ -218,9 +236,15 @@ def _report(args, nbytes: int, results: list[dict], impaired) -> None:
           "all-reduces; agg s/GB: the aggregator host's over the whole run")
     ring = 2 * (n - 1) / n
     print(f"gloo ring moves 2S(N-1)/N = {ring:.3f} S each way; aggnet S each way plus headers")
-    if len(results) == 2:
-        ratio = results[0]["median_s"] / results[1]["median_s"]
+    by = {r["system"]: r["median_s"] for r in results}
+    if "gloo" in by:
+        ratio = by["aggnet"] / by["gloo"]
         print(f"aggnet time / gloo time = {ratio:.3f} (bandwidth-bound limit N/(2(N-1)) = {n / (2 * (n - 1)):.3f})")
+    if "floor" in by:
+        print(f"floor (a parameter server in plain TCP sockets on the aggregator host, the same bytes): aggnet time "
+              f"/ floor time = {by['aggnet'] / by['floor']:.3f}"
+              + (f"; floor time / gloo time = {by['floor'] / by['gloo']:.3f}, what any parameter server reaches "
+                 f"here" if "gloo" in by else ""))
     named = ", ".join(f"{r['system']} {x:.6g}" for r, x in zip(results, sums))
     print(f"every worker holds the same result: {'yes' if same_everywhere else 'NO'}; "
           f"sum of the result: {named} (relative spread {spread:.1e})")

@@ -38,6 +38,38 @@ def start_aggregator(rack: Rack, elements: int | None = None, pool: int = 4096,
                           args=args)
 
 
+class FloorProcess:
+    """The floor's shards on the rack's aggregator host (aggnet/bench/floor.py):
+    the same bytes through the same links as the aggregator, summed by
+    plain sockets and numpy, for what any parameter server pays here."""
+
+    def __init__(self, rack: Rack, shards: int | None = None, timeout: float = 60.0):
+        import os
+        import select
+
+        if rack.aggregator is None:
+            raise EmulationError("the floor needs the rack's aggregator host (not --switch bmv2)")
+        cmd = [sys.executable, "-m", "aggnet.bench.floor", "--world", str(len(rack.workers)),
+               "--shards", str(shards or os.cpu_count() or 1), "--host", rack.aggregator.ip]
+        self.process = rack.popen(rack.aggregator, cmd, stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+        self.pid = self.process.pid
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        line = self.process.stdout.readline() if ready else ""
+        if not line.startswith("floor serving "):
+            self.stop()
+            raise EmulationError(f"the floor on {rack.aggregator.name} did not start within {timeout:g}s")
+        self.address = line.split()[2]
+
+    def stop(self) -> None:
+        """Its standard input's end stops it and its shards."""
+        try:
+            self.process.stdin.close()
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+
+
 def aggregator_address(rack: Rack) -> str:
     return f"udp://{rack.aggregator.ip}:{SWITCH_PORT}"
 
@@ -90,12 +122,12 @@ def run_system(rack: Rack, system: str, nbytes: int, reps: int, *, address: str 
     if switch is not None and system == "aggnet":
         switch.install(job, slots)
     before = rack.counters()
-    agg0 = tree_cpu_seconds(aggregator_pids) if aggregator_pids and system == "aggnet" else None
+    agg0 = tree_cpu_seconds(aggregator_pids) if aggregator_pids and system != "gloo" else None
     procs = []
     for rank, h in enumerate(rack.workers):
         cmd = [sys.executable, "-m", "aggnet.emulation.worker", system, "--rank", str(rank), "--world", str(world),
                "--bytes", str(nbytes), "--reps", str(reps), "--master", f"{rack.workers[0].ip}:29500",
-               "--job", job]
+               "--job", job] + (["--floor", address] if system == "floor" else [])
         shown = progress and rank == 0
         procs.append(rack.popen(h, cmd + (["--progress"] if shown else []), env=env, stdout=subprocess.PIPE,
                                 stderr=None if shown else subprocess.PIPE, text=True))

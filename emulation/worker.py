@@ -1,8 +1,10 @@
 """One worker of an emulated rack: ``python -m aggnet.emulation.worker``.
 
 Runs inside a worker's namespace, all-reduces a buffer through aggnet (the
-address in AGGNET_ADDRESS, or its rack's aggregator in ``--topology``) or
-through torch.distributed gloo, and prints one JSON line: times per
+address in AGGNET_ADDRESS, or its rack's aggregator in ``--topology``),
+through torch.distributed gloo, or through the floor (a parameter server
+in plain TCP sockets on the aggregator host, aggnet/bench/floor.py), and
+prints one JSON line: times per
 repetition, this process's CPU-seconds over them (every thread), a
 checksum of the result, and the client's counters. With
 ``--dtype int32`` every worker also rebuilds every rank's data and says
@@ -41,7 +43,7 @@ def _barrier_aggnet(client) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("system", choices=["aggnet", "gloo"])
+    p.add_argument("system", choices=["aggnet", "gloo", "floor"])
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--bytes", type=int, required=True)
@@ -51,6 +53,7 @@ def main(argv=None) -> int:
     p.add_argument("--topology", default=None, help="aggnet: find this rank's rack aggregator in this file")
     p.add_argument("--dtype", choices=["float32", "int32"], default="float32",
                    help="int32: check the result bit for bit against the sum")
+    p.add_argument("--floor", default=None, help="floor: its shards, HOST:PORT,PORT... (aggnet/bench/floor.py)")
     p.add_argument("--progress", action="store_true", help="a line per repetition on standard error")
     args = p.parse_args(argv)
     from contextlib import nullcontext
@@ -90,6 +93,28 @@ def main(argv=None) -> int:
             for name in ("io", "elements", "slots"):  # the switch path's batching and packet size
                 if hasattr(c, name):
                     stats[name] = getattr(c, name)
+    elif args.system == "floor":
+        from aggnet.bench.floor import FloorClient, parse_address
+        from aggnet.client.config import ClientConfig
+
+        host, ports = parse_address(args.floor)
+        client = FloorClient(ports, args.rank, args.world, ClientConfig().chunk_bytes_for("zmq+tcp"), host)
+        try:
+            with shown as progress:
+                for _ in range(args.reps):
+                    x = data.copy()
+                    client.allreduce(np.zeros(1, np.int32))  # a barrier: it ends once every worker sent
+                    c0, t0 = own_cpu_seconds(), time.perf_counter()
+                    client.allreduce(x)
+                    times.append(time.perf_counter() - t0)
+                    cpu += own_cpu_seconds() - c0
+                    sums.append(float(np.sum(x, dtype=np.float64)))
+                    if args.dtype == "int32":
+                        exact = bool(np.array_equal(x, expected)) and exact is not False
+                    if progress is not None:
+                        progress.step(f"{times[-1]:.3f} s")
+        finally:
+            client.close()
     else:
         import torch
         import torch.distributed as dist

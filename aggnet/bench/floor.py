@@ -19,11 +19,16 @@ apart from the distance from it to gloo (what the topology costs here).
 
 from __future__ import annotations
 
+import argparse
+import multiprocessing
 import os
 import queue
+import signal
 import socket
 import struct
 import threading
+
+import sys
 
 import numpy as np
 
@@ -44,10 +49,12 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         got += r
 
 
-def serve_shard(world: int, ready, index: int = 0) -> None:
+def serve_shard(world: int, ready, index: int = 0, host: str = "127.0.0.1", hold: bool = False) -> None:
     """One floor shard: accept ``world`` workers, then sum what they send
-    until they close. ``ready.put((index, port))`` says where it listens."""
-    listener = socket.create_server(("127.0.0.1", 0))
+    until they close. ``ready.put((index, port))`` says where it listens.
+    ``hold``: then wait to be killed, so that whoever reads its CPU time
+    after the workers are gone still finds it."""
+    listener = socket.create_server((host, 0))
     ready.put((index, listener.getsockname()[1]))
     conns: list = [None] * world
     for _ in range(world):
@@ -121,6 +128,8 @@ def serve_shard(world: int, ready, index: int = 0) -> None:
         t.start()
     for t in threads[:world]:
         t.join()
+    while hold:
+        signal.pause()
     os._exit(0)  # the senders wait on their outboxes for ever
 
 
@@ -129,12 +138,12 @@ class FloorClient:
     each way per connection, every chunk sent from and received into the
     caller's buffer."""
 
-    def __init__(self, ports: list[int], rank: int, world: int, chunk_bytes: int):
+    def __init__(self, ports: list[int], rank: int, world: int, chunk_bytes: int, host: str = "127.0.0.1"):
         self.chunk_bytes = chunk_bytes
         self._round = 0
         self._conns = []
         for port in ports:
-            conn = socket.create_connection(("127.0.0.1", port), timeout=60)
+            conn = socket.create_connection((host, port), timeout=60)
             conn.settimeout(None)
             conn.sendall(_HELLO.pack(rank, world))
             self._conns.append(conn)
@@ -214,3 +223,41 @@ class FloorClient:
             except OSError:
                 pass
             conn.close()
+
+
+def parse_address(text: str) -> tuple[str, list[int]]:
+    """``HOST:PORT,PORT...`` (what ``main`` prints) as (host, ports)."""
+    host, _, ports = text.rpartition(":")
+    return host, [int(p) for p in ports.split(",")]
+
+
+def main(argv=None) -> int:
+    """``python -m aggnet.bench.floor --world N --shards K --host IP``: the
+    floor's shards as processes under this one (where an emulated
+    aggregator host runs it); prints ``floor serving HOST:PORT,...`` and
+    ends, with its shards, when its standard input closes (the shards
+    live on after their workers close, so their CPU time can be read)."""
+    p = argparse.ArgumentParser(prog="python -m aggnet.bench.floor")
+    p.add_argument("--world", type=int, required=True, help="workers each shard waits for")
+    p.add_argument("--shards", type=int, default=os.cpu_count() or 1, help="shard processes (default: one per core)")
+    p.add_argument("--host", default="127.0.0.1", help="address the shards listen on")
+    args = p.parse_args(argv)
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Queue()
+    shards = [ctx.Process(target=serve_shard, args=(args.world, ready, i, args.host, True))
+              for i in range(args.shards)]
+    for s in shards:
+        s.start()
+    try:
+        ports = dict(ready.get(timeout=60) for _ in shards)
+        print(f"floor serving {args.host}:{','.join(str(ports[i]) for i in range(args.shards))}", flush=True)
+        sys.stdin.read()
+    finally:
+        for s in shards:
+            s.kill()
+            s.join(10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -58,7 +58,8 @@ def _mib(n: float) -> str:
 def rack(runs: list[dict]):
     """aggnet against gloo's ring in one emulated rack, over link rates and
     sizes: time per GB, and the ratio beside the bandwidth limit (each
-    worker moves S up and S down where the ring moves 2S(N-1)/N each way)."""
+    worker moves S up and S down where the ring moves 2S(N-1)/N each way),
+    with the floor (a plain-socket parameter server) where the runs have it."""
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -70,13 +71,16 @@ def rack(runs: list[dict]):
         points = sorted((r for r in runs if r["bytes"] == size), key=lambda r: xpos[r["rate_mbit"] or 0])
         x = [xpos[r["rate_mbit"] or 0] for r in points]
         by = [{rec["system"]: rec["median_s"] for rec in r["records"]} for r in points]
-        for system, style in (("aggnet", "o-"), ("gloo", "s--")):
-            left.plot(x, [b[system] / (size / 1e9) for b in by], style, label=f"{system}, {_mib(size)}")
-        right.plot(x, [b["aggnet"] / b["gloo"] for b in by], "o-", label=_mib(size))
+        for system, style in (("aggnet", "o-"), ("gloo", "s--"), ("floor", "^:")):
+            if all(system in b for b in by):  # the floor: runs since it was added
+                left.plot(x, [b[system] / (size / 1e9) for b in by], style, label=f"{system}, {_mib(size)}")
+        right.plot(x, [b["aggnet"] / b["gloo"] for b in by], "o-", label=f"aggnet, {_mib(size)}")
+        if all("floor" in b for b in by):
+            right.plot(x, [b["floor"] / b["gloo"] for b in by], "^:", label=f"floor, {_mib(size)}")
     for n in sorted(workers):
         right.axhline(n / (2 * (n - 1)), color="grey", ls=":", label=f"bandwidth limit, {n} workers")
     left.set(yscale="log", ylabel="seconds per GB all-reduced", title="time per GB (lower is better)")
-    right.set(ylabel="aggnet time / gloo time", title="aggnet relative to gloo's ring", ylim=(0, None))
+    right.set(ylabel="time / gloo time", title="aggnet (and the floor) relative to gloo's ring", ylim=(0, None))
     for ax in (left, right):
         ax.set_xticks(range(len(rates)), labels)
         ax.grid(alpha=0.3)

@@ -68,6 +68,13 @@ def test_each_worker_moves_S_up_and_S_down_where_gloo_moves_2S_N_1_over_N():
             ring = rack_runs.run_system(rack, "gloo", size, reps=1)
         finally:
             agg.stop()
+        floor = rack_runs.FloorProcess(rack)
+        try:
+            base = rack_runs.run_system(rack, "floor", size, reps=1, address=floor.address,
+                                        aggregator_pids=[floor.pid])
+        finally:
+            floor.stop()
+    assert floor.process.returncode is not None  # its shards went with it
     for name, w in ours["per_worker"].items():
         # payload, 1.1% of headers at 8 KiB per packet, the priming window
         # (64 packets, 1.6% of 32 MiB), the odd retransmission
@@ -76,11 +83,20 @@ def test_each_worker_moves_S_up_and_S_down_where_gloo_moves_2S_N_1_over_N():
     for name, w in ring["per_worker"].items():
         assert 1.45 <= w["tx_bytes"] / size <= 1.6, (name, w)
         assert 1.45 <= w["rx_bytes"] / size <= 1.6, (name, w)
-    a, g = ours["checksums"][0][0], ring["checksums"][0][0]
+    # the floor, a parameter server in plain TCP sockets: S each way and
+    # TCP's headers and acknowledgements
+    for name, w in base["per_worker"].items():
+        assert 1.0 <= w["tx_bytes"] / size <= 1.03, (name, w)
+        assert 1.0 <= w["rx_bytes"] / size <= 1.03, (name, w)
+    a, g, f = ours["checksums"][0][0], ring["checksums"][0][0], base["checksums"][0][0]
     assert abs(a - g) <= 1e-3 * max(1.0, abs(g))
+    assert abs(f - g) <= 1e-3 * max(1.0, abs(g))
+    assert len({tuple(c) for c in base["checksums"]}) == 1  # every worker holds the same sum
     # host cycles per byte, beside the peer's
-    assert ours["worker_cpu_s_per_gb"] > 0 and ring["worker_cpu_s_per_gb"] > 0
+    assert ours["worker_cpu_s_per_gb"] > 0 and ring["worker_cpu_s_per_gb"] > 0 and base["worker_cpu_s_per_gb"] > 0
     assert ours["aggregator_cpu_s_per_gb"] > 0 and ring["aggregator_cpu_s_per_gb"] is None
+    # read while the floor's shards were still there to be read
+    assert base["aggregator_cpu_s_per_gb"] > 0
 
 
 def _join_from(rack, host, address, elements=None) -> str:
