@@ -169,7 +169,7 @@ def _run_one(rack, system: str, nbytes: int, args, switch, pids, extra: dict) ->
     if system != "floor":
         return rack_runs.run_system(rack, system, nbytes, args.reps, switch=switch, aggregator_pids=pids,
                                     progress=args.reps > 1, **extra)
-    floor = rack_runs.FloorProcess(rack, args.shards)
+    floor = rack_runs.FloorProcess.in_rack(rack, args.shards)
     try:
         return rack_runs.run_system(rack, "floor", nbytes, args.reps, address=floor.address,
                                     aggregator_pids=[floor.pid], progress=args.reps > 1)

@@ -80,9 +80,16 @@ def main(args) -> int:
                 drops = fabric.impairment_counts() if args.drop else None
                 return _report_allreduce(pl, nbytes, args.reps, result, drops)
             results = []
-            with Progress("aggnet emulate bench", 2) as progress:
-                for s in ("aggnet", "gloo"):
-                    results.append(fabric_runs.run_system(fabric, s, nbytes, args.reps, progress=args.reps > 1))
+            floor = not args.no_floor and all(r.aggregator.kind != "p4" for r in pl.racks)
+            systems = ("aggnet", "gloo") + (("floor",) if floor else ())
+            with Progress("aggnet emulate bench", len(systems)) as progress:
+                for s in systems:
+                    if s == "floor":
+                        with fabric_runs.start_floors(fabric) as floors:
+                            results.append(fabric_runs.run_system(fabric, s, nbytes, args.reps, floors=floors,
+                                                                  progress=args.reps > 1))
+                    else:
+                        results.append(fabric_runs.run_system(fabric, s, nbytes, args.reps, progress=args.reps > 1))
                     progress.step(f"{s}: {args.reps} x {format_size(nbytes)}")
             drops = fabric.impairment_counts() if args.drop else None
     except EmulationError as exc:
@@ -141,12 +148,17 @@ def _report_bench(args, pl: Plan, nbytes: int, results: list[dict], drops: dict 
         print(f"{r['system']:>7} {r['median_s']:9.3f} {up / 2**20:11.1f}MiB {down / 2**20:8.1f}MiB "
               f"{up / max(rs, 1):9.3f} {down / max(rs, 1):10.3f} {r['worker_cpu_s_per_gb']:9.2f}")
     print("cpu s/GB: a worker's CPU-seconds (user + system, every thread) per GB of buffer over its timed all-reduces")
-    a, g = results
+    a, g = results[:2]
     print(f"aggnet time / gloo time = {a['median_s'] / g['median_s']:.3f}; aggnet sends each rack's partial up "
           f"and its result down once (R*S each way), gloo's ring crosses racks R times with 2S(N-1)/N")
+    if len(results) > 2:
+        f = results[2]
+        print(f"floor (parameter servers in plain TCP sockets on the same hosts, the same bytes): aggnet time / "
+              f"floor time = {a['median_s'] / f['median_s']:.3f}; floor time / gloo time = "
+              f"{f['median_s'] / g['median_s']:.3f}, what any parameter server reaches here")
     same = all(len({tuple(c) for c in r["checksums"]}) == 1 for r in results)
-    print(f"every worker holds the same result: {'yes' if same else 'NO'}; sum of the result: aggnet "
-          f"{a['checksums'][0][0]:.6g}, gloo {g['checksums'][0][0]:.6g}")
+    named = ", ".join(f"{r['system']} {r['checksums'][0][0]:.6g}" for r in results)
+    print(f"every worker holds the same result: {'yes' if same else 'NO'}; sum of the result: {named}")
     if args.json:
         sizes = [r.workers for r in pl.racks]
         with open(args.json, "w") as f:

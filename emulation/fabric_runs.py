@@ -30,19 +30,20 @@ def _env(extra: dict | None = None) -> dict:
 
 
 def run_system(fabric: Fabric, system: str, nbytes: int, reps: int = 1, *, dtype: str = "float32",
-               timeout: float = 1800, progress: bool = False) -> dict:
+               timeout: float = 1800, progress: bool = False, floors: list[str] | None = None) -> dict:
     """One all-reduce system on every worker of every rack; the time per
     repetition (slowest worker), each worker's checksums (and, for int32,
     whether its result is the exact sum) and the bytes every rack's uplink
     moved per all-reduce, each way. ``progress``: rank 0 prints a line per
-    repetition as it goes."""
+    repetition as it goes. ``floors``: for the floor, each rack's
+    (:func:`start_floors`)."""
     from aggnet.bench.cpu import per_gb
 
     world = len(fabric.workers)
     job = f"fabric-{uuid.uuid4().hex[:8]}"
     with fabric.switch_jobs(job) if system == "aggnet" else contextlib.nullcontext():
         before = fabric.uplink_counters()
-        outs = _run_workers(fabric, system, nbytes, reps, job, dtype, timeout, progress)
+        outs = _run_workers(fabric, system, nbytes, reps, job, dtype, timeout, progress, floors)
         after = fabric.uplink_counters()
     times = [max(o["times"][i] for o in outs) for i in range(reps)]
     uplinks = [{k: (a[k] - b[k]) / reps for k in a} for a, b in zip(after, before)]
@@ -55,7 +56,7 @@ def run_system(fabric: Fabric, system: str, nbytes: int, reps: int = 1, *, dtype
 
 
 def _run_workers(fabric: Fabric, system: str, nbytes: int, reps: int, job: str, dtype: str, timeout: float,
-                 progress: bool) -> list[dict]:
+                 progress: bool, floors: list[str] | None) -> list[dict]:
     workers = fabric.workers
     world = len(workers)
     master = f"{workers[0][2].ip}:{GLOO_PORT}"
@@ -66,10 +67,40 @@ def _run_workers(fabric: Fabric, system: str, nbytes: int, reps: int, job: str, 
                "--bytes", str(nbytes), "--reps", str(reps), "--master", master, "--job", job, "--dtype", dtype]
         if system == "aggnet":
             cmd += ["--topology", fabric.topology_path]
+        if system == "floor":  # a rack's floor sums its own workers, then the root sums the racks
+            local = [x[0] for x in workers if x[1] is rack]
+            cmd += ["--floor", floors[fabric.racks.index(rack)], "--floor-rank", str(local.index(rank)),
+                    "--floor-world", str(len(local))]
         shown = progress and rank == 0
         procs.append(rack.popen(h, cmd + (["--progress"] if shown else []), env=env, stdout=subprocess.PIPE,
                                 stderr=None if shown else subprocess.PIPE, text=True))
     return collect(procs, timeout, f"{system} all-reduce across racks")
+
+
+@contextlib.contextmanager
+def start_floors(fabric: Fabric, shards: int | None = None):
+    """The floor across racks (aggnet/bench/floor.py): a floor on the spine
+    as the root, one on every rack's aggregator host under it, plain TCP
+    sockets moving what aggnet's racks move; yields each rack's address."""
+    from aggnet.emulation.fabric_plan import ROOT_IP
+    from aggnet.emulation.rack_runs import FloorProcess
+
+    if any(rack.aggregator is None for rack in fabric.racks):
+        raise EmulationError("the floor needs every rack's aggregator host (a p4 rack has none)")
+    started = []
+    try:
+        racks = len(fabric.racks)
+        root = None
+        if racks > 1:
+            root = FloorProcess(fabric.spine, ROOT_IP, racks, shards)
+            started.append(root)
+        for i, rack in enumerate(fabric.racks):
+            started.append(FloorProcess(rack.aggregator.name, rack.aggregator.ip, len(rack.workers), shards,
+                                        parent=root, rack=i, racks=racks))
+        yield [f.address for f in started[-racks:]]
+    finally:
+        for f in reversed(started):
+            f.stop()
 
 
 def run_demo(fabric: Fabric, epochs: int, codec: str, timeout: float = 1800, extra: list[str] = (),

@@ -39,26 +39,37 @@ def start_aggregator(rack: Rack, elements: int | None = None, pool: int = 4096,
 
 
 class FloorProcess:
-    """The floor's shards on the rack's aggregator host (aggnet/bench/floor.py):
-    the same bytes through the same links as the aggregator, summed by
-    plain sockets and numpy, for what any parameter server pays here."""
+    """The floor's shards on an emulated host (aggnet/bench/floor.py): the
+    same bytes through the same links as the aggregator, summed by plain
+    sockets and numpy, for what any parameter server pays here. Under a
+    ``parent`` (a root's FloorProcess) its sums go up as rack ``rack`` of
+    ``racks``."""
 
-    def __init__(self, rack: Rack, shards: int | None = None, timeout: float = 60.0):
+    def __init__(self, ns: str, ip: str, world: int, shards: int | None = None, *,
+                 parent: "FloorProcess | None" = None, rack: int = 0, racks: int = 1, timeout: float = 60.0):
         import os
         import select
 
-        if rack.aggregator is None:
-            raise EmulationError("the floor needs the rack's aggregator host (not --switch bmv2)")
-        cmd = [sys.executable, "-m", "aggnet.bench.floor", "--world", str(len(rack.workers)),
-               "--shards", str(shards or os.cpu_count() or 1), "--host", rack.aggregator.ip]
-        self.process = rack.popen(rack.aggregator, cmd, stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+        from aggnet.emulation.nsprocess import popen_in
+
+        cmd = [sys.executable, "-m", "aggnet.bench.floor", "--world", str(world),
+               "--shards", str(shards or os.cpu_count() or 1), "--host", ip]
+        if parent is not None:
+            cmd += ["--parent", parent.address, "--rack", str(rack), "--racks", str(racks)]
+        self.process = popen_in(ns, cmd, None, stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
         self.pid = self.process.pid
         ready, _, _ = select.select([self.process.stdout], [], [], timeout)
         line = self.process.stdout.readline() if ready else ""
         if not line.startswith("floor serving "):
             self.stop()
-            raise EmulationError(f"the floor on {rack.aggregator.name} did not start within {timeout:g}s")
+            raise EmulationError(f"the floor on {ns} did not start within {timeout:g}s")
         self.address = line.split()[2]
+
+    @classmethod
+    def in_rack(cls, rack: Rack, shards: int | None = None) -> "FloorProcess":
+        if rack.aggregator is None:
+            raise EmulationError("the floor needs the rack's aggregator host (not --switch bmv2)")
+        return cls(rack.aggregator.name, rack.aggregator.ip, len(rack.workers), shards)
 
     def stop(self) -> None:
         """Its standard input's end stops it and its shards."""

@@ -54,6 +54,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["float32", "int32"], default="float32",
                    help="int32: check the result bit for bit against the sum")
     p.add_argument("--floor", default=None, help="floor: its shards, HOST:PORT,PORT... (aggnet/bench/floor.py)")
+    p.add_argument("--floor-rank", type=int, default=None,
+                   help="floor: this worker's place among its floor's workers (default --rank; across racks, its "
+                        "place in its rack)")
+    p.add_argument("--floor-world", type=int, default=None, help="floor: its floor's workers (default --world)")
     p.add_argument("--progress", action="store_true", help="a line per repetition on standard error")
     args = p.parse_args(argv)
     from contextlib import nullcontext
@@ -98,7 +102,9 @@ def main(argv=None) -> int:
         from aggnet.client.config import ClientConfig
 
         host, ports = parse_address(args.floor)
-        client = FloorClient(ports, args.rank, args.world, ClientConfig().chunk_bytes_for("zmq+tcp"), host)
+        place = args.rank if args.floor_rank is None else args.floor_rank
+        peers = args.world if args.floor_world is None else args.floor_world
+        client = FloorClient(ports, place, peers, ClientConfig().chunk_bytes_for("zmq+tcp"), host)
         try:
             with shown as progress:
                 for _ in range(args.reps):

@@ -49,11 +49,19 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         got += r
 
 
-def serve_shard(world: int, ready, index: int = 0, host: str = "127.0.0.1", hold: bool = False) -> None:
+def serve_shard(world: int, ready, index: int = 0, host: str = "127.0.0.1", hold: bool = False,
+                parent: tuple[str, int] | None = None, rack: int = 0, racks: int = 1) -> None:
     """One floor shard: accept ``world`` workers, then sum what they send
     until they close. ``ready.put((index, port))`` says where it listens.
-    ``hold``: then wait to be killed, so that whoever reads its CPU time
-    after the workers are gone still finds it."""
+    ``parent`` (a root floor shard's address): each sum goes up as rack
+    ``rack`` of ``racks``, and the root's sum comes back down. ``hold``:
+    then wait to be killed, so that whoever reads its CPU time after the
+    workers are gone still finds it."""
+    up = None
+    if parent is not None:
+        up = socket.create_connection(parent, timeout=60)
+        up.settimeout(None)
+        up.sendall(_HELLO.pack(rack, racks))
     listener = socket.create_server((host, 0))
     ready.put((index, listener.getsockname()[1]))
     conns: list = [None] * world
@@ -61,76 +69,123 @@ def serve_shard(world: int, ready, index: int = 0, host: str = "127.0.0.1", hold
         conn, _ = listener.accept()
         hello = bytearray(_HELLO.size)
         _recv_exactly(conn, memoryview(hello))
-        rank, _ = _HELLO.unpack(hello)
-        conns[rank] = conn
+        conns[_HELLO.unpack(hello)[0]] = conn
     listener.close()
-    lock = threading.Lock()
-    pool: dict[int, list] = {}
-    sums: dict = {}  # (round, index) -> [buffer, contributions]
-    outboxes = [queue.SimpleQueue() for _ in range(world)]
-    sending: dict = {}  # id(buffer) -> sends left
+    _Shard(conns, up).run()
+    while hold:
+        signal.pause()
+    os._exit(0)  # its senders wait on their outboxes for ever
 
-    def take(nbytes: int) -> np.ndarray:
-        free = pool.get(nbytes)
+
+class _Shard:
+    """A floor shard's sums: a thread each way per connection, a lock
+    around the sums, buffers reused by size."""
+
+    def __init__(self, conns: list, up: socket.socket | None):
+        self.conns, self.up, self.world = conns, up, len(conns)
+        self.lock = threading.Lock()
+        self.pool: dict[int, list] = {}
+        self.sums: dict = {}  # (round, index) -> [buffer, contributions]
+        self.outboxes = [queue.SimpleQueue() for _ in conns]
+        self.sending: dict = {}  # id(buffer) -> sends left
+        self.upbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.held: dict = {}  # (round, index) -> a sum gone up, where the root's comes back
+
+    def run(self) -> None:
+        """Until every worker has closed."""
+        receivers = [threading.Thread(target=self.receive, args=(r,), daemon=True) for r in range(self.world)]
+        others = [threading.Thread(target=self.send, args=(r,), daemon=True) for r in range(self.world)]
+        if self.up is not None:
+            others += [threading.Thread(target=self.send_up, daemon=True),
+                       threading.Thread(target=self.receive_down, daemon=True)]
+        for t in receivers + others:
+            t.start()
+        for t in receivers:
+            t.join()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        free = self.pool.get(nbytes)
         return free.pop() if free else np.empty(nbytes, np.uint8)
 
-    def receive(rank: int) -> None:
-        header = bytearray(_HEADER.size)
-        buf = None
+    def receive(self, rank: int) -> None:
+        conn, header, buf = self.conns[rank], bytearray(_HEADER.size), None
         try:
             while True:
-                _recv_exactly(conns[rank], memoryview(header))
+                _recv_exactly(conn, memoryview(header))
                 rnd, idx, nbytes, code = _HEADER.unpack(header)
-                with lock:
+                with self.lock:
                     if buf is None or len(buf) != nbytes:
-                        buf = take(nbytes)
-                _recv_exactly(conns[rank], memoryview(buf))
-                with lock:
-                    entry = sums.get((rnd, idx))
+                        buf = self.take(nbytes)
+                _recv_exactly(conn, memoryview(buf))
+                with self.lock:
+                    entry = self.sums.get((rnd, idx))
                     if entry is None:
                         # the first contribution is the sum so far: no copy
-                        sums[(rnd, idx)] = entry = [buf, 0]
-                        buf = take(nbytes)
+                        self.sums[(rnd, idx)] = entry = [buf, 0]
+                        buf = self.take(nbytes)
                     else:
                         dt = _DTYPES[code]
                         acc = entry[0].view(dt)
                         np.add(acc, buf.view(dt), out=acc)
                     entry[1] += 1
-                    done = entry[1] == world
+                    done = entry[1] == self.world
                     if done:
-                        del sums[(rnd, idx)]
-                        sending[id(entry[0])] = world
+                        del self.sums[(rnd, idx)]
+                        if self.up is not None:
+                            self.held[(rnd, idx)] = entry[0]
                 if done:
-                    for box in outboxes:
-                        box.put((bytes(header), entry[0]))
+                    if self.up is None:
+                        self.fan_out(bytes(header), entry[0])
+                    else:
+                        self.upbox.put((bytes(header), entry[0]))
         except (EOFError, OSError):
             return
 
-    def send(rank: int) -> None:
+    def fan_out(self, header: bytes, result: np.ndarray) -> None:
+        with self.lock:
+            self.sending[id(result)] = self.world
+        for box in self.outboxes:
+            box.put((header, result))
+
+    def send(self, rank: int) -> None:
         try:
             while True:
-                header, result = outboxes[rank].get()
-                conns[rank].sendall(header)
-                conns[rank].sendall(result)
-                with lock:
-                    left = sending[id(result)] - 1
+                header, result = self.outboxes[rank].get()
+                self.conns[rank].sendall(header)
+                self.conns[rank].sendall(result)
+                with self.lock:
+                    left = self.sending[id(result)] - 1
                     if left:
-                        sending[id(result)] = left
+                        self.sending[id(result)] = left
                     else:
-                        del sending[id(result)]
-                        pool.setdefault(len(result), []).append(result)
+                        del self.sending[id(result)]
+                        self.pool.setdefault(len(result), []).append(result)
         except OSError:
             return
 
-    threads = [threading.Thread(target=receive, args=(r,), daemon=True) for r in range(world)]
-    threads += [threading.Thread(target=send, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads[:world]:
-        t.join()
-    while hold:
-        signal.pause()
-    os._exit(0)  # the senders wait on their outboxes for ever
+    def send_up(self) -> None:
+        try:
+            while True:
+                header, partial = self.upbox.get()
+                self.up.sendall(header)
+                self.up.sendall(partial)
+        except OSError:
+            return
+
+    def receive_down(self) -> None:
+        """The root's sums, each into the buffer its rack's partial went up
+        from (the root answers only once it has all of that partial)."""
+        header = bytearray(_HEADER.size)
+        try:
+            while True:
+                _recv_exactly(self.up, memoryview(header))
+                rnd, idx, _, _ = _HEADER.unpack(header)
+                with self.lock:
+                    result = self.held.pop((rnd, idx))
+                _recv_exactly(self.up, memoryview(result))
+                self.fan_out(bytes(header), result)
+        except (EOFError, OSError):
+            return
 
 
 class FloorClient:
@@ -241,10 +296,22 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, required=True, help="workers each shard waits for")
     p.add_argument("--shards", type=int, default=os.cpu_count() or 1, help="shard processes (default: one per core)")
     p.add_argument("--host", default="127.0.0.1", help="address the shards listen on")
+    p.add_argument("--parent", default=None,
+                   help="a root floor's HOST:PORT,... (what it printed): shard i sends its sums to the root's "
+                        "shard i and hands the root's sums to its workers")
+    p.add_argument("--rack", type=int, default=0, help="with --parent: this rack's number, from 0")
+    p.add_argument("--racks", type=int, default=1, help="with --parent: the root's racks")
     args = p.parse_args(argv)
+    parents = [None] * args.shards
+    if args.parent:
+        root, ports = parse_address(args.parent)
+        if len(ports) != args.shards:
+            p.error(f"--parent has {len(ports)} shards and this floor {args.shards}: give both the same")
+        parents = [(root, port) for port in ports]
     ctx = multiprocessing.get_context("fork")
     ready = ctx.Queue()
-    shards = [ctx.Process(target=serve_shard, args=(args.world, ready, i, args.host, True))
+    shards = [ctx.Process(target=serve_shard, args=(args.world, ready, i, args.host, True, parents[i], args.rack,
+                                                    args.racks))
               for i in range(args.shards)]
     for s in shards:
         s.start()

@@ -77,3 +77,46 @@ def test_a_floor_worker_whose_shard_dies_is_told_not_left_waiting():
             client.allreduce(np.ones(10, np.float32))
     finally:
         client.close()
+
+
+def _rack_worker(rank: int, world: int, ports: list, out) -> None:
+    client = FloorClient(ports, rank, world, CHUNK)
+    try:
+        x = np.arange(50_001, dtype=np.int32) + 1000 * rank
+        client.allreduce(x)
+        out.put((rank, x))
+    finally:
+        client.close()
+
+
+def test_rack_floors_under_a_root_floor_hand_every_worker_the_sum_over_all_racks():
+    ctx = mp.get_context("fork")
+    racks, per_rack = 2, 2
+    root_ready, out = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=serve_shard, args=(racks, root_ready, i), daemon=True) for i in range(SHARDS)]
+    for p in procs:
+        p.start()
+    root = dict(root_ready.get(timeout=30) for _ in range(SHARDS))
+    workers = []
+    for r in range(racks):
+        ready = ctx.Queue()
+        shards = [ctx.Process(target=serve_shard, args=(per_rack, ready, i, "127.0.0.1", False,
+                                                        ("127.0.0.1", root[i]), r, racks), daemon=True)
+                  for i in range(SHARDS)]
+        for p in shards:
+            p.start()
+        ports = dict(ready.get(timeout=30) for _ in shards)
+        procs += shards
+        # global rank r * per_rack + k, rank k within its rack
+        workers += [ctx.Process(target=_rack_worker, args=(k, per_rack, [ports[i] for i in range(SHARDS)], out),
+                                daemon=True) for k in range(per_rack)]
+    for p in workers:
+        p.start()
+    got = [out.get(timeout=60)[1] for _ in workers]
+    for p in workers + procs:
+        p.join(10)
+    assert all(p.exitcode == 0 for p in workers + procs), [p.exitcode for p in workers + procs]
+    base = np.arange(50_001, dtype=np.int32)
+    want = racks * sum(base + 1000 * k for k in range(per_rack))
+    for x in got:
+        assert np.array_equal(x, want)

@@ -68,7 +68,7 @@ def test_each_worker_moves_S_up_and_S_down_where_gloo_moves_2S_N_1_over_N():
             ring = rack_runs.run_system(rack, "gloo", size, reps=1)
         finally:
             agg.stop()
-        floor = rack_runs.FloorProcess(rack)
+        floor = rack_runs.FloorProcess.in_rack(rack)
         try:
             base = rack_runs.run_system(rack, "floor", size, reps=1, address=floor.address,
                                         aggregator_pids=[floor.pid])

@@ -91,7 +91,8 @@ def test_bench_writes_cross_rack_bytes_near_R_times_S_for_aggnet(tmp_path):
     data = json.loads(out.read_text())
     assert (data["racks"], data["workers"], data["bytes"]) == (2, 2, size)
     rec = {x["system"]: x for x in data["records"]}
-    assert set(rec) == {"aggnet", "gloo"}
+    assert set(rec) == {"aggnet", "gloo", "floor"}
+    assert "aggnet time / floor time" in r.stdout
     assert all(x["median_s"] > 0 and x["worker_cpu_s_per_gb"] > 0 for x in rec.values())
     assert "cpu s/GB" in r.stdout
     rs = 2 * size
@@ -99,6 +100,13 @@ def test_bench_writes_cross_rack_bytes_near_R_times_S_for_aggnet(tmp_path):
         assert 1.0 <= rec["aggnet"]["cross_rack_bytes"][way] / rs <= 1.05, rec["aggnet"]["cross_rack_bytes"]
         # the ring crosses the 2 racks twice, each time with 2S(N-1)/N = 1.5 S
         assert rec["gloo"]["cross_rack_bytes"][way] / rs > 1.4, rec["gloo"]["cross_rack_bytes"]
+        # the floor's racks move what aggnet's do, over TCP
+        assert 1.0 <= rec["floor"]["cross_rack_bytes"][way] / rs <= 1.05, rec["floor"]["cross_rack_bytes"]
+    # the floor's rack sums went up to its root and back: every worker
+    # holds the sum over both racks, as aggnet's and gloo's do
+    sums = {system: x["checksums"][0][0] for system, x in rec.items()}
+    assert abs(sums["floor"] - sums["gloo"]) <= 1e-3 * max(1.0, abs(sums["gloo"])), sums
+    assert len({tuple(c) for c in rec["floor"]["checksums"]}) == 1
     assert not namespaces("agw")
 
 
