@@ -40,6 +40,11 @@ log = logging.getLogger("aggnet.hosts.shard")
 
 #: how often pending slots are checked for workers that went silent
 STALL_CHECK_INTERVAL = 0.25
+#: seconds a worker's closed connection waits before it is logged: a
+#: Ctrl-C ends the workers and then the aggregator that a harness started
+#: for them, and that aggregator should not report the workers it outlived
+#: by milliseconds (its counters still count them)
+CLOSE_LOG_DELAY = 0.5
 #: seconds a job lives on a shard with none of its members heard from
 #: (workers killed without LEAVE, junk JOINs from a service open to many
 #: hosts), then its memory is reclaimed; None: never (a job that pauses
@@ -86,6 +91,8 @@ class Shard:
         self.pool = BufferPool()
         self.latency = Histogram()
         self._next_stall_check = 0.0
+        #: (when, message) of closed connections, logged once CLOSE_LOG_DELAY old
+        self._closes_to_log: list = []
         #: sparse tables (parameter server) beside the dense chunks
         self.sparse = SparseTables(self)
 
@@ -354,8 +361,8 @@ class Shard:
                             job.away[rank] = time.monotonic()
                     elif member == peer:
                         self.counters["members_disconnected"] += 1
-                        log.warning("shard %d: job %r rank %d's connection closed without LEAVE", self.index,
-                                    job.name, rank)
+                        self._closes_to_log.append((time.monotonic(), f"shard {self.index}: job {job.name!r} rank "
+                                                                      f"{rank}'s connection closed without LEAVE"))
                         self._depart(job, rank, f"rank {rank} of job {job.name!r} lost its connection to the "
                                                 f"aggregator without leaving (the worker died or closed its client)")
 
@@ -814,6 +821,8 @@ class Shard:
 
     def check_stalls(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
+        while self._closes_to_log and now - self._closes_to_log[0][0] >= CLOSE_LOG_DELAY:
+            log.warning(self._closes_to_log.pop(0)[1])
         for job in list(self.jobs.values()):
             if self.job_lease is not None and now - job.last_heard > self.job_lease:
                 log.info("shard %d: job %r reclaimed: none of its members (%s) heard from for %.0fs", self.index,

@@ -275,6 +275,13 @@ def spawn_workers(target, world: int, args: tuple, timeout: float, what: str, hi
         for _ in ps:
             try:
                 rank, res, err = out.get(timeout=timeout)
+            except KeyboardInterrupt:
+                # the workers had the same Ctrl-C and end on their own (the
+                # interpreter's exit ends any that did not); the caller
+                # stops what they used, an aggregator, without waiting for
+                # them, before it can log their closed connections
+                ps = []
+                raise
             except Exception:
                 raise RuntimeError(f"{what}: the N={world} workers gave no result within {timeout:g}s{hint}") \
                     from None
