@@ -41,6 +41,29 @@ def _barrier_aggnet(client) -> None:
     client.allreduce(np.zeros(1, np.int32)).result(300)
 
 
+def _repeat(reps: int, fresh, barrier, reduce, as_numpy, expected, progress) -> tuple:
+    """Each repetition: a fresh copy of the input, a barrier, the timed
+    all-reduce (its seconds and this process's CPU-seconds), the result's
+    checksum and, with ``expected``, whether it is that exact sum."""
+    from aggnet.bench.cpu import own_cpu_seconds
+
+    times, sums, cpu, exact = [], [], 0.0, None
+    for _ in range(reps):
+        x = fresh()
+        barrier()
+        c0, t0 = own_cpu_seconds(), time.perf_counter()
+        reduce(x)
+        times.append(time.perf_counter() - t0)
+        cpu += own_cpu_seconds() - c0
+        result = as_numpy(x)
+        sums.append(float(np.sum(result, dtype=np.float64)))
+        if expected is not None:
+            exact = bool(np.array_equal(result, expected)) and exact is not False
+        if progress is not None:
+            progress.step(f"{times[-1]:.3f} s")
+    return times, cpu, sums, exact
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("system", choices=["aggnet", "gloo", "floor"])
@@ -62,7 +85,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from contextlib import nullcontext
 
-    from aggnet.bench.cpu import own_cpu_seconds
     from aggnet.progress import Progress
 
     shown = Progress(f"  {args.system} all-reduce", args.reps, bar=False) if args.progress else nullcontext()
@@ -72,27 +94,14 @@ def main(argv=None) -> int:
     # repetition's input is the same anyway
     data = _data(args.rank, n, args.dtype)
     expected = _expected(args.world, n) if args.dtype == "int32" else None
-    times, sums = [], []
-    cpu = 0.0
     stats = {}
-    exact = None
     if args.system == "aggnet":
         from aggnet import Client
 
         where = ({"topology": args.topology} if args.topology else {"world_size": args.world})
         with Client(job=args.job, rank=args.rank, **where) as c, shown as progress:
-            for _ in range(args.reps):
-                x = data.copy()
-                _barrier_aggnet(c)
-                c0, t0 = own_cpu_seconds(), time.perf_counter()
-                c.allreduce(x).result(3600)
-                times.append(time.perf_counter() - t0)
-                cpu += own_cpu_seconds() - c0
-                sums.append(float(np.sum(x, dtype=np.float64)))
-                if args.dtype == "int32":
-                    exact = bool(np.array_equal(x, expected)) and exact is not False
-                if progress is not None:
-                    progress.step(f"{times[-1]:.3f} s")
+            times, cpu, sums, exact = _repeat(args.reps, data.copy, lambda: _barrier_aggnet(c),
+                                              lambda x: c.allreduce(x).result(3600), lambda x: x, expected, progress)
             stats = dict(c.stats.__dict__)
             for name in ("io", "elements", "slots"):  # the switch path's batching and packet size
                 if hasattr(c, name):
@@ -107,18 +116,10 @@ def main(argv=None) -> int:
         client = FloorClient(ports, place, peers, ClientConfig().chunk_bytes_for("zmq+tcp"), host)
         try:
             with shown as progress:
-                for _ in range(args.reps):
-                    x = data.copy()
-                    client.allreduce(np.zeros(1, np.int32))  # a barrier: it ends once every worker sent
-                    c0, t0 = own_cpu_seconds(), time.perf_counter()
-                    client.allreduce(x)
-                    times.append(time.perf_counter() - t0)
-                    cpu += own_cpu_seconds() - c0
-                    sums.append(float(np.sum(x, dtype=np.float64)))
-                    if args.dtype == "int32":
-                        exact = bool(np.array_equal(x, expected)) and exact is not False
-                    if progress is not None:
-                        progress.step(f"{times[-1]:.3f} s")
+                # the barrier: a one-value all-reduce ends once every worker sent
+                times, cpu, sums, exact = _repeat(args.reps, data.copy,
+                                                  lambda: client.allreduce(np.zeros(1, np.int32)), client.allreduce,
+                                                  lambda x: x, expected, progress)
         finally:
             client.close()
     else:
@@ -128,18 +129,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world)
         with shown as progress:
-            for _ in range(args.reps):
-                x = torch.from_numpy(data.copy())
-                dist.barrier()
-                c0, t0 = own_cpu_seconds(), time.perf_counter()
-                dist.all_reduce(x)
-                times.append(time.perf_counter() - t0)
-                cpu += own_cpu_seconds() - c0
-                sums.append(float(x.double().sum()))
-                if args.dtype == "int32":
-                    exact = bool(np.array_equal(x.numpy(), expected)) and exact is not False
-                if progress is not None:
-                    progress.step(f"{times[-1]:.3f} s")
+            times, cpu, sums, exact = _repeat(args.reps, lambda: torch.from_numpy(data.copy()), dist.barrier,
+                                              dist.all_reduce, lambda t: t.numpy(), expected, progress)
         dist.destroy_process_group()
     print(json.dumps({"rank": args.rank, "times": times, "cpu_s": cpu, "checksums": sums, "stats": stats,
                       "exact": exact, "pid": os.getpid()}), flush=True)
