@@ -70,6 +70,8 @@ FALLBACK_AFTER = 5.0
 _NO_F32 = np.zeros(1, np.float32)
 _NO_I32 = np.zeros(1, np.int32)
 _NO_EXPS = np.zeros(1, np.int16)
+#: what dg.look_at_results answers for "no such result"
+_NONE = float("nan")
 
 
 @dataclass(eq=False)
@@ -183,6 +185,8 @@ class SwitchClient(Client):
                                              dtype=DType.INT32, count=k, world=self.members).pack(), np.uint8).copy()
         self.wbits = (self.world_size - 1).bit_length()
         self.window = dg.Window(self.packets, self.template, k, self.tags, self.busy, self.kind, self.block)
+        self.pace = dg.Pace(self.sent_at, self.rto, self.first_try, self.fast_done, self.results_at_send,
+                            self.older_at_send, self.busy, self.slot_dest, np.zeros(s + 1, np.int64))
         self.accept = dg.Accept(self.src_lo, self.src_hi, self.job_id, s, pb)
 
     def _join_or_fall_back(self) -> None:
@@ -412,32 +416,21 @@ class SwitchClient(Client):
         scattered set is first staged one after another."""
         n = slots.size
         pb = self.packets.shape[1]
-        now = time.monotonic()
-        if not retransmit:
-            self.rto[slots] = self.base_rto
-            self.first_try[slots] = True
-            self.fast_done[slots] = False
-            self.results_at_send[slots] = self.results_seen
-            # the whole batch counts as older: its packets come back in any order
-            self.older_at_send[slots] = int(np.count_nonzero(self.busy))
-        self.sent_at[slots] = now
-        dests = self.slot_dest[slots] if self.sharded else None
-        breaks = slots[1:] != slots[:-1] + 1
-        if dests is not None:
-            breaks |= dests[1:] != dests[:-1]
-        cuts = np.flatnonzero(breaks) + 1
+        runs = dg.note_sends(self.pace, slots, n, time.monotonic(), not retransmit, float(self.base_rto),
+                             self.results_seen, self.sharded)
         if retransmit:
             self.packets[slots, dg.O_FLAGS] |= dg.F_RETRANSMIT
-        if cuts.size < max(1, n // 16):
+        if runs - 1 < max(1, n // 16):
             flat = self.packets.reshape(-1)
             start = 0
-            for end in [*cuts.tolist(), n]:
+            for end in self.pace.runs[:runs].tolist():
                 first = int(slots[start])
                 dest = int(self.slot_dest[first])
                 self.dsock.send_segments(flat[first * pb:(first + end - start) * pb], pb, (end - start) * pb, dest)
                 start = end
         else:
             dg.stage(self.packets, slots, n, self.staging, pb, False)
+            dests = self.slot_dest[slots] if self.sharded else None
             if dests is None:
                 self.dsock.send_segments(self.staging, pb, n * pb, int(self.slot_dest[0]))
             else:
@@ -487,19 +480,19 @@ class SwitchClient(Client):
         now = time.monotonic()
         self._last_progress = now
         self._probing = None
-        slots = self.res_slot[:m]
         self.results_seen += m
         self.stats.results += m
         self.stats.bytes_received += m * self.packet_bytes
-        clean = slots[self.first_try[slots]]
-        if clean.size:
-            # one sample per batch, its middle one: np.median of the batch
-            # cost a fifth of this thread's time at a slow link's pace
-            self._sample_rtt(now - float(self.sent_at[clean[clean.size // 2]]))
-        rids = self.rid[slots]
-        if rids[0] == rids[-1] and (m < 3 or (rids == rids[0]).all()):
-            groups = [(int(rids[0]), self.res_slot, self.res_off, m)]
+        # one RTT sample per batch, its middle one: np.median of the batch
+        # cost a fifth of this thread's time at a slow link's pace
+        sent, one = dg.look_at_results(self.pace, self.rid, self.res_slot, m, _NONE)
+        if sent == sent:  # not NaN
+            self._sample_rtt(now - sent)
+        if one == one:
+            groups = [(int(one), self.res_slot, self.res_off, m)]
         else:
+            slots = self.res_slot[:m]
+            rids = self.rid[slots]
             order = np.argsort(rids, kind="stable")
             rs, ro, rr = slots[order], self.res_off[:m][order], rids[order]
             cuts = [0, *(np.flatnonzero(rr[1:] != rr[:-1]) + 1).tolist(), m]

@@ -101,6 +101,11 @@ Window = namedtuple("Window", "packets template k tags busy kind block")
 #: ``fingerprint``, whose sum holds ``world`` contributions
 Task = namedtuple("Task", "buf_f buf_i quantized nelem wbits multiplier used blocks exps fingerprint world rnd "
                           "first_slot")
+#: a client's send timers per slot (when its use went out, its timeout,
+#: whether it went out once only, whether it was fast-resent, the results
+#: seen and the older uses waiting when it went out), whether it waits,
+#: its destination, and room for the ends of a batch's runs of slots
+Pace = namedtuple("Pace", "sent_at rto first_try fast_done results_at_send older_at_send busy slot_dest runs")
 #: which results a client takes: from the aggregator's ports
 #: ``src_lo..src_hi``, for its job and slots, of ``packet_bytes``
 Accept = namedtuple("Accept", "src_lo src_hi job_id slots packet_bytes")
@@ -405,3 +410,63 @@ def stage(packets, slots_in, count, staging, packet_bytes, retransmit):
         base = i * packet_bytes
         for b in range(packet_bytes):
             staging[base + b] = packets[s, b]
+
+
+@hot
+@_jit
+def note_sends(pace, slots, n, now, fresh, base_rto, results_seen, sharded):
+    """Time the sends of ``slots[:n]`` at ``now`` (``fresh``: their uses'
+    first sends, which also start their timers and fast-retransmission
+    counts), and write to ``pace.runs`` where each run of consecutive slots
+    (of one destination, when ``sharded``) ends; returns the runs' count.
+    One call where the bookkeeping took a dozen numpy calls per batch."""
+    if fresh:
+        older = 0
+        for s in range(pace.busy.size):
+            if pace.busy[s]:
+                older += 1
+        for i in range(n):
+            s = slots[i]
+            pace.rto[s] = base_rto
+            pace.first_try[s] = True
+            pace.fast_done[s] = False
+            pace.results_at_send[s] = results_seen
+            # the whole batch counts as older: its packets come back in any order
+            pace.older_at_send[s] = older
+    runs = 0
+    for i in range(n):
+        s = slots[i]
+        pace.sent_at[s] = now
+        if i > 0:
+            prev = slots[i - 1]
+            if s != prev + 1 or (sharded and pace.slot_dest[s] != pace.slot_dest[prev]):
+                pace.runs[runs] = i
+                runs += 1
+    pace.runs[runs] = n
+    return runs + 1
+
+
+@hot
+@_jit
+def look_at_results(pace, rid, slots, m, none):
+    """Of the results for ``slots[:m]``: when the middle one of those whose
+    use went out once only was sent (an RTT sample; ``none`` if no such
+    one), and the one request all of them serve (``none`` if several)."""
+    clean = 0
+    for i in range(m):
+        if pace.first_try[slots[i]]:
+            clean += 1
+    sent = none
+    if clean:
+        want, seen = clean // 2, 0
+        for i in range(m):
+            if pace.first_try[slots[i]]:
+                if seen == want:
+                    sent = pace.sent_at[slots[i]]
+                    break
+                seen += 1
+    one = rid[slots[0]]
+    for i in range(1, m):
+        if rid[slots[i]] != one:
+            return sent, none
+    return sent, float(one)
