@@ -59,8 +59,9 @@ def add_arguments(p) -> None:
                         "aggregator's packets are sized to fit it")
     p.add_argument("--shards", type=int, default=None, help="aggregator host's shard processes (default: cores)")
     p.add_argument("--no-floor", action="store_true",
-                   help="bench of one rack: skip the floor, a parameter server in plain TCP sockets on the aggregator host "
-                        "(the same bytes over the same links: what any parameter server pays here)")
+                   help="bench: skip the floor, a parameter server in plain TCP sockets on the aggregator "
+                        "host (with --topology, one per rack under one on the spine): the same bytes over the "
+                        "same links, what any parameter server pays here")
     p.add_argument("--elements", type=int, default=None,
                    help="int32 values per packet (default: the host's 2048, or what the MTU fits; BMv2: 64)")
     p.add_argument("--steps", type=int, default=10, help="bench-ddp: timed steps per system")

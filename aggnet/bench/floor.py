@@ -26,9 +26,8 @@ import queue
 import signal
 import socket
 import struct
-import threading
-
 import sys
+import threading
 
 import numpy as np
 
