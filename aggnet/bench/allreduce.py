@@ -402,18 +402,11 @@ def _time_group(group: str, world: int, plan: list[dict], listen: str | None, ar
 def _time_floor(world: int, plan: list[dict], args) -> list[dict]:
     """The floor's records: its shards (one per core, as the service's)
     are processes of their own, whose CPU counts as the aggregator's."""
-    from aggnet.bench.floor import serve_shard
+    from aggnet.bench.floor import start_shards
 
-    ctx = fork_server()
-    ready = ctx.Queue()
-    shards = [ctx.Process(target=serve_shard, args=(world, ready, i), daemon=True)
-              for i in range(args.shards or os.cpu_count() or 1)]
-    for p in shards:
-        p.start()
+    shards, ports = start_shards(fork_server(), world, args.shards or os.cpu_count() or 1)
     try:
-        ports = dict(ready.get(timeout=60) for _ in shards)
-        per_rank = _run_group(world, plan, {"floor": [ports[i] for i in range(len(shards))]}, args.reps, None,
-                              [p.pid for p in shards])
+        per_rank = _run_group(world, plan, {"floor": ports}, args.reps, None, [p.pid for p in shards])
     finally:
         for p in shards:
             p.join(10)  # a shard ends when its workers close

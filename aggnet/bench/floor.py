@@ -76,6 +76,27 @@ def serve_shard(world: int, ready, index: int = 0, host: str = "127.0.0.1", hold
     os._exit(0)  # its senders wait on their outboxes for ever
 
 
+def start_shards(ctx, world: int, count: int, host: str = "127.0.0.1", hold: bool = False,
+                 parents: list | None = None, rack: int = 0, racks: int = 1) -> tuple[list, list[int]]:
+    """``count`` floor shards as processes of ``ctx`` (a multiprocessing
+    context), shard i under ``parents[i]`` where given; their processes
+    and, in shard order, their ports. None is left running if one does
+    not say where it listens within a minute."""
+    ready = ctx.Queue()
+    parents = parents or [None] * count
+    procs = [ctx.Process(target=serve_shard, args=(world, ready, i, host, hold, parents[i], rack, racks), daemon=True)
+             for i in range(count)]
+    for proc in procs:
+        proc.start()
+    try:
+        ports = dict(ready.get(timeout=60) for _ in procs)
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        raise
+    return procs, [ports[i] for i in range(count)]
+
+
 class _Shard:
     """A floor shard's sums: a thread each way per connection, a lock
     around the sums, buffers reused by size."""
@@ -307,16 +328,10 @@ def main(argv=None) -> int:
         if len(ports) != args.shards:
             p.error(f"--parent has {len(ports)} shards and this floor {args.shards}: give both the same")
         parents = [(root, port) for port in ports]
-    ctx = multiprocessing.get_context("fork")
-    ready = ctx.Queue()
-    shards = [ctx.Process(target=serve_shard, args=(args.world, ready, i, args.host, True, parents[i], args.rack,
-                                                    args.racks))
-              for i in range(args.shards)]
-    for s in shards:
-        s.start()
+    shards, ports = start_shards(multiprocessing.get_context("fork"), args.world, args.shards, args.host, True,
+                                 parents, args.rack, args.racks)
     try:
-        ports = dict(ready.get(timeout=60) for _ in shards)
-        print(f"floor serving {args.host}:{','.join(str(ports[i]) for i in range(args.shards))}", flush=True)
+        print(f"floor serving {args.host}:{','.join(map(str, ports))}", flush=True)
         sys.stdin.read()
     finally:
         for s in shards:

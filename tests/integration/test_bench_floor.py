@@ -8,7 +8,7 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from aggnet.bench.floor import FloorClient, serve_shard
+from aggnet.bench.floor import FloorClient, start_shards
 
 WORLD = 3
 SHARDS = 2
@@ -39,13 +39,9 @@ def _worker(rank: int, ports: list, out) -> None:
 
 def test_floor_sums_every_chunk_of_every_round_into_each_workers_buffer():
     ctx = mp.get_context("fork")
-    ready, out = ctx.Queue(), ctx.Queue()
-    shards = [ctx.Process(target=serve_shard, args=(WORLD, ready, i), daemon=True) for i in range(SHARDS)]
-    for p in shards:
-        p.start()
-    ports = dict(ready.get(timeout=30) for _ in shards)
-    workers = [ctx.Process(target=_worker, args=(r, [ports[i] for i in range(SHARDS)], out), daemon=True)
-               for r in range(WORLD)]
+    out = ctx.Queue()
+    shards, ports = start_shards(ctx, WORLD, SHARDS)
+    workers = [ctx.Process(target=_worker, args=(r, ports, out), daemon=True) for r in range(WORLD)]
     for p in workers:
         p.start()
     results = dict(out.get(timeout=60) for _ in workers)
@@ -65,11 +61,8 @@ def test_floor_sums_every_chunk_of_every_round_into_each_workers_buffer():
 
 def test_a_floor_worker_whose_shard_dies_is_told_not_left_waiting():
     ctx = mp.get_context("fork")
-    ready = ctx.Queue()
-    shard = ctx.Process(target=serve_shard, args=(2, ready, 0), daemon=True)
-    shard.start()
-    _, port = ready.get(timeout=30)
-    client = FloorClient([port], 0, 2, CHUNK)
+    (shard,), ports = start_shards(ctx, 2, 1)
+    client = FloorClient(ports, 0, 2, CHUNK)
     try:
         shard.kill()
         shard.join(10)
@@ -92,24 +85,16 @@ def _rack_worker(rank: int, world: int, ports: list, out) -> None:
 def test_rack_floors_under_a_root_floor_hand_every_worker_the_sum_over_all_racks():
     ctx = mp.get_context("fork")
     racks, per_rack = 2, 2
-    root_ready, out = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=serve_shard, args=(racks, root_ready, i), daemon=True) for i in range(SHARDS)]
-    for p in procs:
-        p.start()
-    root = dict(root_ready.get(timeout=30) for _ in range(SHARDS))
+    out = ctx.Queue()
+    procs, root = start_shards(ctx, racks, SHARDS)
     workers = []
     for r in range(racks):
-        ready = ctx.Queue()
-        shards = [ctx.Process(target=serve_shard, args=(per_rack, ready, i, "127.0.0.1", False,
-                                                        ("127.0.0.1", root[i]), r, racks), daemon=True)
-                  for i in range(SHARDS)]
-        for p in shards:
-            p.start()
-        ports = dict(ready.get(timeout=30) for _ in shards)
+        shards, ports = start_shards(ctx, per_rack, SHARDS, parents=[("127.0.0.1", port) for port in root], rack=r,
+                                     racks=racks)
         procs += shards
-        # global rank r * per_rack + k, rank k within its rack
-        workers += [ctx.Process(target=_rack_worker, args=(k, per_rack, [ports[i] for i in range(SHARDS)], out),
-                                daemon=True) for k in range(per_rack)]
+        # rank k within its rack
+        workers += [ctx.Process(target=_rack_worker, args=(k, per_rack, ports, out), daemon=True)
+                    for k in range(per_rack)]
     for p in workers:
         p.start()
     got = [out.get(timeout=60)[1] for _ in workers]
