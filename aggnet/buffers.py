@@ -15,8 +15,8 @@ import sys
 import numpy as np
 
 #: references the pool's own bookkeeping holds while it looks at a buffer:
-#: the list, the loop variable, getrefcount's argument
-_BASELINE = 3
+#: the list and getrefcount's argument
+_BASELINE_INDEXED = 2
 
 
 class BufferPool:
@@ -28,6 +28,12 @@ class BufferPool:
         self.max_buffers = max_buffers
         self._allocate = allocator or (lambda n: np.empty(n, np.uint8))
         self._buffers: list[np.ndarray] = []
+        #: where the next look starts: just past the buffer handed out last.
+        #: Buffers come free in about the order they were taken (a round's
+        #: chunks, a window's slots), so the one there is usually free; a
+        #: look from the front would pass every buffer still in use, each
+        #: time (quadratic in the buffers a round holds)
+        self._next = 0
         self.allocated = 0
 
     def take(self, nbytes: int) -> np.ndarray:
@@ -37,11 +43,18 @@ class BufferPool:
             # size): start over at the new size
             self.capacity = nbytes
             self._buffers = []
-        for buf in self._buffers:
-            if sys.getrefcount(buf) <= _BASELINE:
-                return buf
+            self._next = 0
+        buffers = self._buffers
+        n = len(buffers)
+        start = self._next if self._next < n else 0
+        for i in range(start, start + n):
+            at = i if i < n else i - n
+            if sys.getrefcount(buffers[at]) <= _BASELINE_INDEXED:
+                self._next = at + 1
+                return buffers[at]
         buf = self._allocate(self.capacity)
         self.allocated += 1
-        if len(self._buffers) < self.max_buffers:
-            self._buffers.append(buf)
+        if n < self.max_buffers:
+            buffers.append(buf)
+            self._next = n + 1
         return buf
