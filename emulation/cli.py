@@ -12,7 +12,7 @@ import time
 
 from aggnet.client.config import format_size, parse_size
 
-from aggnet.emulation import rack_runs
+from aggnet.emulation import rack_runs, rounds
 from aggnet.emulation.netns import EmulationError, Rack, free_prefix
 from aggnet.progress import Progress
 from aggnet.emulation.nsprocess import EMULATION_WORKER_PRELOAD
@@ -42,6 +42,10 @@ def add_arguments(p) -> None:
                                                 "--topology)")
     p.add_argument("--reps", type=int, default=1,
                    help="all-reduces per system (allreduce, bench; the median is reported; default %(default)s)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="bench: run every system this many times, alternating (each round rotates the order), "
+                        "and give each round's time ratios: systems run side by side share the machine's drift "
+                        "(default %(default)s)")
     p.add_argument("--drop", type=float, default=0.0, help="random drop probability of aggregation datagrams")
     p.add_argument("--duplicate", type=float, default=0.0, help="random duplication probability")
     p.add_argument("--epochs", type=int, default=3, help="demo epochs")
@@ -84,6 +88,9 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
+    if args.rounds < 1:
+        print(f"aggnet emulate: --rounds must be at least 1, got {args.rounds}", file=sys.stderr)
+        return 2
     if args.topology is not None:
         from aggnet.emulation import fabric_cli
 
@@ -141,11 +148,11 @@ def main(args) -> int:
                 if args.what == "bench" and not bmv2 and not args.no_floor:
                     systems.append("floor")
                 pids = None if bmv2 else [agg.pid]
-                results = []
-                with Progress(f"aggnet emulate {args.what}", len(systems)) as progress:
-                    for s in systems:
-                        results.append(_run_one(rack, s, nbytes, args, switch, pids, extra))
-                        progress.step(f"{s}: {args.reps} x {format_size(nbytes)}")
+                with Progress(f"aggnet emulate {args.what}", len(systems) * args.rounds) as progress:
+                    results, per_round = rounds.run_rounds(
+                        systems, lambda s: _run_one(rack, s, nbytes, args, switch, pids, extra), args.rounds,
+                        lambda r, s: progress.step(f"{s}: {args.reps} x {format_size(nbytes)}"
+                                                   + (f", round {r + 1}/{args.rounds}" if args.rounds > 1 else "")))
                 impaired = rack.impairment_counts() if (args.drop or args.duplicate) else None
                 if bmv2:
                     switch_stats = agg.counters()
@@ -154,10 +161,10 @@ def main(args) -> int:
     except EmulationError as exc:
         print(f"aggnet emulate: {exc}", file=sys.stderr)
         return 1
-    _report(args, nbytes, results, impaired)
+    _report(args, nbytes, results, impaired, per_round)
     if switch_stats is not None:
         ev = switch_stats["events"]
-        t = results[0]["median_s"] * args.reps
+        t = results[0]["median_s"] * args.reps * args.rounds
         print(f"BMv2: {ev.get('received', 0)} aggregation packets in, {ev.get('completed', 0)} results multicast, "
               f"{ev.get('results_resent', 0)} resent; about {ev.get('received', 0) / max(t, 1e-9):,.0f} packets/s "
               f"while all-reducing; drops {switch_stats['drops']}")
@@ -205,13 +212,13 @@ def _report_ddp(args, records: list[dict]) -> None:
                        "batch": args.batch or 8, "width": args.width, "records": records}, f, indent=1)
 
 
-def _report(args, nbytes: int, results: list[dict], impaired) -> None:
+def _report(args, nbytes: int, results: list[dict], impaired, per_round: list[dict]) -> None:
     n = args.workers
     links = (f"links {args.rate:g} Mbit/s each way (aggregator host: {n * args.rate:g})" if args.rate
              else "unshaped links")
     where = "BMv2 in the ToR's place" if args.switch == "bmv2" else "aggregator host in switch mode"
     print(f"rack: {n} workers, {links}, MTU {args.mtu}, {where}, {format_size(nbytes)} float32 all-reduce, "
-          f"{args.reps} repetition(s)")
+          f"{args.reps} repetition(s)" + (f" in each of {len(per_round)} rounds" if len(per_round) > 1 else ""))
     for r in results:
         cs = (r.get("client_stats") or [{}])[0]
         if "elements" in cs:
@@ -246,6 +253,8 @@ def _report(args, nbytes: int, results: list[dict], impaired) -> None:
               f"/ floor time = {by['aggnet'] / by['floor']:.3f}"
               + (f"; floor time / gloo time = {by['floor'] / by['gloo']:.3f}, what any parameter server reaches "
                  f"here" if "gloo" in by else ""))
+    for line in rounds.ratio_lines(per_round, [("aggnet", "gloo"), ("aggnet", "floor"), ("floor", "gloo")]):
+        print(line)
     named = ", ".join(f"{r['system']} {x:.6g}" for r, x in zip(results, sums))
     print(f"every worker holds the same result: {'yes' if same_everywhere else 'NO'}; "
           f"sum of the result: {named} (relative spread {spread:.1e})")
@@ -254,4 +263,4 @@ def _report(args, nbytes: int, results: list[dict], impaired) -> None:
             json.dump({"workers": n, "rate_mbit": args.rate, "mtu": args.mtu, "bytes": nbytes,
                        "time": time.strftime("%FT%T"),
                        "records": [{k: v for k, v in r.items() if k != "client_stats"} for r in results],
-                       "impairments": impaired}, f, indent=1)
+                       "rounds": per_round, "impairments": impaired}, f, indent=1)

@@ -12,7 +12,7 @@ import time
 from aggnet.client.config import format_size, parse_size
 from aggnet.protocol.topology import TopologyError
 
-from aggnet.emulation import fabric_runs
+from aggnet.emulation import fabric_runs, rounds
 from aggnet.emulation.fabric import Fabric
 from aggnet.emulation.fabric_plan import Plan, PlanError, plan
 from aggnet.progress import Progress
@@ -79,23 +79,25 @@ def main(args) -> int:
                                                 progress=args.reps > 1)
                 drops = fabric.impairment_counts() if args.drop else None
                 return _report_allreduce(pl, nbytes, args.reps, result, drops)
-            results = []
             floor = not args.no_floor and all(r.aggregator.kind != "p4" for r in pl.racks)
-            systems = ("aggnet", "gloo") + (("floor",) if floor else ())
-            with Progress("aggnet emulate bench", len(systems)) as progress:
-                for s in systems:
-                    if s == "floor":
-                        with fabric_runs.start_floors(fabric) as floors:
-                            results.append(fabric_runs.run_system(fabric, s, nbytes, args.reps, floors=floors,
-                                                                  progress=args.reps > 1))
-                    else:
-                        results.append(fabric_runs.run_system(fabric, s, nbytes, args.reps, progress=args.reps > 1))
-                    progress.step(f"{s}: {args.reps} x {format_size(nbytes)}")
+            systems = ["aggnet", "gloo"] + (["floor"] if floor else [])
+
+            def run_one(s: str) -> dict:
+                if s != "floor":
+                    return fabric_runs.run_system(fabric, s, nbytes, args.reps, progress=args.reps > 1)
+                with fabric_runs.start_floors(fabric) as floors:
+                    return fabric_runs.run_system(fabric, s, nbytes, args.reps, floors=floors, progress=args.reps > 1)
+
+            with Progress("aggnet emulate bench", len(systems) * args.rounds) as progress:
+                results, per_round = rounds.run_rounds(
+                    systems, run_one, args.rounds,
+                    lambda r, s: progress.step(f"{s}: {args.reps} x {format_size(nbytes)}"
+                                               + (f", round {r + 1}/{args.rounds}" if args.rounds > 1 else "")))
             drops = fabric.impairment_counts() if args.drop else None
     except EmulationError as exc:
         print(f"aggnet emulate: {exc}", file=sys.stderr)
         return 1
-    _report_bench(args, pl, nbytes, results, drops)
+    _report_bench(args, pl, nbytes, results, drops, per_round)
     return 0
 
 
@@ -136,11 +138,13 @@ def _report_allreduce(pl: Plan, nbytes: int, reps: int, r: dict, drops: dict | N
     return 0 if exact else 1
 
 
-def _report_bench(args, pl: Plan, nbytes: int, results: list[dict], drops: dict | None) -> None:
+def _report_bench(args, pl: Plan, nbytes: int, results: list[dict], drops: dict | None,
+                  per_round: list[dict]) -> None:
     racks = len(pl.racks)
     rs = racks * nbytes
+    each = f" in each of {len(per_round)} rounds" if len(per_round) > 1 else ""
     print(f"fabric: {pl.shape}, {_links(pl)}; {format_size(nbytes)} float32 all-reduce, "
-          f"{args.reps} repetition(s){_drops(drops)}")
+          f"{args.reps} repetition(s){each}{_drops(drops)}")
     print(f"{'system':>7} {'median s':>9} {'cross-rack up':>14} {'down':>11} {'up/(R*S)':>9} {'down/(R*S)':>10} "
           f"{'cpu s/GB':>9}")
     for r in results:
@@ -156,6 +160,8 @@ def _report_bench(args, pl: Plan, nbytes: int, results: list[dict], drops: dict 
         print(f"floor (parameter servers in plain TCP sockets on the same hosts, the same bytes): aggnet time / "
               f"floor time = {a['median_s'] / f['median_s']:.3f}; floor time / gloo time = "
               f"{f['median_s'] / g['median_s']:.3f}, what any parameter server reaches here")
+    for line in rounds.ratio_lines(per_round, [("aggnet", "gloo"), ("aggnet", "floor"), ("floor", "gloo")]):
+        print(line)
     same = all(len({tuple(c) for c in r["checksums"]}) == 1 for r in results)
     named = ", ".join(f"{r['system']} {r['checksums'][0][0]:.6g}" for r in results)
     print(f"every worker holds the same result: {'yes' if same else 'NO'}; sum of the result: {named}")
@@ -166,7 +172,7 @@ def _report_bench(args, pl: Plan, nbytes: int, results: list[dict], drops: dict 
                        "bytes": nbytes, "host_mbit": pl.host_mbit, "uplink_mbit": pl.uplink_mbit, "mtu": pl.mtu,
                        "topology": pl.source, "time": time.strftime("%FT%T"), "drops": drops,
                        "records": [{k: v for k, v in r.items() if k not in ("client_stats", "exact")}
-                                   for r in results]}, f, indent=1)
+                                   for r in results], "rounds": per_round}, f, indent=1)
 
 
 def _chaos(args, pl: Plan, fabric: Fabric, nbytes: int) -> int:

@@ -234,3 +234,36 @@ def test_an_aggregator_in_an_emulated_namespace_does_not_warn_of_other_hosts():
             p.terminate()
             _, err = p.communicate(timeout=30)
     assert "WITHOUT job keys" not in err, err
+
+
+def test_bench_in_rounds_alternates_the_systems_and_gives_each_rounds_ratios(tmp_path):
+    """``--rounds 2``: every system runs twice, the second round in another
+    order, and each round's ratios are printed and written beside the
+    records, which hold every round's repetitions."""
+    import json
+    import sys
+
+    pytest.importorskip("torch", reason="gloo's side of the benchmark needs PyTorch")
+    out = tmp_path / "rounds.json"
+    r = subprocess.run([sys.executable, "-m", "aggnet", "emulate", "bench", "--workers", "2", "--size", "4MiB",
+                        "--rate", "0", "--reps", "2", "--rounds", "2", "--prefix", "agr", "--json", str(out)],
+                       capture_output=True, text=True, timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [sorted(x) for x in data["rounds"]] == [["aggnet", "floor", "gloo"]] * 2
+    for rec in data["records"]:
+        assert len(rec["times"]) == 4 and len(rec["round_medians"]) == 2, rec["system"]
+        assert rec["round_medians"] == [x[rec["system"]] for x in data["rounds"]]
+        assert min(rec["times"]) <= rec["median_s"] <= max(rec["times"])
+        assert all(len(c) == 4 for c in rec["checksums"])  # every repetition's, on every worker
+    for pair in ("aggnet/gloo", "aggnet/floor", "floor/gloo"):
+        line = next(x for x in r.stdout.splitlines() if x.startswith(f"time {pair} by round: "))
+        a, b = (x[pair.split("/")[0]] / x[pair.split("/")[1]] for x in data["rounds"])
+        assert f"{a:.3f}, {b:.3f};" in line
+    # the second round started with the system that ran second in the first
+    assert r.stderr.index("gloo: 2 x 4MiB, round 2/2") < r.stderr.index("aggnet: 2 x 4MiB, round 2/2")
+    assert not [n for n in namespaces() if n.startswith("agr-")]
+    refused = subprocess.run([sys.executable, "-m", "aggnet", "emulate", "bench", "--rounds", "0"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--rounds must be at least 1, got 0" in refused.stderr
+    assert "Traceback" not in refused.stderr
