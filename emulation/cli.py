@@ -12,7 +12,8 @@ import time
 
 from aggnet.client.config import format_size, parse_size
 
-from aggnet.emulation import rack_runs, rounds
+from aggnet.bench import rounds
+from aggnet.emulation import rack_runs
 from aggnet.emulation.netns import EmulationError, Rack, free_prefix
 from aggnet.progress import Progress
 from aggnet.emulation.nsprocess import EMULATION_WORKER_PRELOAD

@@ -12,7 +12,8 @@ import time
 from aggnet.client.config import format_size, parse_size
 from aggnet.protocol.topology import TopologyError
 
-from aggnet.emulation import fabric_runs, rounds
+from aggnet.bench import rounds
+from aggnet.emulation import fabric_runs
 from aggnet.emulation.fabric import Fabric
 from aggnet.emulation.fabric_plan import Plan, PlanError, plan
 from aggnet.progress import Progress

@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 
+from aggnet.bench import rounds
 from aggnet.bench.cpu import own_cpu_seconds, per_gb, tree_cpu_seconds
 from aggnet.progress import Progress
 from aggnet.processes import fork_server, free_port
@@ -45,6 +46,10 @@ def add_arguments(p) -> None:
     p.add_argument("--chunk-bytes", default=None, help="aggnet chunk sizes to compare (default: the default chunk)")
     p.add_argument("--shards", type=int, default=None, help="aggregator shards (default: one per core)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per point (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every system this many times, alternating (each round rotates the order), and give "
+                        "each round's ratios: systems timed side by side share the machine's drift "
+                        "(default %(default)s)")
     p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
     p.add_argument("--no-floor", action="store_true",
                    help="skip the floor: a parameter server in plain TCP sockets moving the same chunks, what any "
@@ -218,7 +223,7 @@ def _record(point: dict, workers: int, times: list[float], cpu: list[float] | No
     """One point: times, and CPU-seconds per GB of buffer (per worker,
     averaged; and the aggregator's) when measured."""
     r = {**point, "workers": workers, "median_s": statistics.median(times), "min_s": min(times),
-         "max_s": max(times), "reps": len(times)}
+         "max_s": max(times), "reps": len(times), "times": list(times)}
     if cpu is not None:
         r["worker_cpu_s_per_gb"] = per_gb(sum(cpu) / len(cpu), point["bytes"], len(times))
     if aggregator_cpu is not None:
@@ -318,6 +323,9 @@ def main(args) -> int:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     # None: each transport's own default chunk size
     chunks = [parse_size(c) for c in args.chunk_bytes.split(",")] if args.chunk_bytes else [None]
+    if args.rounds < 1:
+        print(f"aggnet bench: --rounds must be at least 1, got {args.rounds}", file=sys.stderr)
+        return 2
     for t in transports:
         if t not in ("shm", "ipc", "tcp", "ucx"):
             print(f"aggnet bench: unknown transport {t!r}; choose from shm, ipc, tcp, ucx", file=sys.stderr)
@@ -358,14 +366,21 @@ def _run(args, sizes: list, worlds: list, transports: list, dtypes: list, chunks
     # one (UCX's progress engines poll) runs while another is timed
     floor = not args.no_floor and args.memory == "host" and any(d != "q-int32" for d in dtypes)
     groups = (["gloo"] if gloo else []) + (["floor"] if floor else []) + transports
-    with Progress("aggnet bench", len(worlds) * len(groups)) as progress:
-        for world in worlds:
-            for group in groups:
-                records += _time_group(group, world, _plan(group, sizes, dtypes, chunks, listen, args.memory),
-                                       listen.get(group),
-                                       args, sums)
-                progress.step(f"{group}, {world} workers")
+    timed: dict[tuple, list[dict]] = {}  # each point's record of every round
+    with Progress("aggnet bench", len(worlds) * len(groups) * args.rounds) as progress:
+        for r in range(args.rounds):
+            for world in worlds:
+                for group in rounds.order(groups, r):
+                    for rec in _time_group(group, world, _plan(group, sizes, dtypes, chunks, listen, args.memory),
+                                           listen.get(group), args, sums):
+                        timed.setdefault(_point_key(rec), []).append(rec)
+                    progress.step(f"{group}, {world} workers"
+                                  + (f", round {r + 1}/{args.rounds}" if args.rounds > 1 else ""))
+    records += [rounds.merge(recs) for recs in timed.values()]
     _print_table(records)
+    if args.rounds > 1:
+        for line in _round_lines(records):
+            print(line)
     summary, memcpy_bw = _summation_summary(records, sums)
     if args.json:
         with open(args.json, "w") as f:
@@ -487,6 +502,33 @@ def _print_table(records: list[dict]) -> None:
         print("floor: a parameter server in plain TCP sockets, the same chunks and bytes as aggnet over tcp with "
               "nothing else; floor/this is the share of its speed a system reaches, gloo/this on its row is "
               "what any parameter server can reach against gloo here")
+
+
+def _point_key(r: dict) -> tuple:
+    return tuple(r.get(k) for k in ("system", "transport", "dtype", "bytes", "chunk_bytes", "workers", "path",
+                                     "memory"))
+
+
+def _round_lines(records: list[dict]) -> list[str]:
+    """Each round's speed ratios of every aggnet and floor point: gloo's
+    time over this one's, and the floor's over aggnet's, in that round."""
+    lines = []
+    gloo = {(r["workers"], r["bytes"], r["dtype"]): r for r in records if r["system"] == "gloo"}
+    floor = {(r["workers"], r["bytes"], r["dtype"]): r for r in records if r["system"] == "floor"}
+    for r in records:
+        if r["system"] not in ("aggnet", "floor"):
+            continue
+        at = (r["workers"], r["bytes"], r["dtype"])
+        name = (f"N={r['workers']} {format_size(r['bytes'])} {r['system']} {r['transport']} {r['dtype']}"
+                + (f" {format_size(r['chunk_bytes'])} chunks" if r.get("chunk_bytes") else ""))
+        for ref_name, refs in (("gloo", gloo), ("floor", floor if r["system"] == "aggnet" else {})):
+            ref = refs.get(at, refs.get((r["workers"], r["bytes"], "float32")))
+            if ref is None:
+                continue
+            each = [a / b for a, b in zip(ref["round_medians"], r["round_medians"])]
+            lines.append(f"{name}: {ref_name}/this by round {', '.join(f'{v:.2f}' for v in each)}; median "
+                         f"{statistics.median(each):.2f}, range {min(each):.2f}-{max(each):.2f}")
+    return lines
 
 
 def _medians(records: list[dict], system: str) -> dict:

@@ -41,3 +41,38 @@ def test_bench_reports_cpu_seconds_per_gb_beside_gloo(tmp_path):
     assert "aggregator_cpu_s_per_gb" not in records["gloo"]
     assert records["floor"]["chunk_bytes"] == records["aggnet"]["chunk_bytes"] or \
         records["aggnet"]["transport"] != "tcp"
+
+
+@pytest.mark.slow
+def test_bench_in_rounds_alternates_the_systems_and_gives_each_rounds_ratios(tmp_path):
+    """``--rounds 2``: each system is timed in both rounds, the second in
+    another order; a point's record holds both rounds' repetitions, and
+    the printed ratios are each round's."""
+    pytest.importorskip("torch", reason="gloo's side of the benchmark needs PyTorch")
+    out = tmp_path / "bench.json"
+    scratch = Path(tempfile.mkdtemp(prefix="agr-", dir="/tmp"))
+    try:
+        r = subprocess.run([sys.executable, "-m", "aggnet", "bench", "--workers", "2", "--sizes", "1MiB",
+                            "--transports", "ipc", "--dtypes", "float32", "--reps", "2", "--rounds", "2",
+                            "--shards", "1", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "TMPDIR": str(scratch)})
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = {x["system"]: x for x in json.loads(out.read_text())["records"]}
+    assert set(records) == {"memcpy", "gloo", "floor", "aggnet"}
+    for system in ("gloo", "floor", "aggnet"):
+        rec = records[system]
+        assert rec["reps"] == 4 and len(rec["times"]) == 4 and len(rec["round_medians"]) == 2, rec
+        assert rec["min_s"] == min(rec["times"]) and rec["max_s"] == max(rec["times"])
+    gloo, ours = records["gloo"]["round_medians"], records["aggnet"]["round_medians"]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("N=2 1MiB aggnet ipc float32")
+                and "gloo/this by round" in x)
+    assert f"{gloo[0] / ours[0]:.2f}, {gloo[1] / ours[1]:.2f};" in line
+    assert any("floor/this by round" in x for x in r.stdout.splitlines())
+    # round 2 starts with the system that came second in round 1
+    assert r.stderr.index("floor, 2 workers, round 2/2") < r.stderr.index("gloo, 2 workers, round 2/2")
+    refused = subprocess.run([sys.executable, "-m", "aggnet", "bench", "--rounds", "0"], capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 2 and "--rounds must be at least 1, got 0" in refused.stderr
+    assert "Traceback" not in refused.stderr

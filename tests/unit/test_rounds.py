@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from aggnet.emulation import rounds
+from aggnet.bench import rounds
 
 
 def _record(system: str, times: list[float], cpu: float, agg: float | None = None, sums=None) -> dict:

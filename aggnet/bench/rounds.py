@@ -61,9 +61,12 @@ def merge(records: list[dict]) -> dict:
     for key in ("min_s", "max_s"):
         if key in first:
             out[key] = (min if key == "min_s" else max)(r[key] for r in records)
+    if "reps" in first:
+        out["reps"] = sum(r["reps"] for r in records)
     for key in _AVERAGED:
-        values = [r.get(key) for r in records]
-        out[key] = None if any(v is None for v in values) else sum(values) / len(values)
+        if key in first:
+            values = [r.get(key) for r in records]
+            out[key] = None if any(v is None for v in values) else sum(values) / len(values)
     if "checksums" in first:
         out["checksums"] = [sum((r["checksums"][w] for r in records), []) for w in range(len(first["checksums"]))]
     if "per_worker" in first:
