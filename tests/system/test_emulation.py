@@ -246,7 +246,7 @@ def test_bench_in_rounds_alternates_the_systems_and_gives_each_rounds_ratios(tmp
     pytest.importorskip("torch", reason="gloo's side of the benchmark needs PyTorch")
     out = tmp_path / "rounds.json"
     r = subprocess.run([sys.executable, "-m", "aggnet", "emulate", "bench", "--workers", "2", "--size", "4MiB",
-                        "--rate", "0", "--reps", "2", "--rounds", "2", "--prefix", "agr", "--json", str(out)],
+                        "--rate", "0", "--reps", "2", "--rounds", "2", "--prefix", "ago", "--json", str(out)],
                        capture_output=True, text=True, timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -262,7 +262,7 @@ def test_bench_in_rounds_alternates_the_systems_and_gives_each_rounds_ratios(tmp
         assert f"{a:.3f}, {b:.3f};" in line
     # the second round started with the system that ran second in the first
     assert r.stderr.index("gloo: 2 x 4MiB, round 2/2") < r.stderr.index("aggnet: 2 x 4MiB, round 2/2")
-    assert not [n for n in namespaces() if n.startswith("agr-")]
+    assert not [n for n in namespaces() if n.startswith("ago")]
     refused = subprocess.run([sys.executable, "-m", "aggnet", "emulate", "bench", "--rounds", "0"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--rounds must be at least 1, got 0" in refused.stderr
