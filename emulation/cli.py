@@ -153,7 +153,7 @@ def main(args) -> int:
                     results, per_round = rounds.run_rounds(
                         systems, lambda s: _run_one(rack, s, nbytes, args, switch, pids, extra), args.rounds,
                         lambda r, s: progress.step(f"{s}: {args.reps} x {format_size(nbytes)}"
-                                                   + (f", round {r + 1}/{args.rounds}" if args.rounds > 1 else "")))
+                                                   + rounds.label(r, args.rounds)))
                 impaired = rack.impairment_counts() if (args.drop or args.duplicate) else None
                 if bmv2:
                     switch_stats = agg.counters()

@@ -93,7 +93,7 @@ def main(args) -> int:
                 results, per_round = rounds.run_rounds(
                     systems, run_one, args.rounds,
                     lambda r, s: progress.step(f"{s}: {args.reps} x {format_size(nbytes)}"
-                                               + (f", round {r + 1}/{args.rounds}" if args.rounds > 1 else "")))
+                                               + rounds.label(r, args.rounds)))
             drops = fabric.impairment_counts() if args.drop else None
     except EmulationError as exc:
         print(f"aggnet emulate: {exc}", file=sys.stderr)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import select
 import statistics
 import subprocess
 import sys
@@ -18,7 +20,7 @@ from aggnet.protocol.limits import SWITCH_PORT
 
 from aggnet.emulation.fabric_plan import BMV2_SLOTS
 from aggnet.emulation.netns import EmulationError, Rack
-from aggnet.emulation.nsprocess import service_launcher
+from aggnet.emulation.nsprocess import popen_in, service_launcher
 
 log = logging.getLogger("aggnet.emulation")
 
@@ -47,11 +49,6 @@ class FloorProcess:
 
     def __init__(self, ns: str, ip: str, world: int, shards: int | None = None, *,
                  parent: "FloorProcess | None" = None, rack: int = 0, racks: int = 1, timeout: float = 60.0):
-        import os
-        import select
-
-        from aggnet.emulation.nsprocess import popen_in
-
         cmd = [sys.executable, "-m", "aggnet.bench.floor", "--world", str(world),
                "--shards", str(shards or os.cpu_count() or 1), "--host", ip]
         if parent is not None:

@@ -107,13 +107,12 @@ def main(argv=None) -> int:
                 if hasattr(c, name):
                     stats[name] = getattr(c, name)
     elif args.system == "floor":
-        from aggnet.bench.floor import FloorClient, parse_address
-        from aggnet.client.config import ClientConfig
+        from aggnet.bench.floor import FloorClient, aggnet_chunk_bytes, parse_address
 
         host, ports = parse_address(args.floor)
         place = args.rank if args.floor_rank is None else args.floor_rank
         peers = args.world if args.floor_world is None else args.floor_world
-        client = FloorClient(ports, place, peers, ClientConfig().chunk_bytes_for("zmq+tcp"), host)
+        client = FloorClient(ports, place, peers, aggnet_chunk_bytes(), host)
         try:
             with shown as progress:
                 # the barrier: a one-value all-reduce ends once every worker sent

@@ -374,8 +374,7 @@ def _run(args, sizes: list, worlds: list, transports: list, dtypes: list, chunks
                     for rec in _time_group(group, world, _plan(group, sizes, dtypes, chunks, listen, args.memory),
                                            listen.get(group), args, sums):
                         timed.setdefault(_point_key(rec), []).append(rec)
-                    progress.step(f"{group}, {world} workers"
-                                  + (f", round {r + 1}/{args.rounds}" if args.rounds > 1 else ""))
+                    progress.step(f"{group}, {world} workers" + rounds.label(r, args.rounds))
     records += [rounds.merge(recs) for recs in timed.values()]
     _print_table(records)
     if args.rounds > 1:
@@ -440,6 +439,7 @@ def _records(plan: list[dict], world: int, per_rank: dict, reps: int) -> list[di
 
 def _plan(group: str, sizes: list, dtypes: list, chunks: list, listen: dict, memory: str = "host") -> list[dict]:
     """The points one system ("gloo" or a transport) is timed at."""
+    from aggnet.bench.floor import aggnet_chunk_bytes
     from aggnet.client.config import ClientConfig
 
     plan = []
@@ -448,9 +448,9 @@ def _plan(group: str, sizes: list, dtypes: list, chunks: list, listen: dict, mem
             plan += [{"system": "gloo", "transport": "tcp", "dtype": d, "bytes": nbytes, "chunk_bytes": None,
                       "memory": memory} for d in dtypes if d != "q-int32"]
         elif group == "floor":
-            # the chunks aggnet sends over zmq+tcp, with no codec
+            # with no codec
             plan += [{"system": "floor", "transport": "tcp", "dtype": d, "bytes": nbytes,
-                      "chunk_bytes": ClientConfig().chunk_bytes_for("zmq+tcp"), "memory": memory}
+                      "chunk_bytes": aggnet_chunk_bytes(), "memory": memory}
                      for d in dtypes if d != "q-int32"]
         else:
             # the transport's default chunk size where none is asked for
@@ -482,8 +482,8 @@ def _summation_summary(records: list[dict], sums: dict) -> tuple[dict, float]:
     return summary, memcpy_bw
 
 def _print_table(records: list[dict]) -> None:
-    gloo = _medians(records, "gloo")
-    floor = _medians(records, "floor")
+    gloo = _by_point(records, "gloo")
+    floor = _by_point(records, "floor")
     print(f"{'N':>2} {'size':>7} {'system':>7} {'transport':>9} {'dtype':>8} {'chunk':>7} {'median ms':>10} "
           f"{'min ms':>8} {'max ms':>8} {'GB/s':>6} {'gloo/this':>9} {'floor/this':>10} {'cpu s/GB':>8} "
           f"{'agg s/GB':>8}")
@@ -513,16 +513,14 @@ def _round_lines(records: list[dict]) -> list[str]:
     """Each round's speed ratios of every aggnet and floor point: gloo's
     time over this one's, and the floor's over aggnet's, in that round."""
     lines = []
-    gloo = {(r["workers"], r["bytes"], r["dtype"]): r for r in records if r["system"] == "gloo"}
-    floor = {(r["workers"], r["bytes"], r["dtype"]): r for r in records if r["system"] == "floor"}
+    gloo, floor = _by_point(records, "gloo"), _by_point(records, "floor")
     for r in records:
         if r["system"] not in ("aggnet", "floor"):
             continue
-        at = (r["workers"], r["bytes"], r["dtype"])
         name = (f"N={r['workers']} {format_size(r['bytes'])} {r['system']} {r['transport']} {r['dtype']}"
                 + (f" {format_size(r['chunk_bytes'])} chunks" if r.get("chunk_bytes") else ""))
         for ref_name, refs in (("gloo", gloo), ("floor", floor if r["system"] == "aggnet" else {})):
-            ref = refs.get(at, refs.get((r["workers"], r["bytes"], "float32")))
+            ref = _at(refs, r)
             if ref is None:
                 continue
             each = [a / b for a, b in zip(ref["round_medians"], r["round_medians"])]
@@ -531,11 +529,16 @@ def _round_lines(records: list[dict]) -> list[str]:
     return lines
 
 
-def _medians(records: list[dict], system: str) -> dict:
-    return {(r["workers"], r["bytes"], r["dtype"]): r["median_s"] for r in records if r["system"] == system}
+def _by_point(records: list[dict], system: str) -> dict:
+    return {(r["workers"], r["bytes"], r["dtype"]): r for r in records if r["system"] == system}
 
 
-def _ratio(ref: dict, r: dict, width: int = 9) -> str:
-    """ref's median over r's at r's point (float32's for a dtype ref lacks)."""
-    t = ref.get((r["workers"], r["bytes"], r["dtype"]), ref.get((r["workers"], r["bytes"], "float32")))
-    return f"{t / r['median_s']:{width}.2f}" if t else f"{'':>{width}}"
+def _at(by_point: dict, r: dict) -> dict | None:
+    """The record of ``by_point`` at r's point (float32's for a dtype it lacks)."""
+    return by_point.get((r["workers"], r["bytes"], r["dtype"]), by_point.get((r["workers"], r["bytes"], "float32")))
+
+
+def _ratio(by_point: dict, r: dict, width: int = 9) -> str:
+    """The median of ``by_point``'s record at r's point over r's."""
+    ref = _at(by_point, r)
+    return f"{ref['median_s'] / r['median_s']:{width}.2f}" if ref else f"{'':>{width}}"

@@ -39,6 +39,14 @@ _CODES = {v: k for k, v in _DTYPES.items()}
 WAIT_S = 300.0
 
 
+def aggnet_chunk_bytes() -> int:
+    """The chunks the floor moves: aggnet's over zmq+tcp, the transport it
+    stands beside."""
+    from aggnet.client.config import ClientConfig
+
+    return ClientConfig().chunk_bytes_for("zmq+tcp")
+
+
 def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
     got, n = 0, len(view)
     while got < n:

@@ -25,6 +25,12 @@ def order(systems: list[str], round_index: int) -> list[str]:
     return systems[k:] + systems[:k]
 
 
+def label(round_index: int, rounds: int) -> str:
+    """What a progress line adds for round ``round_index`` of ``rounds``
+    (nothing when there is one)."""
+    return f", round {round_index + 1}/{rounds}" if rounds > 1 else ""
+
+
 def run_rounds(systems: list[str], run_one: Callable[[str], dict], rounds: int,
                on_run: Callable[[int, str], None] | None = None) -> tuple[list[dict], list[dict]]:
     """Run every system ``rounds`` times; returns one merged record per
