@@ -217,13 +217,17 @@ class ZmqListener(Listener):
                 pass
 
 
-#: a connection's security handshake failed: a missing or wrong CURVE key
-#: (ZeroMQ retries for ever; the worker should hear it at once)
-#: connections a peer may close before its first word before the worker
-#: takes it for a refused handshake
+#: connections a peer may close before its first word (or fail the handshake
+#: of without a reason) before the worker takes it for a refused handshake:
+#: a missing or wrong CURVE key, which ZeroMQ retries for ever, and which
+#: the worker should hear at once rather than at its connect timeout
 SILENT_CLOSES = 3
+#: the monitor's events of a failed security handshake
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+#: the failures that are the peer's answer (a mechanism it does not take, a
+#: key it refused): ZeroMQ does not connect again after them
+_HANDSHAKE_REFUSED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
 class ZmqConnection(Connection):
@@ -268,6 +272,8 @@ class ZmqConnection(Connection):
         #: closed a connection before saying a word (see _drain_monitor)
         self._heard: set[int] = set()
         self._closed_silent: collections.Counter = collections.Counter()
+        #: endpoints whose handshake failed without a reason (see _drain_monitor)
+        self._failed_handshakes: set[int] = set()
         self._curve = curve is not None
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller.register(self._wake_fd, zmq.POLLIN)
@@ -313,8 +319,16 @@ class ZmqConnection(Connection):
             except zmq.ZMQError:
                 return
             i = self._monitors[monitor]
-            if event["event"] & _HANDSHAKE_FAILED:
+            if event["event"] & _HANDSHAKE_REFUSED:
                 self._refused[i] = self._why_refused(event["event"])
+                continue
+            if event["event"] & zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                # a wrong CURVE key, but also a peer that died half-way
+                # through the handshake (a shard killed while this worker
+                # connects, whose successor takes it a second later): both
+                # close the connection, and ZeroMQ connects again, so the
+                # disconnection it brings is counted with the silent ones
+                self._failed_handshakes.add(i)
                 continue
             self._gone.add(i)
             if i not in self._heard:
@@ -326,6 +340,7 @@ class ZmqConnection(Connection):
                 self._closed_silent[i] += 1
                 if self._closed_silent[i] >= SILENT_CLOSES and i not in self._refused:
                     self._refused[i] = self._why_refused(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL) + (
+                        "" if i in self._failed_handshakes else
                         f" (it closed {SILENT_CLOSES} connections before answering; or what listens there is not "
                         f"an aggnet service)")
 

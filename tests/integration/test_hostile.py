@@ -371,6 +371,48 @@ def test_a_peer_that_drops_every_connection_before_a_word_is_named_at_once():
         listener.close()
 
 
+def test_a_peer_that_dies_half_way_through_the_handshake_is_not_taken_for_a_refusal():
+    """A shard killed while a worker connects to it dies half-way through
+    ZeroMQ's handshake, which ZeroMQ reports as a handshake that failed
+    without a reason, the same event as a wrong CURVE key's. Taken for a
+    refusal, the worker's JOIN failed at once, before the shard's
+    successor could take it (the worker died, and its job waited out the
+    stall timeout for it). Once is a death, not a refusal: the connection
+    goes on to whatever listens on the port next."""
+    from aggnet.protocol.address import parse
+    from aggnet.transport import listen
+
+    dying = socket.create_server(("127.0.0.1", 0))
+    port = dying.getsockname()[1]
+    address = parse(f"zmq+tcp://127.0.0.1:{port}")
+    conn = connect([address])
+    try:
+        dying.settimeout(5)
+        peer, _ = dying.accept()
+        with peer:
+            peer.settimeout(5)
+            peer.sendall(_zmtp_greeting()[:11])  # the greeting's first part, then the kill
+            peer.recv(11)
+        dying.close()
+        deadline = time.monotonic() + 10
+        gone = []
+        while not gone and time.monotonic() < deadline:
+            conn.recv(0.05)
+            gone = conn.gone()
+        assert gone == [0], "the worker never heard the connection close"
+        assert conn.refused() == {}
+        successor = listen(address)
+        try:
+            conn.send(0, Header(MsgType.HELLO).pack())
+            msg = successor.recv(10)
+            assert msg is not None and wire.unpack_header(msg.header).msg_type == MsgType.HELLO
+            assert conn.refused() == {}
+        finally:
+            successor.close()
+    finally:
+        conn.close()
+
+
 def test_a_refused_handshake_is_heard_by_a_worker_descheduled_after_its_connect(monkeypatch):
     """libzmq reports a refused handshake once and does not reconnect, and
     it can finish before the worker's next line runs on a loaded machine: a
