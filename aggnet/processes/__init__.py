@@ -289,8 +289,6 @@ class ServiceProcess:
         """Let the service run on by itself (it stops on its own terms);
         this process no longer stops it at exit."""
         atexit.unregister(self.stop)
-        if hasattr(self.process, "forget"):
-            self.process.forget()
         if self.process.stdout and not self.process.stdout.closed:
             self.process.stdout.close()
 

@@ -20,6 +20,7 @@ the caller it is a :class:`subprocess.Popen`: the same pipes, ``poll``,
 from __future__ import annotations
 
 import atexit
+import multiprocessing.connection
 import multiprocessing.process
 import os
 import runpy
@@ -74,6 +75,8 @@ class ForkedPopen(subprocess.Popen):
         self._enter = enter
         self._new_session = bool(kw.get("start_new_session"))
         self._process = None
+        #: one reader of the child's status at a time (see _read_status)
+        self._status_lock = threading.Lock()
         super().__init__(cmd, **kw)
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
@@ -85,35 +88,43 @@ class ForkedPopen(subprocess.Popen):
                                     args=(self._enter, list(args[2:]), dict(os.environ if env is None else env),
                                           cwd or os.getcwd(), stdio, self._new_session))
         self._process.start()
+        # the caller owns the child, as it owns a Popen's: multiprocessing
+        # would poll it from whichever thread starts its next child (and
+        # wait for it at exit), and two readers of its status race
+        multiprocessing.process._children.discard(self._process)
         self.pid = self._process.pid
         self._child_created = True
         # the child's ends went to the server with the request
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
         self._closed_child_pipe_fds = True
 
-    def forget(self) -> None:
-        """Leave the child running when this process exits: multiprocessing
-        would otherwise wait for it at exit, as for any of its children."""
-        multiprocessing.process._children.discard(self._process)
+    def _read_status(self) -> int | None:
+        """The child's status once the fork server has sent it, else None;
+        never blocks. The server writes it once, and multiprocessing reads
+        it without a lock: a second reader at the same moment finds the
+        pipe at its end and takes the child for one whose server died
+        (status 255), whatever the child returned. So one thread reads it
+        here at a time, and the others find it read."""
+        with self._status_lock:
+            if self.returncode is None:
+                self.returncode = self._process.exitcode
+            return self.returncode
 
     def _internal_poll(self, *args, _finalizing=sys.is_finalizing, **kwargs):
         # Popen.__del__ polls too: at the interpreter's exit multiprocessing
         # can no longer import what its poll needs, and the fork server
         # reaps the child anyway
-        if _finalizing():
+        if _finalizing() or self.returncode is not None or self._process is None:
             return self.returncode
-        if self.returncode is None and self._process is not None and self._process.exitcode is not None:
-            self.returncode = self._process.exitcode
-        return self.returncode
+        return self._read_status()
 
     def _wait(self, timeout):
         if self.returncode is not None:
             return self.returncode
-        self._process.join(timeout)
-        if self._process.exitcode is None:
+        # readable once the status is there: waited for without taking it
+        if not multiprocessing.connection.wait([self._process.sentinel], timeout):
             raise subprocess.TimeoutExpired(self.args, timeout)
-        self.returncode = self._process.exitcode
-        return self.returncode
+        return self._read_status()
 
 
 def _run_module(enter, argv: list[str], env: dict, cwd: str, stdio: list[int], new_session: bool) -> None:

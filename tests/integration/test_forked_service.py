@@ -63,6 +63,31 @@ def test_a_forked_service_serves_leads_its_group_and_stops_with_status_0():
     assert _wait_gone(shards), "a shard outlived its service"
 
 
+def test_a_forked_childs_status_reads_the_same_from_every_thread():
+    """Emulated workers came back with status 255 now and then (taken for
+    children whose fork server had died), though each had returned 0:
+    multiprocessing polls every child it started whenever another thread
+    starts one (``aggnet stats`` during a chaos run), and its poll reads
+    the child's status from a pipe without a lock, so the second of two
+    readers found the pipe at its end. Polled from a second thread all
+    the while, every child here reads as what it returned."""
+    import multiprocessing
+    import threading
+
+    codes = []
+    for i in range(12):
+        argv = ["platform"] if i % 2 == 0 else ["json.tool", "/nonexistent"]  # 0, and 2 from a usage error
+        p = ForkedPopen([sys.executable, "-m", *argv], preload=(), stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL)
+        waiter = threading.Thread(target=p.wait, daemon=True)
+        waiter.start()
+        while waiter.is_alive():
+            multiprocessing.active_children()  # what starting another child does first
+            p.poll()
+        codes.append(p.returncode)
+    assert codes == [0, 2] * 6
+
+
 def test_a_killed_forked_service_reads_as_the_signal_and_takes_its_shards():
     svc = ServiceProcess(_address(), shards=2)
     shards = child_pids(svc.pid)
