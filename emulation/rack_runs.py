@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import select
 import statistics
 import subprocess
@@ -83,23 +84,47 @@ def aggregator_address(rack: Rack) -> str:
 
 
 def collect(procs: list, timeout: float, what: str) -> list[dict]:
-    """The JSON line each worker printed last; any failure or a run past
-    ``timeout`` kills them all and says which."""
-    outs = []
-    deadline = time.monotonic() + timeout
-    for p in procs:
+    """The JSON line each worker printed last, by rank. The first worker
+    to fail, in time, is the one reported, at once, and the others are
+    killed: a worker that died while joining leaves the others waiting out
+    their stall timeout, and their errors (a rank that never contributed)
+    are consequences that name nothing of the cause. A run past
+    ``timeout`` kills them all and says so."""
+    finished: queue.Queue = queue.Queue()
+
+    def reap(rank: int, p) -> None:
         try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
+            out, err = p.communicate()
+        except (OSError, ValueError) as exc:  # its pipes closed under it: it is being killed
+            out, err = "", str(exc)
+        finished.put((rank, out, err))
+
+    readers = [threading.Thread(target=reap, args=(i, p), name=f"aggnet-collect-{i}", daemon=True)
+               for i, p in enumerate(procs)]
+    for t in readers:
+        t.start()
+
+    def kill_all() -> None:
+        for q in procs:
+            if q.poll() is None:
                 q.kill()
+        for t in readers:
+            t.join(10)
+
+    outs: list = [None] * len(procs)
+    deadline = time.monotonic() + timeout
+    for _ in procs:
+        try:
+            rank, out, err = finished.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            kill_all()
             raise EmulationError(f"the {what} in the rack did not finish within {timeout:g}s") from None
+        p = procs[rank]
         if p.returncode != 0:
-            for q in procs:
-                q.kill()
+            kill_all()
             said = err.strip()[-2000:] if err else "its error is above"
-            raise EmulationError(f"a {what} worker failed ({p.returncode}): {said}")
-        outs.append(json.loads(out.strip().splitlines()[-1]))
+            raise EmulationError(f"a {what} worker (rank {rank}) failed first ({p.returncode}): {said}")
+        outs[rank] = json.loads(out.strip().splitlines()[-1])
     return outs
 
 
