@@ -65,7 +65,7 @@ def _run_workers(fabric: Fabric, system: str, nbytes: int, reps: int, job: str, 
     for rank, rack, h in workers:
         cmd = [sys.executable, "-m", "aggnet.emulation.worker", system, "--rank", str(rank), "--world", str(world),
                "--bytes", str(nbytes), "--reps", str(reps), "--master", master, "--job", job, "--dtype", dtype]
-        if system == "aggnet":
+        if system in ("aggnet", "floor"):
             cmd += ["--topology", fabric.topology_path]
         if system == "floor":  # a rack's floor sums its own workers, then the root sums the racks
             local = [x[0] for x in workers if x[1] is rack]

@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--master", default="10.77.0.1:29500", help="gloo rendezvous (rank 0's address)")
     p.add_argument("--job", default="rack")
-    p.add_argument("--topology", default=None, help="aggnet: find this rank's rack aggregator in this file")
+    p.add_argument("--topology", default=None, help="aggnet: find this rank's rack aggregator in this file; floor: "
+                                                    "cut the chunks aggnet's workers cut under its links")
     p.add_argument("--dtype", choices=["float32", "int32"], default="float32",
                    help="int32: check the result bit for bit against the sum")
     p.add_argument("--floor", default=None, help="floor: its shards, HOST:PORT,PORT... (aggnet/bench/floor.py)")
@@ -112,7 +113,13 @@ def main(argv=None) -> int:
         host, ports = parse_address(args.floor)
         place = args.rank if args.floor_rank is None else args.floor_rank
         peers = args.world if args.floor_world is None else args.floor_world
-        client = FloorClient(ports, place, peers, aggnet_chunk_bytes(), host)
+        uplink_mbit = None
+        if args.topology:  # racks under a root: the chunks aggnet's workers cut for its uplinks
+            from aggnet.protocol import topology
+
+            t = topology.load(args.topology)
+            uplink_mbit = t.links.uplink_mbit if t.root is not None else None
+        client = FloorClient(ports, place, peers, aggnet_chunk_bytes(uplink_mbit), host)
         try:
             with shown as progress:
                 # the barrier: a one-value all-reduce ends once every worker sent

@@ -39,12 +39,12 @@ _CODES = {v: k for k, v in _DTYPES.items()}
 WAIT_S = 300.0
 
 
-def aggnet_chunk_bytes() -> int:
+def aggnet_chunk_bytes(uplink_mbit: float | None = None) -> int:
     """The chunks the floor moves: aggnet's over zmq+tcp, the transport it
-    stands beside."""
+    stands beside, under a root whose uplinks run at ``uplink_mbit``."""
     from aggnet.client.config import ClientConfig
 
-    return ClientConfig().chunk_bytes_for("zmq+tcp")
+    return ClientConfig().chunk_bytes_for("zmq+tcp", uplink_mbit)
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> None:

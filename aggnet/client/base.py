@@ -194,6 +194,9 @@ class Client(ABC):
         self.placement = None
         #: a rack's host aggregator, used when its P4 switch has no room or is dead
         self.fallback_address: str | None = None
+        #: Mbit/s of this worker's rack's uplink to a root, where the
+        #: topology gives it (chunks are cut to suit it)
+        self.uplink_mbit: float | None = None
         if topology is not None:
             if address is not None:
                 raise ValueError("give address or topology, not both: the topology names each rack's aggregator")
@@ -253,6 +256,8 @@ class Client(ABC):
             raise ValueError(f"world_size={world_size} but topology {t.source} holds {t.world} workers; "
                              f"leave world_size out or fix the topology")
         self.placement = t.place(rank)
+        if t.root is not None:
+            self.uplink_mbit = t.links.uplink_mbit
         if self.placement.rack.fallback is not None:
             self.fallback_address = self.placement.rack.fallback.address
         return (self.placement.address, t.job if job is None else job, t.world, self.placement.member_rank,

@@ -105,7 +105,7 @@ class ChunkClient(Client):
         self._resume = self.config.resume and not self._shm
         #: save what each result overwrites, for a round that fails
         self._restores = self.config.all_or_nothing is not False
-        self.chunk_bytes = self.config.chunk_bytes_for(scheme)
+        self.chunk_bytes = self.config.chunk_bytes_for(scheme, self.uplink_mbit)
         self._segments: list = []
         self._conn = None
         self._transport_options = {}

@@ -45,6 +45,17 @@ from aggnet.protocol.limits import MAX_ELEMENTS, MAX_MESSAGE_BYTES
 #: accumulators no longer stay in cache).
 DEFAULT_CHUNK_BYTES = 1 << 20
 SHM_CHUNK_BYTES = 2 << 20
+#: under a root, the seconds of its uplink's time one chunk may take. A rack
+#: sends a chunk's partial up only once every worker's part of it is in, and
+#: the root's result comes down whole, so a slow uplink's pipeline fills and
+#: drains by whole chunks: at 100 Mbit/s a 1 MiB chunk takes 84 ms each way,
+#: and 1 MiB chunks left two service racks 17% over the time their uplinks
+#: need, 256 KiB ones 6% (docs/benchmarks.md). Where the uplink binds,
+#: the CPU that smaller chunks cost a host is not what decides.
+UPLINK_CHUNK_SECONDS = 0.025
+#: the smallest chunk a slow uplink's rule picks (smaller ones are message-rate
+#: bound on the hosts)
+MIN_UPLINK_CHUNK_BYTES = 256 << 10
 #: chunks in flight per shard: enough to overlap one chunk's transfer with
 #: the previous one's summation and the result's return.
 DEFAULT_WINDOW = 4
@@ -202,10 +213,20 @@ class ClientConfig:
                 values[k] = v
         return cls(**values)
 
-    def chunk_bytes_for(self, scheme: str) -> int:
+    def chunk_bytes_for(self, scheme: str, uplink_mbit: float | None = None) -> int:
+        """``chunk_bytes`` where it is set; else the transport's default,
+        halved while a chunk would take longer than UPLINK_CHUNK_SECONDS on
+        an uplink of ``uplink_mbit`` to the root (a topology's ``[links]``),
+        down to MIN_UPLINK_CHUNK_BYTES. Every worker of a job reads the same
+        topology, so all cut their buffers alike."""
         if self.chunk_bytes is not None:
             return self.chunk_bytes
-        return SHM_CHUNK_BYTES if scheme == "shm" else DEFAULT_CHUNK_BYTES
+        size = SHM_CHUNK_BYTES if scheme == "shm" else DEFAULT_CHUNK_BYTES
+        if uplink_mbit:
+            crosses = uplink_mbit * 1e6 / 8 * UPLINK_CHUNK_SECONDS
+            while size > MIN_UPLINK_CHUNK_BYTES and size > crosses:
+                size //= 2
+        return size
 
     def replace(self, **changes) -> "ClientConfig":
         return replace(self, **changes)

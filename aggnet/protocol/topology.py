@@ -151,7 +151,8 @@ class Placement:
 
 @dataclass(frozen=True)
 class Links:
-    """Link rates for emulation (Mbit/s; None: unshaped)."""
+    """Link rates (Mbit/s; None: not given): emulation shapes its links to
+    them, and service racks' workers cut chunks to suit ``uplink_mbit``."""
 
     host_mbit: float | None = None
     uplink_mbit: float | None = None

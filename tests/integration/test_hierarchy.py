@@ -63,6 +63,7 @@ def _worker(rank: int, topology: str, job: str, codecs, n: int = N, reps: int = 
         out["fell_back"] = getattr(c, "fell_back", False)
         out["address"] = c.address
         out["members"] = (c.member_rank, c.members, c.world_size)
+        out["chunk_bytes"] = getattr(c, "chunk_bytes", None)
     return out
 
 
@@ -165,6 +166,37 @@ def test_service_racks_carry_one_partial_per_chunk_across_racks():
             # two all-reduces (float32 and int32 buffers) of S bytes each
             assert 2 * nbytes <= up <= 2 * nbytes * 1.05, up
             assert 2 * nbytes <= down <= 2 * nbytes * 1.05, down
+    finally:
+        r.stop()
+
+
+def test_racks_behind_slow_uplinks_cut_quarter_mib_chunks_and_stay_exact():
+    """A topology that gives its uplinks' rate has its workers cut chunks
+    that cross such an uplink in 25 ms: 256 KiB at 100 Mbit/s, where 1 MiB
+    chunks left a rack's uplink filling and draining by 84 ms steps
+    (docs/benchmarks.md). Every worker reads the same file, so all cut
+    alike, and each rack sends four partials up where it sent one."""
+    r = Racks("service")
+    try:
+        n = 1 << 20  # 4 MiB a buffer: 4 chunks of 1 MiB, 16 of 256 KiB
+
+        def partials_up() -> list[int]:
+            return [sum(sh["uplink"]["partials_up"] for sh in r.stats(rack)["shards"]) for rack in r.racks]
+
+        before = partials_up()
+        plain = run_topology(r.topology, r.world, (None,), n)
+        between = partials_up()
+        slow = r.topology.replace('job = "hier"\n', 'job = "hier"\n[links]\nuplink_mbit = 100\n', 1)
+        assert slow != r.topology
+        shaped = run_topology(slow, r.world, (None,), n)
+        after = partials_up()
+        check(plain, r.world, (None,), n)
+        check(shaped, r.world, (None,), n)
+        assert {w["chunk_bytes"] for w in plain} == {1 << 20}
+        assert {w["chunk_bytes"] for w in shaped} == {256 << 10}
+        for b, m, a in zip(before, between, after):
+            # two all-reduces (float32, int32) a run: 12 more chunks each
+            assert (a - m) - (m - b) == 2 * 12, (before, between, after)
     finally:
         r.stop()
 
