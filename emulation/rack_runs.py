@@ -124,7 +124,11 @@ def collect(procs: list, timeout: float, what: str) -> list[dict]:
             kill_all()
             said = err.strip()[-2000:] if err else "its error is above"
             raise EmulationError(f"a {what} worker (rank {rank}) failed first ({p.returncode}): {said}")
-        outs[rank] = json.loads(out.strip().splitlines()[-1])
+        lines = (out or "").strip().splitlines()
+        if not lines:
+            kill_all()
+            raise EmulationError(f"a {what} worker (rank {rank}) ended without printing its result")
+        outs[rank] = json.loads(lines[-1])
     return outs
 
 

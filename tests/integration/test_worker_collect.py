@@ -41,3 +41,11 @@ def test_a_run_past_its_timeout_is_killed_and_says_so():
     with pytest.raises(EmulationError, match="did not finish within 0.5s"):
         collect(procs, 0.5, "test all-reduce")
     assert all(p.poll() is not None for p in procs)
+
+
+def test_a_worker_that_ends_without_its_result_is_named():
+    waiting = _worker("import time; time.sleep(120)")
+    silent = _worker("pass")
+    with pytest.raises(EmulationError, match=r"rank 1\) ended without printing its result"):
+        collect([waiting, silent], 60, "test all-reduce")
+    assert waiting.poll() is not None
