@@ -117,8 +117,7 @@ def main(argv=None) -> int:
         if args.topology:  # racks under a root: the chunks aggnet's workers cut for its uplinks
             from aggnet.protocol import topology
 
-            t = topology.load(args.topology)
-            uplink_mbit = t.links.uplink_mbit if t.root is not None else None
+            uplink_mbit = topology.load(args.topology).root_uplink_mbit
         client = FloorClient(ports, place, peers, aggnet_chunk_bytes(uplink_mbit), host)
         try:
             with shown as progress:

@@ -256,8 +256,7 @@ class Client(ABC):
             raise ValueError(f"world_size={world_size} but topology {t.source} holds {t.world} workers; "
                              f"leave world_size out or fix the topology")
         self.placement = t.place(rank)
-        if t.root is not None:
-            self.uplink_mbit = t.links.uplink_mbit
+        self.uplink_mbit = t.root_uplink_mbit
         if self.placement.rack.fallback is not None:
             self.fallback_address = self.placement.rack.fallback.address
         return (self.placement.address, t.job if job is None else job, t.world, self.placement.member_rank,

@@ -174,6 +174,12 @@ class Topology:
     def world(self) -> int:
         return sum(r.members for r in self.racks)
 
+    @property
+    def root_uplink_mbit(self) -> float | None:
+        """Mbit/s of a rack's uplink to the root, where there is a root and
+        the file gives the rate (the chunks that suit it: ClientConfig)."""
+        return self.links.uplink_mbit if self.root is not None else None
+
     def place(self, rank: int) -> Placement:
         """The rack of ``rank`` and its place there."""
         if not isinstance(rank, int) or not 0 <= rank < self.world:
