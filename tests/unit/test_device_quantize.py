@@ -1,0 +1,92 @@
+"""The int32 codec as torch operations (what a GPU bucket is quantized
+with, on its device) equals aggnet's kernels bit for bit: the exponents,
+the quantization with agreed exponents, the dequantization of sums. Run on
+CPU tensors, through the same functions a GPU runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the device codec runs torch operations")
+
+from aggnet import kernels  # noqa: E402
+from aggnet.protocol.wire import EXPONENT_NONFINITE, EXPONENT_ZERO  # noqa: E402
+from aggnet.torch import quantize as Q  # noqa: E402
+
+CPU = kernels.load("cpu")
+
+
+def values(n: int, seed: int = 0) -> np.ndarray:
+    """Magnitudes over the whole float32 range, subnormals and both zeros,
+    in runs whose largest values differ."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * np.exp2(rng.integers(-60, 60, n))).astype(np.float32)
+    x[:12] = [0.0, -0.0, 1e-45, -3e-39, 1.2e-38, 65504, 7e4, -1e5, 3.4e38, 1.5, 0.5, -2.5]
+    return x
+
+
+def block_exponents(x: np.ndarray, block: int) -> np.ndarray:
+    out = np.empty(-(-x.size // block), np.int16)
+    CPU.block_exponents(x, block, out)
+    return out
+
+
+@pytest.mark.parametrize("n,block", [(10_000, 1000), (10_007, 1000), (999, 1000), (4096, 1)])
+def test_exponents_found_on_the_device_are_the_kernels(n, block):
+    x = values(n)
+    if n > 6 * block:
+        x[3 * block:4 * block] = 0.0  # a chunk of zeros
+        x[2 * block:3 * block] = 0.0  # one of subnormals
+        x[2 * block + 5: 2 * block + 9] = [1e-45, -2e-45, 3e-40, 0.0]
+        x[5 * block + min(7, block - 1)] = np.nan
+        x[6 * block] = -np.inf
+    best = Q.chunk_max_bits(torch.from_numpy(x), block, torch.empty(n, dtype=torch.int32))
+    got = Q.exponents_of_bits(best.numpy())
+    np.testing.assert_array_equal(got, block_exponents(x, block))
+    if n > 6 * block:
+        assert got[3] == EXPONENT_ZERO and got[2] < -126 and got[5] == got[6] == EXPONENT_NONFINITE
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+@pytest.mark.parametrize("multiplier", [1.0, 0.25, 1 / 3])
+def test_quantized_and_dequantized_on_the_device_as_the_kernels_do(world, multiplier):
+    n, block = 25_013, 4096
+    x = values(n, seed=world)
+    mine = block_exponents(x, block)
+    # the agreed exponents: at least this worker's, larger for some chunks
+    agreed = mine + np.arange(mine.size, dtype=np.int16) % 3
+    agreed[1] = EXPONENT_ZERO if not np.any(x[block:2 * block]) else agreed[1]
+    want_q = np.empty(n, np.int32)
+    for i, e in enumerate(agreed):
+        part = slice(i * block, (i + 1) * block)
+        CPU.quantize(x[part], kernels.quant_shift(int(e), world), want_q[part], False)
+    got_q = torch.empty(n, dtype=torch.int32)
+    scratch = torch.empty(n, dtype=torch.float64)
+    Q.quantize_chunks(torch.from_numpy(x), torch.from_numpy(Q.quantize_factors(agreed, world)), block, got_q,
+                      scratch)
+    np.testing.assert_array_equal(got_q.numpy(), want_q)
+
+    sums = (want_q.astype(np.int64) * world).clip(-2**31, 2**31 - 1).astype(np.int32)  # what comes back
+    want = np.empty(n, np.float32)
+    for i, e in enumerate(agreed):
+        part = slice(i * block, (i + 1) * block)
+        CPU.dequantize(sums[part], kernels.quant_shift(int(e), world), want[part], False, multiplier)
+    got = torch.empty(n, dtype=torch.float32)
+    Q.dequantize_chunks(torch.from_numpy(sums), torch.from_numpy(Q.dequantize_factors(agreed, world, multiplier)),
+                        block, got, scratch)
+    np.testing.assert_array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
+
+
+def test_chunks_agreed_non_finite_are_written_finite():
+    """Their chunks are not sent, but what the device writes for them
+    must not be NaN (a zero factor, not an infinite one)."""
+    agreed = np.array([EXPONENT_NONFINITE, 3], np.int16)
+    q = torch.empty(8, dtype=torch.int32)
+    x = torch.tensor([1.0, 2.0, float("nan"), 4.0, 1.0, 2.0, 3.0, 4.0])
+    Q.quantize_chunks(x, torch.from_numpy(Q.quantize_factors(agreed, 2)), 4, q, torch.empty(8, dtype=torch.float64))
+    assert q[4:].tolist() == [2**26, 2**27, 3 * 2**26, 2**28]  # shift 30 - 3 - 1 (two workers)
+    out = torch.empty(8)
+    Q.dequantize_chunks(q, torch.from_numpy(Q.dequantize_factors(agreed, 2)), 4, out,
+                        torch.empty(8, dtype=torch.float64))
+    assert torch.isfinite(out).all() and out[4:].tolist() == [1.0, 2.0, 3.0, 4.0]
