@@ -33,7 +33,7 @@ import numpy as np
 from aggnet.protocol import keys
 from aggnet.protocol.address import parse
 from aggnet.client import device
-from aggnet.client.codec import Encoding
+from aggnet.client.codec import Encoding, Quantized
 from aggnet.client.config import ClientConfig
 from aggnet.errors import ClientClosed
 from aggnet.protocol.wire import DType, job_id_of
@@ -84,6 +84,8 @@ class Request:
     #: and this worker's share of the result goes to ``out``
     bounds: list | None = None
     out: np.ndarray | None = None
+    #: an int32 buffer its owner quantizes once the exponents are agreed
+    quantized: Quantized | None = None
 
 
 _WIRE_NAMES = {"float32": None, "int32": "int32", "float16": "fp16", "fp16": "fp16", "bfloat16": "bf16", "bf16": "bf16"}
@@ -297,7 +299,8 @@ class Client(ABC):
     # -- public API ----------------------------------------------------------
 
     def allreduce(self, buf, op: str = "sum", codec: str | None = None, *, dtype: str | None = None,
-                  key: int | None = None, _wire_hint: DType | None = None) -> Future:
+                  key: int | None = None, _wire_hint: DType | None = None,
+                  _quantized: Quantized | None = None) -> Future:
         """Sum (or average) ``buf`` over every worker of the job, in place.
 
         Returns a :class:`concurrent.futures.Future` that resolves to ``buf``
@@ -322,8 +325,27 @@ class Client(ABC):
             raise TypeError(f"allreduce takes a NumPy array, got {type(buf).__name__}")
         if not buf.flags.c_contiguous or not getattr(buf.flags, "writeable", True):
             raise ValueError("allreduce needs a C-contiguous, writable buffer (results are written in place)")
+        if _quantized is not None:
+            return self._submit_quantized(buf, codec, op, key, _quantized)
         enc = self._encoding(buf, codec, op, _wire_hint)
         return self._submit(buf.reshape(-1), caller, enc, key)
+
+    #: whether the owner of an int32-codec buffer may quantize it itself
+    #: (:class:`~aggnet.client.codec.Quantized`); a client kind that
+    #: agrees exponents per chunk of ``chunk_bytes`` says so
+    takes_quantized = False
+
+    def _submit_quantized(self, buf, codec, op, key, quantized: Quantized) -> Future:
+        if not self.takes_quantized:
+            raise TypeError(f"{self._context()}: this aggregator path quantizes int32 itself; give the client the "
+                            f"float32 buffer")
+        enc = Encoding(buf, codec, op, self.world_size, prequantized=True)
+        chunks = -(-buf.size // (self.chunk_bytes // 4))
+        exps = np.asarray(quantized.exponents)
+        if exps.dtype != np.int16 or exps.shape != (chunks,):
+            raise ValueError(f"a prequantized buffer of {buf.size} elements has {chunks} chunks of "
+                             f"{self.chunk_bytes // 4}: give as many int16 exponents, got {exps.dtype} {exps.shape}")
+        return self._submit(buf.reshape(-1), buf, enc, key, quantized=quantized)
 
     #: whether device (CUDA) buffers may be passed as they are: a client
     #: whose transport sends device memory says so

@@ -67,6 +67,9 @@ class ChunkRequest(Request):
     #: int32 codec: shards whose exponent agreement is still open
     scale_pending: set = field(default_factory=set)
     exponents: np.ndarray | None = None  # agreed per chunk (int32 codec)
+    #: whether the buffer holds what is to be sent: a prequantized one is
+    #: written by its owner once every exponent is agreed
+    payload_ready: bool = True
     local_nonfinite: int = 0
     #: shards whose chunks are not sent (their exponents held NaN/Inf): every
     #: worker sees the same agreed exponents, so all skip the same chunks
@@ -89,6 +92,7 @@ class ChunkClient(Client):
     """Client of an aggregator service (zmq+tcp, zmq+ipc, shm, inproc)."""
 
     _request_class = ChunkRequest
+    takes_quantized = True
 
     @property
     def owner_results(self) -> bool:
@@ -385,6 +389,7 @@ class ChunkClient(Client):
             req.queues.setdefault(c.shard, []).append(c)
             self._to_send[c.shard].append((req, c))
         if req.enc.quantized:
+            req.payload_ready = req.quantized is None
             self._start_scale_agreement(req)
         if not self._active or len(self._active) == 1:
             self._last_progress = time.monotonic()
@@ -454,12 +459,16 @@ class ChunkClient(Client):
         self._fail(req, exc, poison=self._shm)
 
     def _start_scale_agreement(self, req: ChunkRequest) -> None:
-        k = req.enc.k
-        exps = np.empty(len(req.chunks), np.int16)
-        for c in req.chunks:
-            bits, nonfinite = k.block_stats(req.buf[c.offset:c.offset + c.count])
-            req.local_nonfinite += nonfinite
-            exps[c.index] = kernels.exponent_of(bits, nonfinite)
+        if req.quantized is not None:  # its owner found them where the values are
+            exps = np.array(req.quantized.exponents, np.int16)
+            req.local_nonfinite = req.quantized.nonfinite
+        else:
+            k = req.enc.k
+            exps = np.empty(len(req.chunks), np.int16)
+            for c in req.chunks:
+                bits, nonfinite = k.block_stats(req.buf[c.offset:c.offset + c.count])
+                req.local_nonfinite += nonfinite
+                exps[c.index] = kernels.exponent_of(bits, nonfinite)
         req.exponents = exps
         for shard in req.queues:
             if shard not in self._rejoining:  # else it goes once the shard takes this worker back
@@ -496,7 +505,7 @@ class ChunkClient(Client):
                 while q and (q[0][0].failed or q[0][0].held_error is not None or shard in q[0][0].skip_shards):
                     q.popleft()
                 if not q or self._inflight[shard] >= window or shard in q[0][0].scale_pending or \
-                        shard in self._rejoining:
+                        not q[0][0].payload_ready or shard in self._rejoining:
                     continue
                 req, c = q.popleft()
                 self._send_chunk(req, c)
@@ -650,6 +659,20 @@ class ChunkClient(Client):
             req.remaining -= len(q)
             if req.remaining == 0:
                 self._complete(req)
+                return
+        if not req.scale_pending and not req.payload_ready:
+            self._quantize_agreed(req)
+
+    def _quantize_agreed(self, req: ChunkRequest) -> None:
+        """Every exponent of a prequantized buffer is agreed: its owner
+        quantizes it (a skipped shard's chunks with them: they are not sent)."""
+        try:
+            req.quantized.quantize(req.exponents.copy())
+        except Exception as exc:  # noqa: BLE001 - the owner's failure (a CUDA error) fails this round only
+            self._fail_round(req, AggregationError(
+                f"{self._context()}: round {req.round}: quantizing the buffer failed: {exc}"))
+            return
+        req.payload_ready = True
 
     def _on_error(self, shard: int, h: Header, code: str, text: str) -> None:
         where = f"aggregator shard {shard} at {self._conn.addresses[shard]}"

@@ -13,6 +13,9 @@ float32           ``fp16``    IEEE half, summed in float32 by the aggregator
 float32           ``bf16``    bfloat16, summed in float32 by the aggregator
 int32             ``None``    int32 (sums wrap modulo 2**32)
 float16/bfloat16  ``None``    the same 16-bit format, summed in float32
+int32             ``int32``   int32 its owner quantized (``prequantized``):
+                              sent and received as they are; the owner
+                              gave each chunk's exponent and dequantizes
 ================  ==========  ================================================
 
 ``avg`` divides by the world size: on decode for 32-bit payloads, before
@@ -27,13 +30,38 @@ own stream, and the caller's future must find the result in place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 
 from aggnet import kernels
 from aggnet.protocol.wire import DType
 
 CODECS = (None, "int32", "fp16", "bf16")
+__all__ = ["CODECS", "OPS", "Encoding", "Quantized"]
 OPS = ("sum", "avg")
+
+
+@dataclass
+class Quantized:
+    """What the owner of an int32 buffer it quantizes itself (a GPU bucket,
+    quantized on its device) gives the client with it.
+
+    The int32 codec's scale is agreed per chunk before any value is
+    quantized; the owner cannot quantize until that agreement is in, and
+    the client cannot send until the owner has. So the owner gives its
+    exponents (``exponents[i]``: chunk ``i`` of ``client.chunk_bytes // 4``
+    elements, as ``kernels.block_exponents`` finds them), and the client
+    calls ``quantize(agreed)`` on its I/O thread once every chunk's
+    exponent is agreed, then sends the buffer as it is; results are int32
+    sums, which the owner dequantizes with the same agreed exponents.
+    ``quantize`` must return with the buffer written."""
+
+    exponents: np.ndarray
+    quantize: Callable[[np.ndarray], None]
+    #: NaN/Inf in the owner's values (named when the agreement refuses them)
+    nonfinite: int = 0
 
 
 def _is_bf16(dtype: np.dtype) -> bool:
@@ -43,7 +71,8 @@ def _is_bf16(dtype: np.dtype) -> bool:
 class Encoding:
     """Per-request encode/decode of chunks between buffer and wire."""
 
-    def __init__(self, buf: np.ndarray, codec: str | None, op: str, world: int, wire_hint: DType | None = None):
+    def __init__(self, buf: np.ndarray, codec: str | None, op: str, world: int, wire_hint: DType | None = None,
+                 prequantized: bool = False):
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
         if codec not in CODECS:
@@ -58,7 +87,15 @@ class Encoding:
         self.native_half = False
         self.quantized = False
         self.zero_copy = False
-        if wire_hint in (DType.BFLOAT16, DType.FLOAT16) and dt == np.uint16:
+        #: int32 the caller quantized with the agreed exponents (a GPU bucket
+        #: quantized on its device): the agreement runs, the bytes go as they are
+        self.prequantized = prequantized
+        if prequantized:
+            if dt != np.int32 or codec != "int32" or self.device is not None:
+                raise ValueError("a prequantized buffer is a host int32 array all-reduced with codec='int32'")
+            self.wire = DType.INT32
+            self.quantized = self.zero_copy = True
+        elif wire_hint in (DType.BFLOAT16, DType.FLOAT16) and dt == np.uint16:
             kind = "bf16" if wire_hint == DType.BFLOAT16 else "f16"
             self._native_half(kind)
         elif dt == np.float32:
@@ -141,7 +178,9 @@ class Encoding:
         if self.device is not None:
             self._decode_on_device(payload, dest, shift)
             return
-        if self.quantized:
+        if self.prequantized:  # the owner dequantizes, with the exponents it was given
+            np.copyto(dest, np.frombuffer(payload, np.int32, dest.size))
+        elif self.quantized:
             q = np.frombuffer(payload, np.int32, dest.size)
             self.k.dequantize(q, shift, dest, False, self.multiplier)
         elif self.half_fmt:

@@ -100,7 +100,7 @@ from aggnet.client.config import ClientConfig
 from aggnet.errors import AggnetError, AggregatorUnreachable
 from aggnet.torch.futures import torch_future, when_all
 from aggnet.torch.hook import _CODECS, _numpy_view
-from aggnet.torch.staging import Stager
+from aggnet.torch.staging import Stager, quantize_block
 
 __all__ = ["BACKEND_NAME", "AggnetProcessGroup", "AggnetWork", "UnsupportedCollective", "monitored_barrier",
            "register"]
@@ -370,10 +370,11 @@ class AggnetProcessGroup(dist.ProcessGroup):
         stager = self._stager(t.device)
         work = _contiguous(t.detach())
         codec = self.codec if t.dtype == torch.float32 else None
-        staged = stager.stage(work, codec=codec, op=op, world=self._world, check_finite=False)
         client = self.client
-        fut = stager.submit(staged, lambda arr, hint: client.allreduce(arr, op=staged.op, codec=staged.codec,
-                                                                       _wire_hint=hint))
+        staged = stager.stage(work, codec=codec, op=op, world=self._world, check_finite=False,
+                              block=quantize_block(client, codec, work.dtype))
+        fut = stager.submit(staged, lambda arr, **options: client.allreduce(arr, op=staged.op, codec=staged.codec,
+                                                                            **options))
         fut.add_done_callback(lambda f: f.exception() is not None and stager.release(staged))
 
         def finish():

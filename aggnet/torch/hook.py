@@ -36,7 +36,7 @@ from aggnet.client.config import ClientConfig
 from aggnet.errors import AggnetError, AggregatorUnreachable, NonFiniteError
 from aggnet.protocol.wire import DType
 from aggnet.torch.futures import torch_future
-from aggnet.torch.staging import Stager, result_nonfinite
+from aggnet.torch.staging import Stager, quantize_block, result_nonfinite
 
 __all__ = ["AggnetState", "allreduce_hook"]
 
@@ -59,7 +59,7 @@ class BucketStats:
 
 
 def _check_options(*, codec, op, sparse_op, sparse, alpha_threshold, alpha_steps, on_nonfinite, job, staleness,
-                   predict) -> None:
+                   predict, staging) -> None:
     """One line naming the AggnetState argument that is out of range."""
     if codec not in _CODECS:
         raise ValueError(f"codec must be one of {list(_CODECS)}, got {codec!r}")
@@ -80,6 +80,8 @@ def _check_options(*, codec, op, sparse_op, sparse, alpha_threshold, alpha_steps
         raise ValueError(f"staleness must be an integer >= 0 (steps a gradient is applied late), got {staleness!r}")
     if predict and not staleness:
         raise ValueError("predict=True needs staleness >= 1: with no delay there is nothing to predict")
+    if staging not in (True, False, "always"):
+        raise ValueError(f"staging must be True, False or 'always', got {staging!r}")
 
 class AggnetState:
     """Settings and connection of the aggnet DDP hook.
@@ -126,7 +128,9 @@ class AggnetState:
       through pinned host memory on a side stream
       (:mod:`aggnet.torch.staging`), so the backward pass never waits for
       them; False copies each to the CPU and back on the training stream
-      (slower: kept to compare with).
+      (slower: kept to compare with); ``"always"`` stages CPU buckets the
+      same way too, through every function a GPU bucket goes through
+      (slower than sending them from where they are: for tests).
     """
 
     def __init__(
@@ -148,11 +152,11 @@ class AggnetState:
         member: tuple[int, int] | None = None,
         staleness: int = 0,
         predict: bool = False,
-        staging: bool = True,
+        staging: bool | str = True,
     ):
         _check_options(codec=codec, op=op, sparse_op=sparse_op, sparse=sparse, alpha_threshold=alpha_threshold,
                        alpha_steps=alpha_steps, on_nonfinite=on_nonfinite, job=job, staleness=staleness,
-                       predict=predict)
+                       predict=predict, staging=staging)
         self.sparse = sparse
         self.alpha_threshold, self.alpha_steps = alpha_threshold, alpha_steps
         self.routes: dict = {}  #: bucket index -> routing.RouteStats
@@ -248,7 +252,7 @@ class AggnetState:
         with self._lock:
             stager = self._stagers.get(device)
             if stager is None:
-                stager = self._stagers[device] = Stager(device)
+                stager = self._stagers[device] = Stager(device, through_host=True if self.staging == "always" else None)
             return stager
 
     def staging_stats(self) -> dict:
@@ -364,14 +368,15 @@ def _dense_allreduce(state: "AggnetState", index: int, buf: torch.Tensor, bucket
     t0 = time.perf_counter()
     stager = state.stager(buf.device)
     codec = state.codec if buf.dtype == torch.float32 else None
+    client = state.client
     staged = stager.stage(buf.detach(), codec=codec, op=state.op, world=state.world_size,
-                          check_finite=state.check_finite)
-    fut = stager.submit(staged, lambda arr, hint: state.client.allreduce(
-        arr, op=staged.op, codec=staged.codec, key=index, _wire_hint=hint))
+                          check_finite=state.check_finite, block=quantize_block(client, codec, buf.dtype))
+    fut = stager.submit(staged, lambda arr, **options: client.allreduce(
+        arr, op=staged.op, codec=staged.codec, key=index, **options))
     stats = state.buckets.setdefault(index, BucketStats())
     wire_bytes = buf.numel() * _wire_itemsize(buf, codec)
     # a chunk client's chunks, or a switch client's packets of K values
-    per_chunk = getattr(state.client, "chunk_bytes", None) or 4 * getattr(state.client, "elements", 1)
+    per_chunk = getattr(client, "chunk_bytes", None) or 4 * getattr(client, "elements", 1)
     chunks = -(-wire_bytes // per_chunk)
 
     def value(f) -> torch.Tensor:

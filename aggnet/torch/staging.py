@@ -15,25 +15,35 @@ bucket. A :class:`Stager` instead, per bucket:
 2. on its own thread waits for that copy (a CUDA event) and hands the
    pinned memory to the client, which sends from it without another copy
    and writes the result back into it;
-3. once the client is done, copies the result to the device on the side
-   stream and widens it into the bucket; the client's thread waits for that
-   copy (about a millisecond for a 25 MB bucket) before the bucket's future
-   completes, so whoever waits on the future (DDP's reducer, the optimizer)
-   finds the result in place whatever stream it runs on.
+3. once the client is done, copies the result to the device on a second
+   side stream (on the first it would queue behind later buckets' waits
+   for the training stream) and widens it into the bucket; the client's
+   thread waits for that copy (about a millisecond for a 25 MB bucket)
+   before the bucket's future completes, so whoever waits on the future
+   (DDP's reducer, the optimizer) finds the result in place whatever
+   stream it runs on.
 
 The caller's stream never waits, so several buckets overlap their
 copies, the network and the backward pass. Pinned and device buffers come
 from :class:`BufferPool` s and go back when a bucket is done: after the
 first step no bucket allocates (``Stager.stats()`` counts it).
 
-The int32 codec stages float32 and quantizes on the host: its scale is
-agreed among the workers per chunk before any value is quantized (a round
-on the network), and quantizing on the device would save host cycles but
-not PCIe bytes (both are 4 bytes a value).
+The int32 codec is quantized on the device too, where the client agrees
+exponents per chunk (an aggregator service; a switch client quantizes
+float32 staged as above on the host). Its scale is agreed among the
+workers per chunk before any value is quantized, so the side stream first
+finds each chunk's largest magnitude (a few bytes a chunk to the host);
+the client agrees the exponents and calls back, and the bucket is then
+quantized on the side stream (:mod:`aggnet.torch.quantize`) and copied to
+pinned memory, from which the client sends it as it is. The int32 sums
+come back into the same memory and are dequantized on the device. The
+host then does for int32 what it does for float32: send and receive.
 
 A CPU tensor is sent from where it is and encoded by the client, chunk by
-chunk as chunks leave; the narrowing and the pools run on the CPU in the
-unit tests, and on CUDA wherever a GPU is present.
+chunk as chunks leave. ``Stager(cpu, through_host=True)`` (the DDP hook's
+``staging="always"``) takes a CPU tensor through everything a GPU bucket
+goes through instead, pools and device codec included, which is how the
+test suite runs those functions without a GPU.
 """
 
 from __future__ import annotations
@@ -49,10 +59,12 @@ import numpy as np
 import torch
 
 from aggnet import kernels
+from aggnet.client.codec import Quantized
 from aggnet.errors import AggnetError
 from aggnet.protocol.wire import DType
+from aggnet.torch import quantize as device_codec
 
-__all__ = ["BufferPool", "Stager", "Staged", "result_nonfinite", "wire_dtype"]
+__all__ = ["BufferPool", "Stager", "Staged", "quantize_block", "result_nonfinite", "wire_dtype"]
 
 #: torch dtype a float32 buffer travels in, per codec (int32: quantized on the host)
 _CODEC_DTYPES = {None: torch.float32, "int32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -63,6 +75,15 @@ _CPU_KERNELS = kernels.load("cpu")
 PINNED_LIMIT = 2 << 30
 #: seconds a copy between the device and pinned memory may take
 COPY_TIMEOUT = 60.0
+
+
+def quantize_block(client, codec: str | None, dtype: torch.dtype) -> int | None:
+    """Elements per chunk of ``client`` where it lets a float32 buffer be
+    quantized to int32 on its device (its chunks' exponents agreed per
+    chunk), else None."""
+    if codec != "int32" or dtype != torch.float32 or not getattr(client, "takes_quantized", False):
+        return None
+    return client.chunk_bytes // 4
 
 
 def wire_dtype(dtype: torch.dtype, codec: str | None) -> torch.dtype:
@@ -142,8 +163,16 @@ class Staged:
     op: str = "sum"  #: the client's op for ``host``
     _raw: list = field(default_factory=list)  #: (pool, buffer) to give back
     _nonfinite: torch.Tensor | None = None
-    _wide: torch.Tensor | None = None  #: device scratch of the wire dtype (half codecs)
+    _wide: torch.Tensor | None = None  #: device scratch of the wire dtype (half codecs, int32)
     _ready: object = None  #: event: the host copy is complete
+    #: int32 quantized on the device: elements per chunk, each chunk's
+    #: largest magnitude (host memory, once ``_ready``), the exponents the
+    #: workers agreed, and float64 device scratch
+    block: int | None = None
+    world: int = 1
+    _best: torch.Tensor | None = None
+    agreed: np.ndarray | None = None
+    _scratch: torch.Tensor | None = None
 
     def local_nonfinite(self) -> int:
         """NaN/Inf in this rank's buffer (read once the host copy is ready)."""
@@ -156,10 +185,17 @@ class Stager:
     they were submitted: every worker all-reduces its buckets in the same
     order, as the aggregator requires."""
 
-    def __init__(self, device: torch.device, *, pinned_limit: int = PINNED_LIMIT):
+    def __init__(self, device: torch.device, *, pinned_limit: int = PINNED_LIMIT, through_host: bool | None = None):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        #: whether buffers are staged in host buffers of the pools (a CPU
+        #: buffer is sent from where it is unless told otherwise)
+        self.through_host = self.device.type != "cpu" if through_host is None else through_host
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        #: what comes back (quantizing once exponents are agreed, results
+        #: to the device) runs on a stream of its own: on the first, it
+        #: would queue behind later buckets' waits for the training stream
+        self.back_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.host_pool = BufferPool(torch.device("cpu"), pin=self.cuda, limit=pinned_limit)
         self.device_pool = BufferPool(self.device)
         self._queue: queue.Queue = queue.Queue()
@@ -169,13 +205,16 @@ class Stager:
     # -- out: device -> pinned host ---------------------------------------------------
 
     def stage(self, buf: torch.Tensor, *, codec: str | None, op: str, world: int,
-              check_finite: bool = True) -> Staged:
+              check_finite: bool = True, block: int | None = None) -> Staged:
         """Start moving ``buf`` (contiguous) to pinned host memory in its
         wire dtype; returns at once (the copy runs on the side stream).
         ``staged.codec`` and ``staged.op`` are what the client is to do
-        with what arrives there."""
+        with what arrives there. ``block``: the int32 codec is quantized
+        here, in chunks of that many elements (:func:`quantize_block`)."""
         buf = buf.view(-1)  # flat, as the host buffer is: the result lands in the caller's memory
-        if not self.cuda:
+        if block is not None and codec == "int32" and self.through_host:
+            return self._stage_for_quantizing(buf, op, world, block)
+        if not self.through_host:
             # a CPU buffer is sent from where it is; the client encodes it
             # chunk by chunk while earlier chunks are on the wire (narrowing
             # the whole bucket first delayed the first chunk: 5-15% slower)
@@ -200,11 +239,50 @@ class Stager:
                 staged._wide = self._scratch(wire, n, staged)
                 self._narrow(buf, staged._wide, staged)
                 staged.host.copy_(staged._wide, non_blocking=True)
-            if staged._nonfinite is not None:
-                staged._nonfinite = staged._nonfinite.to("cpu", non_blocking=True)
+            self._mark_ready(staged)
+        return staged
+
+    def _mark_ready(self, staged: Staged) -> None:
+        """What ``staged`` found goes to the host; an event says when it is there."""
+        if staged._nonfinite is not None:
+            staged._nonfinite = staged._nonfinite.to("cpu", non_blocking=self.cuda)
+        if self.cuda:
             staged._ready = torch.cuda.Event()
             staged._ready.record(self.stream)
+
+    def _stage_for_quantizing(self, buf: torch.Tensor, op: str, world: int, block: int) -> Staged:
+        """The first half of int32 on the device: each chunk's largest
+        magnitude, found on the side stream and copied to the host (the
+        client agrees exponents from it; :meth:`_quantize` does the rest)."""
+        n = buf.numel()
+        host_raw = self.host_pool.take(n * 4)
+        staged = Staged(buf, torch.int32, _view(host_raw, torch.int32, n), 1.0 / world if op == "avg" else 1.0,
+                        codec="int32", op="sum", block=block, world=world)
+        staged._raw.append((self.host_pool, host_raw))
+        chunks = -(-n // block)
+        best_raw = self.host_pool.take(chunks * 4)
+        staged._raw.append((self.host_pool, best_raw))
+        staged._best = _view(best_raw, torch.int32, chunks)
+        with self._on_side_stream():
+            staged._nonfinite = _count_nonfinite(buf)  # named if the agreement refuses the bucket
+            staged._wide = self._scratch(torch.int32, n, staged)
+            staged._scratch = self._scratch(torch.float64, n, staged)
+            if n:
+                staged._best.copy_(device_codec.chunk_max_bits(buf, block, staged._wide), non_blocking=self.cuda)
+            self._mark_ready(staged)
         return staged
+
+    def _quantize(self, staged: Staged, agreed: np.ndarray) -> None:
+        """The second half, called by the client once every exponent is
+        agreed: quantize on the side stream into device scratch, copy to
+        the pinned buffer the client sends, and wait for that copy."""
+        staged.agreed = agreed
+        factors = torch.from_numpy(device_codec.quantize_factors(agreed, staged.world))
+        with self._on_back_stream():
+            device_codec.quantize_chunks(staged.buf, factors.to(self.device), staged.block, staged._wide,
+                                         staged._scratch)
+            staged.host.copy_(staged._wide, non_blocking=self.cuda)
+            self._wait_back(f"quantizing a bucket on {self.device}")
 
     def _scratch(self, dtype: torch.dtype, n: int, staged: Staged) -> torch.Tensor:
         raw = self.device_pool.take(n * dtype.itemsize)
@@ -222,16 +300,32 @@ class Stager:
             out.copy_(buf)
 
     def _on_side_stream(self):
+        """The side stream as the current one, after the work queued so far
+        on the caller's stream (which writes the gradient)."""
         if not self.cuda:
             return _Nothing()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         return torch.cuda.stream(self.stream)
 
+    def _on_back_stream(self):
+        """The stream of what comes back as the current one. Whatever it
+        reads was written on the side stream before an event the host has
+        seen complete (the client sends only after that)."""
+        return torch.cuda.stream(self.back_stream) if self.cuda else _Nothing()
+
+    def _wait_back(self, what: str) -> None:
+        """Wait for the work queued on the stream of what comes back."""
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record(self.back_stream)
+            _wait(done, what)
+
     # -- the client, in submission order ------------------------------------------------
 
-    def submit(self, staged: Staged, send: Callable[[np.ndarray, DType | None], Future]) -> Future:
-        """Once ``staged``'s host copy is ready, ``send(array, wire_hint)``
-        (the client's all-reduce); the returned future is the client's."""
+    def submit(self, staged: Staged, send: Callable[..., Future]) -> Future:
+        """Once ``staged``'s host copy is ready, ``send(array, **options)``
+        (the client's all-reduce, given ``_wire_hint`` and, for int32
+        quantized here, ``_quantized``); the returned future is the client's."""
         out: Future = Future()
         if not self.cuda:
             self._send(staged, send, out)
@@ -254,10 +348,15 @@ class Stager:
                 continue
             self._send(staged, send, out)
 
-    @staticmethod
-    def _send(staged: Staged, send, out: Future) -> None:
+    def _send(self, staged: Staged, send, out: Future) -> None:
         try:
-            inner = send(*_numpy(staged.host))
+            arr, hint = _numpy(staged.host)
+            if staged.block is None:
+                inner = send(arr, _wire_hint=hint)
+            else:
+                exps = device_codec.exponents_of_bits(staged._best.numpy())
+                inner = send(arr, _quantized=Quantized(exps, lambda agreed: self._quantize(staged, agreed),
+                                                       staged.local_nonfinite()))
         except BaseException as exc:
             out.set_exception(exc)
             return
@@ -277,20 +376,23 @@ class Stager:
         """Copy the result back into ``staged.buf`` on the side stream and
         wait for it; then the buffers go back to their pools."""
         buf, host = staged.buf, staged.host
-        with _Nothing() if not self.cuda else torch.cuda.stream(self.stream):
+        with self._on_back_stream():
             if host is buf:
                 pass
+            elif staged.block is not None:
+                staged._wide.copy_(host, non_blocking=self.cuda)
+                if staged.agreed is not None:  # else an empty bucket
+                    factors = device_codec.dequantize_factors(staged.agreed, staged.world, staged.multiplier)
+                    device_codec.dequantize_chunks(staged._wide, torch.from_numpy(factors).to(self.device),
+                                                   staged.block, buf, staged._scratch)
             elif staged._wide is not None:
                 staged._wide.copy_(host, non_blocking=self.cuda)
                 buf.copy_(staged._wide)
             else:
                 buf.copy_(host, non_blocking=self.cuda)
-            if self.cuda:
-                # the bucket is complete once the copy is; the pools hand
-                # the buffers out again only after it has read them
-                done = torch.cuda.Event()
-                done.record(self.stream)
-                _wait(done, f"copying a result to {self.device}")
+            # the bucket is complete once the copy is; the pools hand the
+            # buffers out again only after it has read them
+            self._wait_back(f"copying a result to {self.device}")
         self.release(staged)
 
     def release(self, staged: Staged) -> None:

@@ -142,7 +142,8 @@ def max_grad_magnitudes(world: int, steps: int):
 
 
 @ends_process_group
-def nan_run(rank: int, world: int, port: int, address: str, codec, on_nonfinite: str, device: str = "cpu"):
+def nan_run(rank: int, world: int, port: int, address: str, codec, on_nonfinite: str, device: str = "cpu",
+            staging=True):
     """One step on ``device`` where rank 1's gradients are NaN; returns the error text."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -150,7 +151,7 @@ def nan_run(rank: int, world: int, port: int, address: str, codec, on_nonfinite:
 
     model = make_model(0).to(device)
     ddp = DDP(model)
-    state = AggnetState(address, codec=codec, on_nonfinite=on_nonfinite)
+    state = AggnetState(address, codec=codec, on_nonfinite=on_nonfinite, staging=staging)
     ddp.register_comm_hook(state, allreduce_hook)
     x, y = batch(0, PER_RANK, False)
     if rank == 1:

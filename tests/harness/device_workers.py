@@ -104,3 +104,40 @@ def fsdp_on_device(rank: int, world: int, port: int, address: str, device: str) 
     agg = _fsdp_train(rank, world, DeviceMesh.from_group(dist.group.WORLD, device), device, gather=False)
     ref = _fsdp_train(rank, world, DeviceMesh.from_group(gloo, device), device, gather=False)
     return {"aggnet": agg, "gloo": ref}
+
+
+def quantized_allreduce(rank: int, world: int, address: str, job: str, hows: list, rounds: int = 3) -> dict:
+    """All-reduce one float32 buffer ``rounds`` times with the int32 codec,
+    quantized where ``hows[rank]`` says: ``device`` through a stager (every
+    function a GPU bucket goes through, run on CPU tensors), ``host`` by
+    the client. The result bits, and what the stager allocated."""
+    import numpy as np
+
+    from aggnet import Client
+    from aggnet.torch.staging import Stager, quantize_block
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(200_003, generator=g) * torch.exp2(torch.randint(-30, 30, (200_003,), generator=g).float())
+    x[rank * 7] = 3e38 if rank else 1e-44  # a huge value in one chunk, a subnormal in another
+    client = Client(address, job=job, rank=rank, world_size=world, chunk_bytes=64 << 10)
+    results, pools = [], []
+    try:
+        stager = Stager(torch.device("cpu"), through_host=True)
+        for _ in range(rounds):
+            buf = x.clone()
+            if hows[rank] == "device":
+                block = quantize_block(client, "int32", buf.dtype)
+                staged = stager.stage(buf, codec="int32", op="avg", world=world, block=block)
+                sent = client.stats.bytes_sent
+                stager.submit(staged, lambda arr, **o: client.allreduce(arr, op=staged.op, codec=staged.codec,
+                                                                        **o)).result(60)
+                stager.unstage(staged)
+                assert client.stats.bytes_sent - sent == 4 * buf.numel(), "int32 on the wire"
+                pools.append({k: v.allocations for k, v in stager.stats().items()})
+            else:
+                client.allreduce(buf.numpy(), op="avg", codec="int32").result(60)
+            results.append(buf.numpy().view(np.uint32).copy())
+    finally:
+        client.close()
+    return {"results": results, "pools": pools}

@@ -2,10 +2,12 @@
 device, staged through pinned memory off the training stream
 (:mod:`aggnet.torch.staging`).
 
-Every test runs on the CPU too, through the same functions (the stager's
-CPU case sends a bucket from where it is and narrows halves with the same
-torch operations); the ``cuda`` cases skip where no GPU is present and run
-the whole hook and backend with CUDA tensors, two processes on one GPU."""
+Every test runs on the CPU too: ``cpu`` sends a CPU bucket from where it
+is, ``cpu-staged`` (``AggnetState(staging="always")``) takes it through
+every function a GPU bucket goes through (pools, narrowing, int32
+quantized where the bucket is), run on CPU tensors; the ``cuda`` cases
+skip where no GPU is present and run the whole hook and backend with CUDA
+tensors, two processes on one GPU."""
 
 from __future__ import annotations
 
@@ -21,7 +23,14 @@ from harness.helpers import RunningService, free_port, run_workers  # noqa: E402
 STEPS = 20
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                       reason="no CUDA GPU on this machine"))
-DEVICES = ["cpu", CUDA]
+#: CPU buckets taken through what a GPU bucket goes through
+CPU_STAGED = "cpu-staged"
+DEVICES = ["cpu", CPU_STAGED, CUDA]
+
+
+def on(device: str) -> dict:
+    """The DDP run's options for ``device``."""
+    return {"device": "cpu", "staging": "always"} if device == CPU_STAGED else {"device": device}
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +53,8 @@ def rel_diff(a, b) -> float:
 @pytest.mark.slow
 def test_float32_buckets_train_like_one_process_on_their_device(service, device):
     world = 2
-    reference = W.single_process(world, STEPS, device=device)
-    agg = ddp(world, "aggnet", address=service.address, device=device, bucket_mb=0.01)  # several buckets
+    reference = W.single_process(world, STEPS, device=on(device)["device"])
+    agg = ddp(world, "aggnet", address=service.address, bucket_mb=0.01, **on(device))  # several buckets
     assert rel_diff(agg[0]["params"][0], reference) <= 1e-6
     assert rel_diff(agg[1]["params"][0], agg[0]["params"][0]) == 0.0
 
@@ -54,37 +63,38 @@ def test_float32_buckets_train_like_one_process_on_their_device(service, device)
 @pytest.mark.parametrize("codec", ["int32", "fp16", "bf16"])
 @pytest.mark.slow
 def test_codecs_on_the_device_send_what_the_host_codec_sends(service, device, codec):
-    """Staged (narrowed on the device, or quantized on the host from pinned
-    memory) and synchronous (copied to the CPU, encoded by the client) put
-    the same bytes on the wire: training ends bit-identical. On the CPU the
-    reference is the client encoding the same float32 buckets itself."""
+    """Staged (narrowed or quantized on the device) and synchronous (copied
+    to the CPU, encoded by the client) put the same bytes on the wire:
+    training ends bit-identical. On the CPU the reference is the client
+    encoding the same float32 buckets itself."""
     world = 2
-    staged = ddp(world, "aggnet", address=service.address, device=device, codec=codec, steps=8)
+    staged = ddp(world, "aggnet", address=service.address, codec=codec, steps=8, **on(device))
     if device == "cuda":
         plain = ddp(world, "aggnet", address=service.address, device=device, codec=codec, steps=8, staging=False)
     else:
         plain = run_workers("spawn://", world, DW.client_encoded_ddp, world, free_port(), service.address, codec, 8,
                             timeout=180, start_method="spawn")
     assert rel_diff(staged[0]["params"][0], plain[0]["params"][0]) == 0.0
-    reference = W.single_process(world, 8, device=device)
+    reference = W.single_process(world, 8, device=on(device)["device"])
     assert 0 < rel_diff(staged[0]["params"][0], reference) <= 1e-2  # compressed, and close
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_no_bucket_allocates_once_ddp_has_rebuilt_its_buckets(service, device):
+@pytest.mark.parametrize("device,codec", [(CPU_STAGED, "int32"), pytest.param("cuda", "fp16", marks=CUDA.marks),
+                                          pytest.param("cuda", "int32", marks=CUDA.marks)])
+def test_no_bucket_allocates_once_ddp_has_rebuilt_its_buckets(service, device, codec):
     """DDP rebuilds its buckets once, after the first backward pass: from
     the second step on no bucket allocates a pinned or device buffer, and
     CUDA's allocator maps no new memory."""
-    agg = ddp(2, "aggnet", address=service.address, device=device, codec="fp16", bucket_mb=0.01)
+    agg = ddp(2, "aggnet", address=service.address, codec=codec, bucket_mb=0.01, **on(device))
+    where = "cpu" if device == CPU_STAGED else "cuda:0"
     for rank in agg:
         first, last = rank["allocations"]
         assert first == last, (first, last)
-        if device == "cuda":  # pinned and device buffers were really used
-            pools = first["pools"]["cuda:0"]
-            assert pools["pinned"] > 0 and pools["device"] > 0
+        pools = first["pools"][where]  # pinned and device buffers were really used
+        assert pools["pinned"] > 0 and pools["device"] > 0
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_the_backend_all_reduces_and_reduce_scatters_device_tensors_like_gloo(service, device):
     results = run_workers("spawn://", 2, DW.backend_collectives, 2, free_port(), service.address, device,
                           timeout=180, start_method="spawn")
@@ -93,16 +103,19 @@ def test_the_backend_all_reduces_and_reduce_scatters_device_tensors_like_gloo(se
             np.testing.assert_array_equal(mine, gloo, err_msg=name)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_non_finite_values_on_the_device_name_the_rank(service, device):
-    res = run_workers("spawn://", 2, W.nan_run, 2, free_port(), service.address, None, "raise", device, timeout=180,
-                      start_method="spawn")
+@pytest.mark.parametrize("device,codec", [("cpu", None), (CPU_STAGED, "int32"),
+                                          pytest.param("cuda", None, marks=CUDA.marks),
+                                          pytest.param("cuda", "int32", marks=CUDA.marks)])
+def test_non_finite_values_on_the_device_name_the_rank(service, device, codec):
+    where = on(device)
+    res = run_workers("spawn://", 2, W.nan_run, 2, free_port(), service.address, codec, "raise", where["device"],
+                      where.get("staging", True), timeout=180, start_method="spawn")
     (kind0, text0), (kind1, text1) = res
     assert kind1 == "error" and "rank 1" in text1 and "NaN/Inf" in text1, text1
     assert kind0 == "error" and "NaN/Inf" in text0 and "names it" in text0, text0
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_fsdp2_on_the_device_trains_like_gloo(service, device):
     results = run_workers("spawn://", 2, DW.fsdp_on_device, 2, free_port(), service.address, device, timeout=180,
                           start_method="spawn")

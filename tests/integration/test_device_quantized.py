@@ -1,0 +1,87 @@
+"""int32 quantized where the values are (a GPU bucket, on its device):
+the exponents found there, agreed by the client, the bucket quantized
+once they are and sent as it is, the sums dequantized there. Run on CPU
+tensors through the same functions a GPU runs, against a real service
+and real worker processes: every bit equals the client's own int32
+codec, and a job may mix the two."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the device codec runs torch operations")
+
+from harness import device_workers as DW  # noqa: E402
+from harness.helpers import RunningService, run_workers  # noqa: E402
+
+from aggnet import Client  # noqa: E402
+from aggnet.client.codec import Quantized  # noqa: E402
+from aggnet.errors import AggregationError  # noqa: E402
+from aggnet.torch.staging import quantize_block  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def service():
+    svc = RunningService("zmq+tcp", shards=2)
+    yield svc
+    svc.stop()
+
+
+def allreduce(service, *hows: str) -> list:
+    return run_workers("spawn://", len(hows), DW.quantized_allreduce, len(hows), service.address,
+                       f"q-{uuid.uuid4().hex[:8]}", list(hows), timeout=120, start_method="spawn")
+
+
+def test_quantized_on_the_device_every_bit_is_the_host_codecs_and_a_job_may_mix_them(service):
+    host = allreduce(service, "host", "host")
+    device = allreduce(service, "device", "device")
+    mixed = allreduce(service, "device", "host")
+    want = host[0]["results"][0]
+    for run in (host, device, mixed):
+        for rank in run:
+            for got in rank["results"]:
+                np.testing.assert_array_equal(got, want)
+    # the first round allocated the stager's buffers; the others reused them
+    for rank in device:
+        assert rank["pools"][0] == rank["pools"][-1] and rank["pools"][0]["device"] > 0
+
+
+def test_a_quantizer_that_fails_fails_its_round_and_the_client_goes_on(service):
+    with Client(service.address, job=f"q-{uuid.uuid4().hex[:8]}", chunk_bytes=4096) as client:
+        buf = np.zeros(3000, np.int32)
+        exps = np.zeros(3, np.int16)
+
+        def broken(agreed):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        fut = client.allreduce(buf, codec="int32", _quantized=Quantized(exps, broken))
+        with pytest.raises(AggregationError, match="quantizing the buffer failed: CUDA error"):
+            fut.result(30)
+
+        def fill(agreed):
+            assert agreed.tolist() == [0, 0, 0]
+            buf[:] = 7
+
+        client.allreduce(buf, codec="int32", _quantized=Quantized(exps, fill)).result(30)
+        assert (buf == 7).all()  # one worker: its own values, as sent
+        with pytest.raises(ValueError, match="3000 elements has 3 chunks of 1024: give as many int16 exponents"):
+            client.allreduce(buf, codec="int32", _quantized=Quantized(np.zeros(2, np.int16), fill))
+
+
+def test_only_a_client_that_agrees_exponents_per_chunk_is_handed_a_bucket_to_quantize(service):
+    with Client(service.address, job=f"q-{uuid.uuid4().hex[:8]}", chunk_bytes=8192) as client:
+        assert quantize_block(client, "int32", torch.float32) == 2048
+        assert quantize_block(client, "fp16", torch.float32) is None
+        assert quantize_block(client, "int32", torch.float16) is None
+    switch = RunningService("udp", shards=1)
+    try:
+        with Client(switch.address, job=f"q-{uuid.uuid4().hex[:8]}") as client:
+            assert quantize_block(client, "int32", torch.float32) is None  # quantizes float32 itself
+            with pytest.raises(TypeError, match="quantizes int32 itself; give the client the float32 buffer"):
+                client.allreduce(np.zeros(10, np.int32), codec="int32",
+                                 _quantized=Quantized(np.zeros(1, np.int16), lambda a: None))
+    finally:
+        switch.stop()
