@@ -274,8 +274,9 @@ class Stager:
 
     def _quantize(self, staged: Staged, agreed: np.ndarray) -> None:
         """The second half, called by the client once every exponent is
-        agreed: quantize on the side stream into device scratch, copy to
-        the pinned buffer the client sends, and wait for that copy."""
+        agreed: quantize into device scratch on the stream of what comes
+        back, copy to the pinned buffer the client sends, and wait for
+        that copy."""
         staged.agreed = agreed
         factors = torch.from_numpy(device_codec.quantize_factors(agreed, staged.world))
         with self._on_back_stream():
