@@ -10,7 +10,8 @@ import uuid
 import numpy as np
 import pytest
 
-from aggnet import Client
+from aggnet import Client, kernels
+from aggnet.client.codec import Quantized
 from aggnet.client.chunked import KEEP_CHUNKS
 from aggnet.client.stats import query
 from aggnet.errors import AggregationError, AggregationTimeout
@@ -21,15 +22,45 @@ from harness.raw_worker import RawWorker
 
 pytestmark = pytest.mark.timeout(180)
 
+CPU = kernels.load("cpu")
+
 
 def _job() -> str:
     return f"r-{uuid.uuid4().hex[:8]}"
 
 
-@pytest.mark.parametrize("codec", [None, "int32"])
+class OwnerQuantized:
+    """A float32 buffer all-reduced with the int32 codec, quantized by its
+    owner (as a GPU bucket is on its device), here with the CPU kernels."""
+
+    def __init__(self, client: Client, buf: np.ndarray):
+        self.buf, self.world, self.block = buf, client.world_size, client.chunk_bytes // 4
+        exps = np.empty(-(-buf.size // self.block), np.int16)
+        CPU.block_exponents(buf, self.block, exps)
+        self.q = np.empty(buf.size, np.int32)
+        self.future = client.allreduce(self.q, codec="int32", _quantized=Quantized(exps, self.quantize))
+
+    def _parts(self):
+        for i, e in enumerate(self.agreed):
+            yield slice(i * self.block, (i + 1) * self.block), kernels.quant_shift(int(e), self.world)
+
+    def quantize(self, agreed):
+        self.agreed = agreed
+        for part, shift in self._parts():
+            CPU.quantize(self.buf[part], shift, self.q[part], False)
+
+    def result(self, timeout: float):
+        self.future.result(timeout=timeout)
+        for part, shift in self._parts():
+            CPU.dequantize(self.q[part], shift, self.buf[part], False)
+
+
+@pytest.mark.parametrize("codec", [None, "int32", "owner-int32"])
 def test_an_allreduce_in_flight_finishes_on_the_restarted_shard(codec):
     """Rank 0's round waits for rank 1 when a shard dies: the shard's
-    successor takes both ranks back and the same round completes exactly."""
+    successor takes both ranks back and the same round completes exactly
+    (with ``owner-int32`` rank 0 quantizes its buffer itself, as a GPU
+    bucket is, once its exponents are agreed)."""
     with ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2, args=["--restart"]) as svc:
         job = _job()
         clients = [Client(svc.address, job=job, rank=r, world_size=2, timeout=20, chunk_bytes=64 << 10)
@@ -38,9 +69,13 @@ def test_an_allreduce_in_flight_finishes_on_the_restarted_shard(codec):
             rng = np.random.default_rng(7)
             inputs = [rng.standard_normal(1 << 18).astype(np.float32) for _ in range(2)]
             bufs = [x.copy() for x in inputs]
-            first = clients[0].allreduce(bufs[0], codec=codec)
+            if codec == "owner-int32":
+                codec = "int32"
+                first = OwnerQuantized(clients[0], bufs[0])
+            else:
+                first = clients[0].allreduce(bufs[0], codec=codec)
             kill_shard(svc.address, 1)
-            assert not first.done()
+            assert not (first.future if isinstance(first, OwnerQuantized) else first).done()
             second = clients[1].allreduce(bufs[1], codec=codec)
             first.result(timeout=60)
             second.result(timeout=60)
