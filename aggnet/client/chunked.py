@@ -50,6 +50,12 @@ _TICK = 0.05
 LEAVE_ACK_TIMEOUT = 1.0
 #: seconds between JOINs to a shard that restarted, until it answers
 REJOIN_INTERVAL = 0.5
+#: seconds a round with a held error (another worker left) waits for the
+#: answers that may name a better cause (a mismatch reaches every worker
+#: at once, just before the departure it causes); a shard the departed
+#: worker never joined never answers, and would otherwise hold the round
+#: until its stall timeout
+HELD_GRACE = 2.0
 #: chunk results kept per shard (at least twice the window) for a shard
 #: that restarts. A shard completes its chunks in the order every worker
 #: sends them, and a worker has at most a window of them open there, so
@@ -86,6 +92,7 @@ class ChunkRequest(Request):
     #: one of them may name the cause (a JobMismatch), which is the error
     #: worth reporting; no further chunk of the round is sent meanwhile
     held_error: Exception | None = None
+    held_at: float = 0.0  #: when it was held
 
 
 class ChunkClient(Client):
@@ -296,6 +303,7 @@ class ChunkClient(Client):
                     self._send_ready()
                     msg = self._conn.recv(0)
             self._watch_shards()
+            self._check_held()
             self._check_progress()
 
     def _rejoin(self, new: list) -> list:
@@ -717,18 +725,26 @@ class ChunkClient(Client):
                 self._inflight[shard] -= 1
                 if staging is not None:
                     self._give_staging(staging)
-            req.held_error = req.held_error or exc
+            if req.held_error is None:
+                req.held_error, req.held_at = exc, time.monotonic()
             self._settle_held(req)
             return
         self._fail_round(req, exc)
 
     def _settle_held(self, req: ChunkRequest) -> None:
         """Fail a round with its held error once nothing more of it can
-        answer. Every chunk sent gets a reply (a result, or an ERROR when the
-        shard gives its slot up), and the progress timeout covers one lost."""
+        answer, or once :data:`HELD_GRACE` has passed. Every chunk sent gets
+        a reply (a result, or an ERROR when the shard gives its slot up),
+        but only from a shard that knows the departed worker."""
         if not req.plan_done or any(k[0] == req.round for k in self._outstanding):
-            return
+            if time.monotonic() - req.held_at < HELD_GRACE:
+                return
         self._fail_round(req, req.held_error)
+
+    def _check_held(self) -> None:
+        for req in list(self._active.values()):
+            if req.held_error is not None and not req.failed:
+                self._settle_held(req)
 
     def _check_progress(self) -> None:
         if not self._active:

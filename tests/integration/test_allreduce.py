@@ -311,6 +311,31 @@ def test_a_killed_worker_is_reported_to_the_survivor_at_once(shared_service, kin
     assert svc.new_counts()["members_disconnected"] >= 1
 
 
+def test_a_worker_that_died_before_joining_every_shard_is_reported_in_seconds():
+    """Rank 1 joined shard 0 and died before joining shard 1. Shard 0 tells
+    rank 0 at once; shard 1 never heard of rank 1, and holds the round's
+    buffer-size agreement until its stall timeout. Rank 0 reports what
+    shard 0 said after a short grace, not after half its timeout."""
+    from harness.raw_worker import RawWorker
+
+    from aggnet.client.chunked import HELD_GRACE
+    from aggnet.processes import ServiceProcess
+
+    with ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2) as svc:
+        job = f"half-{uuid.uuid4().hex[:6]}"
+        raw = RawWorker(svc.address, job, rank=1, world=2, timeout=10)
+        raw.join(shards=[0])
+        raw.close()
+        with Client(svc.address, job=job, rank=0, world_size=2, timeout=40, chunk_bytes=4096) as c:
+            t0 = time.monotonic()
+            # round 1's buffer-size agreement is shard 1's, which never heard of rank 1
+            with pytest.raises(AggregationTimeout, match=r"shard 0 .*rank\(s\) \[1\] left job .* or lost their "
+                                                         r"connection"):
+                c.allreduce(np.ones(10_000, np.float32)).result(timeout=60)
+            took = time.monotonic() - t0
+        assert HELD_GRACE <= took < HELD_GRACE + 3, took  # the stall would be 20 s
+
+
 @pytest.mark.parametrize("kind", ["inproc", "zmq+tcp", "shm", "udp"])
 def test_a_world_size_mismatch_is_told_to_every_rank_at_once(shared_service, kind):
     """Rank 1 joins with another world size than the job rank 0 registered
