@@ -38,8 +38,9 @@ import numpy as np
 from aggnet import kernels
 from aggnet.protocol.wire import DType
 
-CODECS = (None, "int32", "fp16", "bf16")
 __all__ = ["CODECS", "OPS", "Encoding", "Quantized"]
+
+CODECS = (None, "int32", "fp16", "bf16")
 OPS = ("sum", "avg")
 
 
