@@ -370,7 +370,7 @@ def _dense_allreduce(state: "AggnetState", index: int, buf: torch.Tensor, bucket
     codec = state.codec if buf.dtype == torch.float32 else None
     client = state.client
     staged = stager.stage(buf.detach(), codec=codec, op=state.op, world=state.world_size,
-                          check_finite=state.check_finite, block=quantize_block(client, codec, buf.dtype))
+                          check_finite=state.check_finite, block=quantize_block(client, codec, buf.dtype), key=index)
     fut = stager.submit(staged, lambda arr, **options: client.allreduce(
         arr, op=staged.op, codec=staged.codec, key=index, **options))
     stats = state.buckets.setdefault(index, BucketStats())

@@ -109,7 +109,14 @@ class BufferPool:
     that fits it. Sizes round up to a power of two so buckets of nearly the
     same size share buffers. Pinned memory beyond ``limit`` bytes is not
     allocated: such a take gets pageable memory (counted), which is slower
-    to copy but never exhausts the host."""
+    to copy but never exhausts the host.
+
+    A take with a ``key`` (a DDP bucket and what the buffer is for) gets
+    the buffer last given back under that key when it still fits: every
+    step then reuses exactly its own buffers, however the buckets of a
+    step overlapped, so no step after the first allocates. Shared by size
+    alone, the buffers a step needs would depend on how many buckets were
+    in flight at once, which varies from step to step."""
 
     def __init__(self, device: torch.device, *, pin: bool = False, limit: int = PINNED_LIMIT):
         self.device = torch.device(device)
@@ -117,11 +124,18 @@ class BufferPool:
         self.limit = limit
         self.stats = PoolStats()
         self._free: dict[int, list[torch.Tensor]] = {}
+        self._kept: dict[object, torch.Tensor] = {}  #: key -> the buffer given back under it
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> torch.Tensor:
+    def take(self, nbytes: int, key=None) -> torch.Tensor:
         size = 1 << max(nbytes - 1, 0).bit_length()
         with self._lock:
+            mine = self._kept.pop(key, None) if key is not None else None
+            if mine is not None:
+                if mine.numel() == size:
+                    self.stats.reuses += 1
+                    return mine
+                self._free.setdefault(mine.numel(), []).append(mine)  # the key's buffer changed size
             free = self._free.get(size)
             if free:
                 self.stats.reuses += 1
@@ -134,9 +148,12 @@ class BufferPool:
         # pinning needs a CUDA runtime (a CPU build of torch has none)
         return torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=pin and torch.cuda.is_available())
 
-    def give(self, buf: torch.Tensor) -> None:
+    def give(self, buf: torch.Tensor, key=None) -> None:
         with self._lock:
-            self._free.setdefault(buf.numel(), []).append(buf)
+            if key is not None and key not in self._kept:
+                self._kept[key] = buf
+            else:
+                self._free.setdefault(buf.numel(), []).append(buf)
 
 
 def _view(raw: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -161,7 +178,8 @@ class Staged:
     multiplier: float
     codec: str | None = None  #: the client's codec for ``host``
     op: str = "sum"  #: the client's op for ``host``
-    _raw: list = field(default_factory=list)  #: (pool, buffer) to give back
+    _raw: list = field(default_factory=list)  #: (pool, buffer, key) to give back
+    key: object = None  #: the caller's name for the buffer (a DDP bucket index): its buffers are its own
     _nonfinite: torch.Tensor | None = None
     _wide: torch.Tensor | None = None  #: device scratch of the wire dtype (half codecs, int32)
     _ready: object = None  #: event: the host copy is complete
@@ -172,7 +190,7 @@ class Staged:
     world: int = 1
     _best: torch.Tensor | None = None
     agreed: np.ndarray | None = None
-    _scratch: torch.Tensor | None = None
+    _f64: torch.Tensor | None = None
 
     def local_nonfinite(self) -> int:
         """NaN/Inf in this rank's buffer (read once the host copy is ready)."""
@@ -205,15 +223,17 @@ class Stager:
     # -- out: device -> pinned host ---------------------------------------------------
 
     def stage(self, buf: torch.Tensor, *, codec: str | None, op: str, world: int,
-              check_finite: bool = True, block: int | None = None) -> Staged:
+              check_finite: bool = True, block: int | None = None, key=None) -> Staged:
         """Start moving ``buf`` (contiguous) to pinned host memory in its
         wire dtype; returns at once (the copy runs on the side stream).
         ``staged.codec`` and ``staged.op`` are what the client is to do
         with what arrives there. ``block``: the int32 codec is quantized
-        here, in chunks of that many elements (:func:`quantize_block`)."""
+        here, in chunks of that many elements (:func:`quantize_block`).
+        ``key``: a name the same buffer has every step (a DDP bucket's
+        index), under which its pinned and device buffers are kept for it."""
         buf = buf.view(-1)  # flat, as the host buffer is: the result lands in the caller's memory
         if block is not None and codec == "int32" and self.through_host:
-            return self._stage_for_quantizing(buf, op, world, block)
+            return self._stage_for_quantizing(buf, op, world, block, key)
         if not self.through_host:
             # a CPU buffer is sent from where it is; the client encodes it
             # chunk by chunk while earlier chunks are on the wire (narrowing
@@ -225,18 +245,17 @@ class Stager:
         wire = wire_dtype(buf.dtype, codec)
         n = buf.numel()
         narrowed = wire != buf.dtype
-        host_raw = self.host_pool.take(n * wire.itemsize)
         # halves narrowed here were divided here (avg): the client sums them
-        staged = Staged(buf, wire, _view(host_raw, wire, n), (1.0 / world if op == "avg" else 1.0) if narrowed else 1.0,
-                        codec="int32" if codec == "int32" else None, op="sum" if narrowed else op)
-        staged._raw.append((self.host_pool, host_raw))
+        staged = Staged(buf, wire, None, (1.0 / world if op == "avg" else 1.0) if narrowed else 1.0,
+                        codec="int32" if codec == "int32" else None, op="sum" if narrowed else op, key=key)
+        staged.host = self._host(wire, n, staged, "host")
         with self._on_side_stream():
             if check_finite:
                 staged._nonfinite = _count_nonfinite(buf)
             if not narrowed:
                 staged.host.copy_(buf, non_blocking=True)
             else:
-                staged._wide = self._scratch(wire, n, staged)
+                staged._wide = self._scratch(wire, n, staged, "wide")
                 self._narrow(buf, staged._wide, staged)
                 staged.host.copy_(staged._wide, non_blocking=True)
             self._mark_ready(staged)
@@ -250,23 +269,19 @@ class Stager:
             staged._ready = torch.cuda.Event()
             staged._ready.record(self.stream)
 
-    def _stage_for_quantizing(self, buf: torch.Tensor, op: str, world: int, block: int) -> Staged:
+    def _stage_for_quantizing(self, buf: torch.Tensor, op: str, world: int, block: int, key) -> Staged:
         """The first half of int32 on the device: each chunk's largest
         magnitude, found on the side stream and copied to the host (the
         client agrees exponents from it; :meth:`_quantize` does the rest)."""
         n = buf.numel()
-        host_raw = self.host_pool.take(n * 4)
-        staged = Staged(buf, torch.int32, _view(host_raw, torch.int32, n), 1.0 / world if op == "avg" else 1.0,
-                        codec="int32", op="sum", block=block, world=world)
-        staged._raw.append((self.host_pool, host_raw))
-        chunks = -(-n // block)
-        best_raw = self.host_pool.take(chunks * 4)
-        staged._raw.append((self.host_pool, best_raw))
-        staged._best = _view(best_raw, torch.int32, chunks)
+        staged = Staged(buf, torch.int32, None, 1.0 / world if op == "avg" else 1.0,
+                        codec="int32", op="sum", block=block, world=world, key=key)
+        staged.host = self._host(torch.int32, n, staged, "host")
+        staged._best = self._host(torch.int32, -(-n // block), staged, "best")
         with self._on_side_stream():
             staged._nonfinite = _count_nonfinite(buf)  # named if the agreement refuses the bucket
-            staged._wide = self._scratch(torch.int32, n, staged)
-            staged._scratch = self._scratch(torch.float64, n, staged)
+            staged._wide = self._scratch(torch.int32, n, staged, "wide")
+            staged._f64 = self._scratch(torch.float64, n, staged, "float64")
             if n:
                 staged._best.copy_(device_codec.chunk_max_bits(buf, block, staged._wide), non_blocking=self.cuda)
             self._mark_ready(staged)
@@ -281,20 +296,30 @@ class Stager:
         factors = torch.from_numpy(device_codec.quantize_factors(agreed, staged.world))
         with self._on_back_stream():
             device_codec.quantize_chunks(staged.buf, factors.to(self.device), staged.block, staged._wide,
-                                         staged._scratch)
+                                         staged._f64)
             staged.host.copy_(staged._wide, non_blocking=self.cuda)
             self._wait_back(f"quantizing a bucket on {self.device}")
 
-    def _scratch(self, dtype: torch.dtype, n: int, staged: Staged) -> torch.Tensor:
-        raw = self.device_pool.take(n * dtype.itemsize)
-        staged._raw.append((self.device_pool, raw))
+    def _scratch(self, dtype: torch.dtype, n: int, staged: Staged, role: str) -> torch.Tensor:
+        """Device memory for ``n`` values of ``dtype``, ``staged``'s until released."""
+        return self._taken(self.device_pool, dtype, n, staged, role)
+
+    def _host(self, dtype: torch.dtype, n: int, staged: Staged, role: str) -> torch.Tensor:
+        """Pinned host memory for ``n`` values of ``dtype``, ``staged``'s until released."""
+        return self._taken(self.host_pool, dtype, n, staged, role)
+
+    @staticmethod
+    def _taken(pool: BufferPool, dtype: torch.dtype, n: int, staged: Staged, role: str) -> torch.Tensor:
+        key = None if staged.key is None else (staged.key, role)
+        raw = pool.take(n * dtype.itemsize, key)
+        staged._raw.append((pool, raw, key))
         return _view(raw, dtype, n)
 
     def _narrow(self, buf: torch.Tensor, out: torch.Tensor, staged: Staged) -> None:
         """``buf`` (float32) into the half format of ``out``; scaled first
         in float32 (avg), one rounding, as the host codec does."""
         if staged.multiplier != 1.0:
-            scaled = self._scratch(torch.float32, buf.numel(), staged)
+            scaled = self._scratch(torch.float32, buf.numel(), staged, "scaled")
             torch.mul(buf, staged.multiplier, out=scaled)
             out.copy_(scaled)
         else:
@@ -385,7 +410,7 @@ class Stager:
                 if staged.agreed is not None:  # else an empty bucket
                     factors = device_codec.dequantize_factors(staged.agreed, staged.world, staged.multiplier)
                     device_codec.dequantize_chunks(staged._wide, torch.from_numpy(factors).to(self.device),
-                                                   staged.block, buf, staged._scratch)
+                                                   staged.block, buf, staged._f64)
             elif staged._wide is not None:
                 staged._wide.copy_(host, non_blocking=self.cuda)
                 buf.copy_(staged._wide)
@@ -397,8 +422,8 @@ class Stager:
         self.release(staged)
 
     def release(self, staged: Staged) -> None:
-        for pool, raw in staged._raw:
-            pool.give(raw)
+        for pool, raw, key in staged._raw:
+            pool.give(raw, key)
         staged._raw.clear()
 
     def stats(self) -> dict:

@@ -63,6 +63,25 @@ def test_a_pool_reuses_what_comes_back_and_counts_what_it_allocates():
     assert (pool.stats.allocations, pool.stats.reuses) == (2, 1)
 
 
+def test_a_keyed_buffer_comes_back_to_its_key_however_takes_overlap():
+    """Steps that overlap their buckets differently still reuse exactly
+    their own buffers: a bucket's key gets the buffer it gave back."""
+    pool = BufferPool(torch.device("cpu"))
+    a, b = pool.take(1000, key=(0, "host")), pool.take(1000, key=(1, "host"))  # step 1: both in flight
+    pool.give(a, key=(0, "host"))
+    pool.give(b, key=(1, "host"))
+    for _ in range(3):  # later steps: one at a time, then both, in either order
+        first = pool.take(1000, key=(1, "host"))
+        pool.give(first, key=(1, "host"))
+        again = [pool.take(1000, key=(k, "host")) for k in (1, 0)]
+        assert [t.data_ptr() for t in again] == [b.data_ptr(), a.data_ptr()]
+        for k, t in zip((1, 0), again):
+            pool.give(t, key=(k, "host"))
+    assert pool.stats.allocations == 2
+    grown = pool.take(5000, key=(0, "host"))  # a bucket that grew: a new buffer, the old one shared
+    assert grown.numel() == 8192 and pool.take(1000).data_ptr() == a.data_ptr()
+
+
 def test_pinned_memory_beyond_the_limit_is_pageable_and_counted():
     pool = BufferPool(torch.device("cpu"), pin=True, limit=4096)
     first = pool.take(4096)
