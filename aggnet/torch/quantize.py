@@ -27,13 +27,13 @@ import numpy as np
 import torch
 
 from aggnet import kernels
-from aggnet.protocol.wire import EXPONENT_NONFINITE, EXPONENT_ZERO
+from aggnet.protocol.wire import EXPONENT_NONFINITE
 
 __all__ = ["chunk_max_bits", "exponents_of_bits", "quantize_factors", "dequantize_factors", "quantize_chunks",
            "dequantize_chunks"]
 
 _ABS_MASK = 0x7FFFFFFF
-_INF_BITS = 0x7F800000
+_CPU = kernels.load("cpu")
 _LIMIT = float(2**31 - 1)
 
 
@@ -56,17 +56,13 @@ def chunk_max_bits(x: torch.Tensor, block: int, bits: torch.Tensor) -> torch.Ten
 
 
 def exponents_of_bits(best: np.ndarray) -> np.ndarray:
-    """Each chunk's exponent (int16) from :func:`chunk_max_bits`, as
-    ``kernels.block_exponents`` gives it."""
-    best = np.asarray(best).astype(np.int64)
-    biased = best >> 23
-    # frexp's exponent: biased - 126 for normal floats; a subnormal is
-    # m * 2**-149, whose exponent is -149 plus the bit length of m
-    subnormal = -149 + np.frexp(np.maximum(best & 0x7FFFFF, 1).astype(np.float64))[1]
-    exps = np.where(biased > 0, biased - 126, subnormal)
-    exps = np.where(best == 0, EXPONENT_ZERO, exps)
-    exps = np.where(best >= _INF_BITS, EXPONENT_NONFINITE, exps)
-    return exps.astype(np.int16)
+    """Each chunk's exponent (int16) from :func:`chunk_max_bits`: a chunk's
+    exponent is that of its largest magnitude, so the kernels' own block
+    exponents of those values, one value a block, are the chunks'."""
+    best = np.ascontiguousarray(best, np.int32)
+    out = np.empty(best.size, np.int16)
+    _CPU.block_exponents(best.view(np.float32), 1, out)
+    return out
 
 
 def _factors(agreed: np.ndarray, world: int, sign: int, multiplier: float = 1.0) -> np.ndarray:
