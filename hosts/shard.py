@@ -368,8 +368,12 @@ class Shard:
 
     @staticmethod
     def _what(slot: Slot) -> str:
-        return "exponent agreement" if slot.key[1] == wire.SCALE_INDEX else (
-            "buffer-size agreement" if slot.key[1] == wire.PLAN_INDEX else f"chunk {slot.key[1]}")
+        index = slot.key[1]
+        if index == wire.SCALE_INDEX:
+            return "exponent agreement"
+        if index == wire.PLAN_INDEX:
+            return "buffer-size agreement"
+        return f"chunk {index & ~wire.REDO_BIT} sent again" if index & wire.REDO_BIT else f"chunk {index}"
 
     def _drop_job(self, job: Job, tell_root: bool = True) -> None:
         if self.uplink is not None and not job.whole and tell_root:
@@ -512,7 +516,10 @@ class Shard:
         if slot is None:
             acc_dtype = ACC_DTYPE[h.dtype]
             nbytes = h.count * np.dtype(acc_dtype).itemsize
-            if seg is not None and not op_max and nbytes <= seg.chunk_bytes and acc_dtype in (np.float32, np.int32):
+            # a chunk sent again (REDO_BIT) comes inline from every worker,
+            # outside the rings' numbering: its sum may not take a ring slot
+            in_ring = not op_max and not h.index & wire.REDO_BIT
+            if seg is not None and in_ring and nbytes <= seg.chunk_bytes and acc_dtype in (np.float32, np.int32):
                 # sum straight into the shared result slot the workers read
                 buf, acc = None, seg.result_slot(h.ref)[:nbytes].view(acc_dtype)
             else:
@@ -801,6 +808,9 @@ class Shard:
                 f"{h.count} {h.dtype.name} at offset {h.offset} (exponent {h.exponent}) but ranks "
                 f"{job.present(slot.seen)} sent {slot.count} {slot.dtype.name} at offset {slot.offset} "
                 f"(exponent {slot.exponent}); all workers must all-reduce the same buffers in the same order")
+        if (h.dtype, h.count, h.offset) == (slot.dtype, slot.count, slot.offset):
+            text += (" and, with the int32 codec, carry exponents from round to round alike (the same "
+                     "predict_scale, AGGNET_PREDICT_SCALE, on every worker)")
         self.counters["dropped_mismatch"] += 1
         log.warning("shard %d: %s", self.index, text)
         self._abandon(job, slot, ErrorCode.JOB_MISMATCH, text, extra_ranks=[h.sender])

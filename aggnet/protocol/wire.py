@@ -315,6 +315,13 @@ SCALE_INDEX = 0xFFFFFFFF
 #: its size and of its negation over workers): a worker whose buffer
 #: differs fails with JobMismatch on every rank, not with a timeout
 PLAN_INDEX = 0xFFFFFFFE
+#: set in a chunk's index when it goes a second time with the exponent its
+#: first result agreed: that chunk was quantized with an exponent carried
+#: from an earlier round (docs/protocol.md, "Exponents carried from the
+#: last round") that the workers' values outgrew, or that was too coarse
+#: for them. Chunk indices stay below it; SCALE_INDEX and PLAN_INDEX have
+#: it set and are told apart by their whole value
+REDO_BIT = 0x80000000
 #: values in the buffer-size agreement: size (two words), wire dtype, their
 #: negations, and how many rounds back the sender's oldest unfinished one
 #: is (the MAX over workers says which results every worker has, so the
