@@ -89,6 +89,8 @@ _CLIENT_HELP = {
     "dropped_replies": "Replies dropped: malformed, from a stranger, or for nothing pending",
     "errors": "All-reduces failed by an aggregator's ERROR or a timeout",
     "rejoins": "Times the client joined its aggregator again",
+    "scales_carried": "int32 all-reduces quantized with exponents carried from their key's last round",
+    "chunks_sent_again": "int32 chunks sent again with the agreed exponent (values outgrew the carried one)",
     "seconds": "Seconds from submission to completion, summed over all-reduces",
 }
 

@@ -63,6 +63,11 @@ class ClientStats:
     errors: int = 0
     #: times the client joined its aggregator again (after a restart)
     rejoins: int = 0
+    #: int32 rounds quantized with exponents carried from the last round of
+    #: their key (no agreement first), and their chunks sent again because
+    #: the values outgrew those exponents or were too small for them
+    scales_carried: int = 0
+    chunks_sent_again: int = 0
     seconds: float = 0.0  #: wall time from submission to completion, summed
 
 

@@ -5,7 +5,12 @@ aggregator shard; a window of chunks is kept in flight to every shard, and
 each result is written into the caller's buffer as it arrives. Over
 ``shm://`` the payloads go through shared-memory rings (:mod:`aggnet.transport.shm`)
 and only headers cross the socket. The int32 codec first agrees every
-chunk's exponent with a MAX over workers (one small message per shard).
+chunk's exponent with a MAX over workers (one small message per shard);
+a buffer all-reduced under the same ``key`` every step (a DDP bucket)
+instead carries its exponents from its last round: every chunk's result
+brings the MAX of the workers' own exponents, the next round quantizes
+one octave above it at once, and a chunk whose values outgrew that (or
+that it would quantize too coarsely) goes again with the agreed one.
 
 A shard that restarts loses the rounds it was summing. The client hears it
 (the shard's connection closes, or the shard answers NOT_JOINED), joins
@@ -39,7 +44,9 @@ from aggnet.client.codec import Encoding
 from aggnet.errors import AggregationError, AggregationTimeout, AggregatorUnreachable, JobMismatch, NonFiniteError
 from aggnet.transport import TransportError, connect
 from aggnet.protocol.replay import KeptResults, final_of
-from aggnet.protocol.wire import PLAN_VALUES, DType, Flag, Header, MsgType, settled_through
+from aggnet.protocol.wire import (
+    EXPONENT_NONFINITE, EXPONENT_ZERO, PLAN_VALUES, REDO_BIT, DType, Flag, Header, MsgType, settled_through,
+)
 
 log = logging.getLogger("aggnet.client")
 
@@ -62,6 +69,14 @@ HELD_GRACE = 2.0
 #: what another worker can lack is among the last window results this
 #: one received: keeping a few costs no memory and no copy
 KEEP_CHUNKS = 16
+#: a carried exponent is the last round's agreed one plus this: a chunk's
+#: largest magnitude grows by an octave from one step to the next about
+#: one time in five (a transformer's gradients), by two about one in 300
+SCALE_HEADROOM = 1
+#: a carried exponent may exceed the agreed one by this much before the
+#: chunk goes again: its quantization step is then at most 2**SCALE_SLACK
+#: times the agreed one's (typically 2x, from SCALE_HEADROOM)
+SCALE_SLACK = 3
 
 
 @dataclass(eq=False)
@@ -72,7 +87,15 @@ class ChunkRequest(Request):
     queues: dict = field(default_factory=dict)
     #: int32 codec: shards whose exponent agreement is still open
     scale_pending: set = field(default_factory=set)
-    exponents: np.ndarray | None = None  # agreed per chunk (int32 codec)
+    exponents: np.ndarray | None = None  # agreed (or carried) per chunk (int32 codec)
+    local_exponents: np.ndarray | None = None  #: this worker's own, per chunk (int32 codec)
+    #: per chunk, the MAX of the workers' own exponents its result brought
+    maxima: np.ndarray | None = None
+    #: quantized with exponents carried from its key's last round
+    carried: bool = False
+    #: the same key's previous round, still open: this one's exponents are
+    #: chosen once that one is over (on every worker alike)
+    after: "ChunkRequest | None" = None
     #: whether the buffer holds what is to be sent: a prequantized one is
     #: written by its owner once every exponent is agreed
     payload_ready: bool = True
@@ -286,6 +309,10 @@ class ChunkClient(Client):
         self._kept = [KeptResults(max(2 * self.config.window, KEEP_CHUNKS)) for _ in self.shards]
         #: the caller's elements a result overwrote, until its round is over
         self._saves = BufferPool(max_buffers=4096)
+        #: key -> exponents its next int32 round carries (from its last one)
+        self._scales: dict = {}
+        #: key -> its latest int32 round admitted
+        self._last_of_key: dict = {}
         while True:
             new, closing = self._take_submitted()
             if closing:
@@ -373,6 +400,9 @@ class ChunkClient(Client):
                 self._send_scale(req, shard)
             for c in owed:
                 self._send_chunk(req, c, again=True)
+            for c in req.queues.get(shard, ()):
+                if (req.round, c.index | REDO_BIT) in self._outstanding:
+                    self._send_again(req, c, resend=True)
 
 
     def _restore(self, req: ChunkRequest) -> None:
@@ -398,7 +428,16 @@ class ChunkClient(Client):
             self._to_send[c.shard].append((req, c))
         if req.enc.quantized:
             req.payload_ready = req.quantized is None
-            self._start_scale_agreement(req)
+            self._find_local_exponents(req)
+            if self._carries_scale(req):
+                prev = self._last_of_key.get(req.key)
+                self._last_of_key[req.key] = req
+                if prev is not None and not prev.future.done():
+                    req.after = prev
+                else:
+                    self._choose_scale(req)
+            else:
+                self._start_scale_agreement(req)
         if not self._active or len(self._active) == 1:
             self._last_progress = time.monotonic()
 
@@ -458,15 +497,17 @@ class ChunkClient(Client):
         the rings' numbering may now differ between workers, so the client
         cannot go on; over sockets the next all-reduce can."""
         for c in req.chunks:
-            if (req.round, c.index) in self._outstanding:
-                staging = self._outstanding.pop((req.round, c.index))
-                self._inflight[c.shard] -= 1
-                if staging is not None:
-                    self._give_staging(staging)
+            for index in (c.index, c.index | REDO_BIT):
+                if (req.round, index) in self._outstanding:
+                    staging = self._outstanding.pop((req.round, index))
+                    if index == c.index:  # a chunk sent again holds no window place
+                        self._inflight[c.shard] -= 1
+                    if staging is not None:
+                        self._give_staging(staging)
         self.stats.errors += 1
         self._fail(req, exc, poison=self._shm)
 
-    def _start_scale_agreement(self, req: ChunkRequest) -> None:
+    def _find_local_exponents(self, req: ChunkRequest) -> None:
         if req.quantized is not None:  # its owner found them where the values are
             exps = np.array(req.quantized.exponents, np.int16)
             req.local_nonfinite = req.quantized.nonfinite
@@ -477,7 +518,59 @@ class ChunkClient(Client):
                 bits, nonfinite = k.block_stats(req.buf[c.offset:c.offset + c.count])
                 req.local_nonfinite += nonfinite
                 exps[c.index] = kernels.exponent_of(bits, nonfinite)
-        req.exponents = exps
+        req.local_exponents = exps
+        req.maxima = np.full(len(req.chunks), -32768, np.int16)
+
+    def _carries_scale(self, req: ChunkRequest) -> bool:
+        """Whether ``req``'s exponents may come from its key's last round:
+        an all-reduce (a reduce-scatter's other ranks get no sum to learn
+        from) of host memory under a key, when the client is let."""
+        return (self.config.predict_scale and req.key is not None and req.bounds is None
+                and req.enc.device is None and len(req.chunks) < REDO_BIT)
+
+    def _choose_scale(self, req: ChunkRequest) -> None:
+        """Carry the exponents of the key's last round, when it completed
+        with as many chunks; else agree them. Every worker has seen the same
+        results of the same rounds, so every worker chooses alike."""
+        carried = self._scales.get(req.key)
+        if carried is None or carried.size != len(req.chunks):
+            self._start_scale_agreement(req)
+            return
+        req.carried = True
+        req.exponents = carried.copy()
+        self.stats.scales_carried += 1
+        if not req.payload_ready:
+            self._quantize_agreed(req)
+
+    def _settled(self, req: ChunkRequest) -> None:
+        """``req`` is over: what its results say of the next round of its
+        key, and that round's exponents, which waited for them."""
+        if req.maxima is None or req.key is None:
+            return
+        if self._last_of_key.get(req.key) is req:
+            del self._last_of_key[req.key]
+        if self._carries_scale(req):
+            if req.failed or req.error is not None or (req.maxima == -32768).any():
+                self._scales.pop(req.key, None)
+            else:
+                self._scales[req.key] = np.minimum(req.maxima.astype(np.int32) + SCALE_HEADROOM,
+                                                   EXPONENT_NONFINITE - 1).astype(np.int16)
+        for later in list(self._active.values()):
+            if later.after is req:
+                later.after = None
+                if not later.failed:
+                    self._choose_scale(later)
+
+    def _complete(self, req: ChunkRequest) -> None:
+        super()._complete(req)
+        self._settled(req)
+
+    def _fail(self, req: ChunkRequest, exc: Exception, poison: bool) -> None:
+        super()._fail(req, exc, poison)
+        self._settled(req)
+
+    def _start_scale_agreement(self, req: ChunkRequest) -> None:
+        req.exponents = req.local_exponents.copy()
         for shard in req.queues:
             if shard not in self._rejoining:  # else it goes once the shard takes this worker back
                 self._send_scale(req, shard)
@@ -513,7 +606,7 @@ class ChunkClient(Client):
                 while q and (q[0][0].failed or q[0][0].held_error is not None or shard in q[0][0].skip_shards):
                     q.popleft()
                 if not q or self._inflight[shard] >= window or shard in q[0][0].scale_pending or \
-                        not q[0][0].payload_ready or shard in self._rejoining:
+                        not q[0][0].payload_ready or q[0][0].after is not None or shard in self._rejoining:
                     continue
                 req, c = q.popleft()
                 self._send_chunk(req, c)
@@ -524,11 +617,12 @@ class ChunkClient(Client):
         its window place and staging buffer are the ones it has)."""
         enc = req.enc
         src = req.buf[c.offset:c.offset + c.count]
-        exponent = 0
+        exponent = mine = 0
         shift = 0
         if enc.quantized:
             exponent = int(req.exponents[c.index])
             shift = kernels.quant_shift(exponent, self.world_size)
+            mine = int(req.local_exponents[c.index])  # the result brings their MAX
         staging = self._outstanding.get((req.round, c.index)) if again else None
         seq = self._seq[c.shard]
         self._seq[c.shard] = (seq + 1) & 0xFFFFFFFF
@@ -549,12 +643,39 @@ class ChunkClient(Client):
             flags |= Flag.TO_OWNER  # the result goes to rank c.owner only (in nsum)
         h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=c.index,
                    sender=self.member_rank, flags=flags, dtype=enc.wire, count=c.count, exponent=exponent,
-                   world=self.members, ref=seq, offset=c.offset, nsum=c.owner or 0)
+                   next_exponent=mine, world=self.members, ref=seq, offset=c.offset, nsum=c.owner or 0)
         self._conn.send(c.shard, h.pack(), payload)
         if not again:
             self._inflight[c.shard] += 1
         self.stats.chunks_sent += 1
         self.stats.bytes_sent += c.count * enc.wire_itemsize
+
+    def _send_again(self, req: ChunkRequest, c: chunking.Chunk, resend: bool = False) -> None:
+        """Send chunk ``c`` a second time, quantized with the exponent its
+        first result agreed (``resend``: once more, to a shard that
+        restarted). It goes inline, outside the window and the shared-memory
+        rings: every worker decides to send it on a result that reaches
+        each at its own moment, so it cannot take a place in the order they
+        all keep; nothing waits behind it."""
+        enc = req.enc
+        index = c.index | REDO_BIT
+        src = req.buf[c.offset:c.offset + c.count]
+        exponent = int(req.exponents[c.index])
+        staging = self._outstanding.get((req.round, index)) if resend else None
+        if enc.zero_copy:  # quantized by its owner
+            payload = src
+        else:
+            staging = staging if staging is not None else self._take_staging(enc)
+            payload = enc.encode(src, staging.view(enc.staging_dtype), kernels.quant_shift(exponent, self.world_size))
+        self._outstanding[(req.round, index)] = staging
+        h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=index, sender=self.member_rank,
+                   flags=Flag.LITTLE_ENDIAN, dtype=enc.wire, count=c.count, exponent=exponent,
+                   next_exponent=int(req.local_exponents[c.index]), world=self.members, offset=c.offset)
+        self._conn.send(c.shard, h.pack(), payload)
+        self.stats.chunks_sent += 1
+        self.stats.bytes_sent += c.count * enc.wire_itemsize
+        if not resend:
+            self.stats.chunks_sent_again += 1
 
     def _on_message(self, msg) -> None:
         try:
@@ -575,12 +696,15 @@ class ChunkClient(Client):
             self._rejoined(msg.peer)
 
     def _on_result(self, shard: int, h: Header, payload) -> None:
+        again = False
         if h.index not in (wire.SCALE_INDEX, wire.PLAN_INDEX):
             key = (h.round, h.index)
             if key not in self._outstanding:
                 return  # not ours, or a duplicate
             staging = self._outstanding.pop(key)
-            self._inflight[shard] -= 1
+            again = bool(h.index & REDO_BIT)
+            if not again:
+                self._inflight[shard] -= 1
             if staging is not None:
                 self._give_staging(staging)
         req = self._active.get(h.round)
@@ -596,10 +720,11 @@ class ChunkClient(Client):
             if not req.plan_done:  # else a second answer, from a shard that was sent it again
                 self._on_plan(req, h, payload)
             return
-        if h.index >= len(req.chunks):
+        index = h.index & ~REDO_BIT
+        if index >= len(req.chunks):
             self.stats.dropped_replies += 1
             return
-        c = req.chunks[h.index]
+        c = req.chunks[index]
         if req.held_error is not None:
             self._settle_held(req)
             return
@@ -614,6 +739,8 @@ class ChunkClient(Client):
                 f"{self._context()}: round {req.round} chunk {c.index} came back with {h.count} elements at "
                 f"offset {h.offset}, sent {c.count} at {c.offset}; all workers must all-reduce the same sizes in the same order"
             ))
+            return
+        if req.enc.quantized and not again and self._goes_again(req, c, h):
             return
         shift = kernels.quant_shift(h.exponent, self.world_size) if req.enc.quantized else 0
         if h.flags & Flag.SHM:
@@ -637,6 +764,46 @@ class ChunkClient(Client):
         if req.remaining == 0:
             self._complete(req)
 
+    def _goes_again(self, req: ChunkRequest, c: chunking.Chunk, h: Header) -> bool:
+        """Whether the first result of int32 chunk ``c`` is not its sum:
+        its values held NaN/Inf somewhere, or they outgrew the exponent
+        carried from the last round (the sum may have overflowed) or were
+        too small for it; the chunk then goes again with the agreed one,
+        the MAX of every worker's own exponent, which the result brought.
+        Every worker sees the same result, so all send the same chunks again."""
+        agreed = h.next_exponent
+        req.maxima[c.index] = agreed
+        if agreed == EXPONENT_NONFINITE:  # a carried round: an agreed one never sends these
+            req.error = req.error or self._nonfinite_error(req, [c])
+            req.remaining -= 1
+            if req.remaining == 0:
+                self._complete(req)
+            return True
+        if not req.carried:
+            return False
+        carried = int(req.exponents[c.index])
+        if carried - SCALE_SLACK <= agreed <= carried or agreed == EXPONENT_ZERO:
+            return False  # (all zeros sum to zero at any scale)
+        req.exponents[c.index] = agreed
+        if req.quantized is not None:
+            try:
+                req.quantized.quantize(req.exponents.copy(), [c.index])
+            except Exception as exc:  # noqa: BLE001 - the owner's failure (a CUDA error) fails this round only
+                self._fail_round(req, AggregationError(
+                    f"{self._context()}: round {req.round}: quantizing chunk {c.index} again failed: {exc}"))
+                return True
+        self._send_again(req, c)
+        return True
+
+    def _nonfinite_error(self, req: ChunkRequest, bad: list) -> NonFiniteError:
+        where = ", ".join(f"chunk {c.index} (elements {c.offset}..{c.offset + c.count - 1})" for c in bad[:4])
+        if req.local_nonfinite:
+            return NonFiniteError(f"rank {self.rank} of job {self.job!r}: round {req.round} buffer holds "
+                                  f"{req.local_nonfinite} NaN/Inf value(s) ({where}); the int32 codec cannot "
+                                  f"quantize them")
+        return NonFiniteError(f"job {self.job!r} round {req.round}: another worker reported NaN/Inf values in "
+                              f"{where}; that worker's own error names it (rank {self.rank} saw none)")
+
     def _on_scale(self, req: ChunkRequest, shard: int, h: Header, payload) -> None:
         if shard not in req.scale_pending:
             return
@@ -653,16 +820,9 @@ class ChunkClient(Client):
             req.exponents[c.index] = e
         if np.any(agreed == wire.EXPONENT_NONFINITE):
             bad = [c for c, e in zip(q, agreed) if e == wire.EXPONENT_NONFINITE]
-            where = ", ".join(f"chunk {c.index} (elements {c.offset}..{c.offset + c.count - 1})" for c in bad[:4])
-            if req.local_nonfinite:
-                text = (f"rank {self.rank} of job {self.job!r}: round {req.round} buffer holds "
-                        f"{req.local_nonfinite} NaN/Inf value(s) ({where}); the int32 codec cannot quantize them")
-            else:
-                text = (f"job {self.job!r} round {req.round}: another worker reported NaN/Inf values in {where}; "
-                        f"that worker's own error names it (rank {self.rank} saw none)")
             # the other shards' chunks still go, exactly as on every other
             # worker, so that no shard is left waiting and sequences agree
-            req.error = req.error or NonFiniteError(text)
+            req.error = req.error or self._nonfinite_error(req, bad)
             req.skip_shards.add(shard)
             req.remaining -= len(q)
             if req.remaining == 0:
@@ -675,7 +835,7 @@ class ChunkClient(Client):
         """Every exponent of a prequantized buffer is agreed: its owner
         quantizes it (a skipped shard's chunks with them: they are not sent)."""
         try:
-            req.quantized.quantize(req.exponents.copy())
+            req.quantized.quantize(req.exponents.copy(), None)
         except Exception as exc:  # noqa: BLE001 - the owner's failure (a CUDA error) fails this round only
             self._fail_round(req, AggregationError(
                 f"{self._context()}: round {req.round}: quantizing the buffer failed: {exc}"))
@@ -722,7 +882,8 @@ class ChunkClient(Client):
                 req.plan_done = True
             elif (h.round, h.index) in self._outstanding:
                 staging = self._outstanding.pop((h.round, h.index))
-                self._inflight[shard] -= 1
+                if not h.index & REDO_BIT:
+                    self._inflight[shard] -= 1
                 if staging is not None:
                     self._give_staging(staging)
             if req.held_error is None:
@@ -752,8 +913,11 @@ class ChunkClient(Client):
         idle = time.monotonic() - self._last_progress
         if idle < self.config.timeout:
             return
+        again = [self._active[rnd].chunks[index & ~REDO_BIT].shard for rnd, index in self._outstanding
+                 if index & REDO_BIT and rnd in self._active]  # chunks sent again hold no window place
         waiting = sorted({c_shard for r in self._active.values() for c_shard in
-                          ([s for s in range(len(self.shards)) if self._inflight[s]] + list(r.scale_pending))})
+                          ([s for s in range(len(self.shards)) if self._inflight[s]] + list(r.scale_pending))}
+                         | set(again))
         where = ", ".join(f"shard {s} at {self.shards[s]}" for s in waiting) or "no shard"
         rounds = sorted(self._active)
         if self._rejoining:

@@ -54,13 +54,17 @@ class Quantized:
     the client cannot send until the owner has. So the owner gives its
     exponents (``exponents[i]``: chunk ``i`` of ``client.chunk_bytes // 4``
     elements, as ``kernels.block_exponents`` finds them), and the client
-    calls ``quantize(agreed)`` on its I/O thread once every chunk's
-    exponent is agreed, then sends the buffer as it is; results are int32
-    sums, which the owner dequantizes with the same agreed exponents.
-    ``quantize`` must return with the buffer written."""
+    calls ``quantize(agreed, None)`` on its I/O thread once every chunk's
+    exponent is agreed (or carried from the last round of the buffer's
+    key), then sends the buffer as it is; results are int32 sums, which
+    the owner dequantizes with the exponents it was given last.
+    ``quantize(agreed, chunks)`` quantizes only the chunks listed again,
+    with their new exponents in ``agreed``: chunks whose values outgrew a
+    carried exponent go again. ``quantize`` must return with the buffer
+    written."""
 
     exponents: np.ndarray
-    quantize: Callable[[np.ndarray], None]
+    quantize: Callable[[np.ndarray, list | None], None]
     #: NaN/Inf in the owner's values (named when the agreement refuses them)
     nonfinite: int = 0
 

@@ -145,6 +145,14 @@ class ClientConfig:
     #: memory (GPUDirect RDMA: nvidia_peermem and an RDMA device), else
     #: staged, which measured 2.3x faster on a host without it
     device_path: str | None = None
+    #: the int32 codec on an aggregator service, for a buffer all-reduced
+    #: under the same ``key`` every step (a DDP bucket): quantize it with
+    #: the exponents its last round's results carried, one octave up,
+    #: instead of agreeing them first (a round trip before every bucket);
+    #: a chunk whose values outgrew them, or that they would quantize over
+    #: 8x more coarsely than agreeing would, goes again with the agreed one.
+    #: Every worker of a job must set it alike
+    predict_scale: bool = True
 
     def __post_init__(self):
         if self.timeout <= 0:
@@ -199,6 +207,7 @@ class ClientConfig:
             ("resume", "AGGNET_RESUME", _flag),
             ("all_or_nothing", "AGGNET_ALL_OR_NOTHING", _flag),
             ("device_path", "AGGNET_DEVICE_PATH", str),
+            ("predict_scale", "AGGNET_PREDICT_SCALE", _flag),
         ):
             if env.get(name):
                 try:

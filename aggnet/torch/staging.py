@@ -287,17 +287,25 @@ class Stager:
             self._mark_ready(staged)
         return staged
 
-    def _quantize(self, staged: Staged, agreed: np.ndarray) -> None:
+    def _quantize(self, staged: Staged, agreed: np.ndarray, chunks: list | None = None) -> None:
         """The second half, called by the client once every exponent is
-        agreed: quantize into device scratch on the stream of what comes
-        back, copy to the pinned buffer the client sends, and wait for
-        that copy."""
+        agreed (or carried from the bucket's last step): quantize into
+        device scratch on the stream of what comes back, copy to the pinned
+        buffer the client sends, and wait for that copy. ``chunks``: only
+        these, again, with their exponents in ``agreed`` (the rest of the
+        pinned buffer may hold sums already)."""
         staged.agreed = agreed
-        factors = torch.from_numpy(device_codec.quantize_factors(agreed, staged.world))
+        factors = torch.from_numpy(device_codec.quantize_factors(agreed, staged.world)).to(self.device)
+        block = staged.block
         with self._on_back_stream():
-            device_codec.quantize_chunks(staged.buf, factors.to(self.device), staged.block, staged._wide,
-                                         staged._f64)
-            staged.host.copy_(staged._wide, non_blocking=self.cuda)
+            if chunks is None:
+                device_codec.quantize_chunks(staged.buf, factors, block, staged._wide, staged._f64)
+                staged.host.copy_(staged._wide, non_blocking=self.cuda)
+            for i in chunks or ():
+                part = slice(i * block, (i + 1) * block)
+                device_codec.quantize_chunks(staged.buf[part], factors[i:i + 1], block, staged._wide[part],
+                                             staged._f64[part])
+                staged.host[part].copy_(staged._wide[part], non_blocking=self.cuda)
             self._wait_back(f"quantizing a bucket on {self.device}")
 
     def _scratch(self, dtype: torch.dtype, n: int, staged: Staged, role: str) -> torch.Tensor:
@@ -381,8 +389,11 @@ class Stager:
                 inner = send(arr, _wire_hint=hint)
             else:
                 exps = device_codec.exponents_of_bits(staged._best.numpy())
-                inner = send(arr, _quantized=Quantized(exps, lambda agreed: self._quantize(staged, agreed),
-                                                       staged.local_nonfinite()))
+
+                def quantize(agreed, chunks):
+                    self._quantize(staged, agreed, chunks)
+
+                inner = send(arr, _quantized=Quantized(exps, quantize, staged.local_nonfinite()))
         except BaseException as exc:
             out.set_exception(exc)
             return

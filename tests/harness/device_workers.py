@@ -106,11 +106,15 @@ def fsdp_on_device(rank: int, world: int, port: int, address: str, device: str) 
     return {"aggnet": agg, "gloo": ref}
 
 
-def quantized_allreduce(rank: int, world: int, address: str, job: str, hows: list, rounds: int = 3) -> dict:
+def quantized_allreduce(rank: int, world: int, address: str, job: str, hows: list, rounds: int = 3,
+                        key: int | None = None) -> dict:
     """All-reduce one float32 buffer ``rounds`` times with the int32 codec,
     quantized where ``hows[rank]`` says: ``device`` through a stager (every
     function a GPU bucket goes through, run on CPU tensors), ``host`` by
-    the client. The result bits, and what the stager allocated."""
+    the client. Under a ``key`` the exponents are carried from round to
+    round, and from the second round on one chunk grows 256x and another
+    shrinks 4096x: those two go again. The result bits, what the stager
+    allocated, and the chunks sent again."""
     import numpy as np
 
     from aggnet import Client
@@ -121,23 +125,29 @@ def quantized_allreduce(rank: int, world: int, address: str, job: str, hows: lis
     x = torch.randn(200_003, generator=g) * torch.exp2(torch.randint(-30, 30, (200_003,), generator=g).float())
     x[rank * 7] = 3e38 if rank else 1e-44  # a huge value in one chunk, a subnormal in another
     client = Client(address, job=job, rank=rank, world_size=world, chunk_bytes=64 << 10)
+    block = (64 << 10) // 4
     results, pools = [], []
     try:
         stager = Stager(torch.device("cpu"), through_host=True)
-        for _ in range(rounds):
+        for rnd in range(rounds):
             buf = x.clone()
+            if key is not None and rnd >= 1:
+                buf[2 * block:3 * block] *= 256
+                buf[5 * block:6 * block] *= 2.0 ** -12
             if hows[rank] == "device":
-                block = quantize_block(client, "int32", buf.dtype)
-                staged = stager.stage(buf, codec="int32", op="avg", world=world, block=block)
-                sent = client.stats.bytes_sent
+                staged = stager.stage(buf, codec="int32", op="avg", world=world,
+                                      block=quantize_block(client, "int32", buf.dtype))
+                sent, again = client.stats.bytes_sent, client.stats.chunks_sent_again
                 stager.submit(staged, lambda arr, **o: client.allreduce(arr, op=staged.op, codec=staged.codec,
-                                                                        **o)).result(60)
+                                                                        key=key, **o)).result(60)
                 stager.unstage(staged)
-                assert client.stats.bytes_sent - sent == 4 * buf.numel(), "int32 on the wire"
+                again = 4 * block * (client.stats.chunks_sent_again - again)
+                assert client.stats.bytes_sent - sent == 4 * buf.numel() + again, "int32 on the wire"
                 pools.append({k: v.allocations for k, v in stager.stats().items()})
             else:
-                client.allreduce(buf.numpy(), op="avg", codec="int32").result(60)
+                client.allreduce(buf.numpy(), op="avg", codec="int32", key=key).result(60)
             results.append(buf.numpy().view(np.uint32).copy())
     finally:
         client.close()
-    return {"results": results, "pools": pools}
+    return {"results": results, "pools": pools, "again": client.stats.chunks_sent_again,
+            "carried": client.stats.scales_carried}

@@ -30,9 +30,9 @@ def service():
     svc.stop()
 
 
-def allreduce(service, *hows: str) -> list:
+def allreduce(service, *hows: str, key=None) -> list:
     return run_workers("spawn://", len(hows), DW.quantized_allreduce, len(hows), service.address,
-                       f"q-{uuid.uuid4().hex[:8]}", list(hows), timeout=120, start_method="spawn")
+                       f"q-{uuid.uuid4().hex[:8]}", list(hows), 3, key, timeout=120, start_method="spawn")
 
 
 def test_quantized_on_the_device_every_bit_is_the_host_codecs_and_a_job_may_mix_them(service):
@@ -49,19 +49,36 @@ def test_quantized_on_the_device_every_bit_is_the_host_codecs_and_a_job_may_mix_
         assert rank["pools"][0] == rank["pools"][-1] and rank["pools"][0]["device"] > 0
 
 
+def test_exponents_carried_on_the_device_quantize_again_only_the_chunks_sent_again(service):
+    """Under a key the second and third rounds carry the exponents of the
+    one before; in the second a chunk that grew and one that shrank go
+    again, which a device bucket quantizes again on its device, chunk by
+    chunk, into a pinned buffer that holds other chunks' sums already."""
+    host = allreduce(service, "host", "host", key=3)
+    device = allreduce(service, "device", "device", key=3)
+    mixed = allreduce(service, "device", "host", key=3)
+    for run in (host, device, mixed):
+        for rank in run:
+            assert (rank["carried"], rank["again"]) == (2, 2)
+            for got, want in zip(rank["results"], host[0]["results"]):
+                np.testing.assert_array_equal(got, want)
+    agreed = allreduce(service, "host", "host")
+    np.testing.assert_array_equal(host[0]["results"][0], agreed[0]["results"][0])
+
+
 def test_a_quantizer_that_fails_fails_its_round_and_the_client_goes_on(service):
     with Client(service.address, job=f"q-{uuid.uuid4().hex[:8]}", chunk_bytes=4096) as client:
         buf = np.zeros(3000, np.int32)
         exps = np.zeros(3, np.int16)
 
-        def broken(agreed):
+        def broken(agreed, chunks):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
         fut = client.allreduce(buf, codec="int32", _quantized=Quantized(exps, broken))
         with pytest.raises(AggregationError, match="quantizing the buffer failed: CUDA error"):
             fut.result(30)
 
-        def fill(agreed):
+        def fill(agreed, chunks):
             assert agreed.tolist() == [0, 0, 0]
             buf[:] = 7
 
@@ -82,6 +99,6 @@ def test_only_a_client_that_agrees_exponents_per_chunk_is_handed_a_bucket_to_qua
             assert quantize_block(client, "int32", torch.float32) is None  # quantizes float32 itself
             with pytest.raises(TypeError, match="quantizes int32 itself; give the client the float32 buffer"):
                 client.allreduce(np.zeros(10, np.int32), codec="int32",
-                                 _quantized=Quantized(np.zeros(1, np.int16), lambda a: None))
+                                 _quantized=Quantized(np.zeros(1, np.int16), lambda a, c: None))
     finally:
         switch.stop()

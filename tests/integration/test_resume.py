@@ -40,13 +40,13 @@ class OwnerQuantized:
         self.q = np.empty(buf.size, np.int32)
         self.future = client.allreduce(self.q, codec="int32", _quantized=Quantized(exps, self.quantize))
 
-    def _parts(self):
-        for i, e in enumerate(self.agreed):
-            yield slice(i * self.block, (i + 1) * self.block), kernels.quant_shift(int(e), self.world)
+    def _parts(self, chunks=None):
+        for i in range(self.agreed.size) if chunks is None else chunks:
+            yield slice(i * self.block, (i + 1) * self.block), kernels.quant_shift(int(self.agreed[i]), self.world)
 
-    def quantize(self, agreed):
+    def quantize(self, agreed, chunks):
         self.agreed = agreed
-        for part, shift in self._parts():
+        for part, shift in self._parts(chunks):
             CPU.quantize(self.buf[part], shift, self.q[part], False)
 
     def result(self, timeout: float):
