@@ -42,7 +42,10 @@ def add_arguments(p) -> None:
     p.add_argument("--sizes", default=DEFAULT_SIZES, help="buffer sizes (default %(default)s)")
     p.add_argument("--transports", default="shm,ipc,tcp",
                    help="aggnet transports: shm (shared-memory payloads), ipc, tcp, ucx (default %(default)s)")
-    p.add_argument("--dtypes", default="float32,int32", help="float32, int32, q-int32 (float32 quantized to int32)")
+    p.add_argument("--dtypes", default="float32,int32",
+                   help="float32, int32, q-int32 (float32 quantized to int32, exponents agreed every round), "
+                        "q-int32-carried (the same under a key, exponents carried from the last round; averaged, so "
+                        "that the values keep their scale from one repetition to the next as a model's gradients do)")
     p.add_argument("--chunk-bytes", default=None, help="aggnet chunk sizes to compare (default: the default chunk)")
     p.add_argument("--shards", type=int, default=None, help="aggregator shards (default: one per core)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per point (default %(default)s)")
@@ -143,7 +146,7 @@ def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_p
                                           rank=rank, world_size=world, chunk_bytes=chunk, timeout=120,
                                           device_path=device_path)
                 times = _timed(barrier, _device_allreduce(clients[key], buf, point["path"],
-                                                          "int32" if dtype == "q-int32" else None), reps, rank,
+                                                          "int32" if _quantized(dtype) else None), reps, rank,
                                aggregator)
                 _check(buf, world, reps, f"rank {rank}: {system}/{transport}/{dtype}/{point['path']}")
             else:
@@ -152,11 +155,15 @@ def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_p
                     clients[key] = Client(services[transport], job=f"bench-{world}-{transport}-{chunk}",
                                           rank=rank, world_size=world, chunk_bytes=chunk, timeout=120)
                 c = clients[key]
-                codec = "int32" if dtype == "q-int32" else None
-                times = _timed(barrier, lambda: c.allreduce(buf, codec=codec).result(300), reps, rank, aggregator)
+                codec = "int32" if _quantized(dtype) else None
+                # under a key, averaged: the scale stays what it was, so the
+                # exponents carried from one repetition fit the next
+                op, name = ("avg", 0) if dtype == "q-int32-carried" else ("sum", None)
+                times = _timed(barrier, lambda: c.allreduce(buf, op=op, codec=codec, key=name).result(300), reps,
+                               rank, aggregator)
                 # the warm-up sums rank+1 over ranks; every repetition then
                 # all-reduces the previous result again
-                _check(buf, world, reps, f"rank {rank}: {system}/{transport}/{dtype}")
+                _check(buf, world, reps, f"rank {rank}: {system}/{transport}/{dtype}", averaged=op == "avg")
             results.append(times)
     finally:
         for c in clients.values():
@@ -168,10 +175,15 @@ def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_p
     out.put((rank, results))
 
 
-def _check(buf, world: int, reps: int, what: str) -> None:
+def _quantized(dtype: str) -> bool:
+    return dtype.startswith("q-int32")
+
+
+def _check(buf, world: int, reps: int, what: str, averaged: bool = False) -> None:
     """The warm-up sums rank+1 over ranks; every repetition then
-    all-reduces the previous result again."""
-    want = world * (world + 1) / 2 * world ** reps
+    all-reduces the previous result again (``averaged``: averages, which
+    leaves it as it was)."""
+    want = (world + 1) / 2 if averaged else world * (world + 1) / 2 * world ** reps
     if not np.isclose(float(buf[0]), want, rtol=1e-3) or not np.isclose(float(buf[-1]), want, rtol=1e-3):
         raise AssertionError(f"{what} gave {buf[0]} and {buf[-1]}, want {want}")
 
@@ -326,6 +338,11 @@ def main(args) -> int:
     if args.rounds < 1:
         print(f"aggnet bench: --rounds must be at least 1, got {args.rounds}", file=sys.stderr)
         return 2
+    for d in dtypes:
+        if d not in ("float32", "int32", "q-int32", "q-int32-carried"):
+            print(f"aggnet bench: unknown dtype {d!r}; choose from float32, int32, q-int32, q-int32-carried",
+                  file=sys.stderr)
+            return 2
     for t in transports:
         if t not in ("shm", "ipc", "tcp", "ucx"):
             print(f"aggnet bench: unknown transport {t!r}; choose from shm, ipc, tcp, ucx", file=sys.stderr)
@@ -364,7 +381,7 @@ def _run(args, sizes: list, worlds: list, transports: list, dtypes: list, chunks
                                 "chunk_bytes": None}, 1, _memcpy_times(nbytes, args.reps)))
     # one system at a time, each with its own service and workers: nothing of
     # one (UCX's progress engines poll) runs while another is timed
-    floor = not args.no_floor and args.memory == "host" and any(d != "q-int32" for d in dtypes)
+    floor = not args.no_floor and args.memory == "host" and any(not _quantized(d) for d in dtypes)
     groups = (["gloo"] if gloo else []) + (["floor"] if floor else []) + transports
     timed: dict[tuple, list[dict]] = {}  # each point's record of every round
     with Progress("aggnet bench", len(worlds) * len(groups) * args.rounds) as progress:
@@ -446,12 +463,12 @@ def _plan(group: str, sizes: list, dtypes: list, chunks: list, listen: dict, mem
     for nbytes in sizes:
         if group == "gloo":
             plan += [{"system": "gloo", "transport": "tcp", "dtype": d, "bytes": nbytes, "chunk_bytes": None,
-                      "memory": memory} for d in dtypes if d != "q-int32"]
+                      "memory": memory} for d in dtypes if not _quantized(d)]
         elif group == "floor":
             # with no codec
             plan += [{"system": "floor", "transport": "tcp", "dtype": d, "bytes": nbytes,
                       "chunk_bytes": aggnet_chunk_bytes(), "memory": memory}
-                     for d in dtypes if d != "q-int32"]
+                     for d in dtypes if not _quantized(d)]
         else:
             # the transport's default chunk size where none is asked for
             scheme = listen[group].split("://", 1)[0]
@@ -484,7 +501,7 @@ def _summation_summary(records: list[dict], sums: dict) -> tuple[dict, float]:
 def _print_table(records: list[dict]) -> None:
     gloo = _by_point(records, "gloo")
     floor = _by_point(records, "floor")
-    print(f"{'N':>2} {'size':>7} {'system':>7} {'transport':>9} {'dtype':>8} {'chunk':>7} {'median ms':>10} "
+    print(f"{'N':>2} {'size':>7} {'system':>7} {'transport':>9} {'dtype':>15} {'chunk':>7} {'median ms':>10} "
           f"{'min ms':>8} {'max ms':>8} {'GB/s':>6} {'gloo/this':>9} {'floor/this':>10} {'cpu s/GB':>8} "
           f"{'agg s/GB':>8}")
     order = {"memcpy": 0, "gloo": 1, "floor": 2}
@@ -495,7 +512,7 @@ def _print_table(records: list[dict]) -> None:
         where = r["transport"] + (f"/{r['path']}" if r.get("path") else "/cuda" if r.get("memory") == "cuda" else "")
         cpu = f"{r['worker_cpu_s_per_gb']:8.2f}" if "worker_cpu_s_per_gb" in r else f"{'':>8}"
         agg = f"{r['aggregator_cpu_s_per_gb']:8.2f}" if "aggregator_cpu_s_per_gb" in r else f"{'':>8}"
-        print(f"{r['workers']:>2} {format_size(r['bytes']):>7} {r['system']:>7} {where:>9} {r['dtype']:>8} "
+        print(f"{r['workers']:>2} {format_size(r['bytes']):>7} {r['system']:>7} {where:>9} {r['dtype']:>15} "
               f"{chunk:>7} {r['median_s'] * 1e3:10.1f} {r['min_s'] * 1e3:8.1f} {r['max_s'] * 1e3:8.1f} "
               f"{r['bytes'] / r['median_s'] / 1e9:6.2f} {ratio} {to_floor} {cpu} {agg}")
     if floor:
