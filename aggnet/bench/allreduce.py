@@ -45,7 +45,9 @@ def add_arguments(p) -> None:
     p.add_argument("--dtypes", default="float32,int32",
                    help="float32, int32, q-int32 (float32 quantized to int32, exponents agreed every round), "
                         "q-int32-carried (the same under a key, exponents carried from the last round; averaged, so "
-                        "that the values keep their scale from one repetition to the next as a model's gradients do)")
+                        "that the values keep their scale from one repetition to the next as a model's gradients do), "
+                        "o-int32, o-int32-carried (int32 handed over by its owner, which quantizes it once the "
+                        "exponents are agreed or carried, as a GPU bucket is: the host's share of such a bucket)")
     p.add_argument("--chunk-bytes", default=None, help="aggnet chunk sizes to compare (default: the default chunk)")
     p.add_argument("--shards", type=int, default=None, help="aggregator shards (default: one per core)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per point (default %(default)s)")
@@ -113,7 +115,7 @@ def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_p
     try:
         for point in plan:
             system, transport, dtype, nbytes, chunk = (point[k] for k in ("system", "transport", "dtype", "bytes", "chunk_bytes"))
-            np_dtype = np.int32 if dtype == "int32" else np.float32
+            np_dtype = np.int32 if dtype == "int32" or _owned(dtype) else np.float32
             buf = np.empty(nbytes // 4, np_dtype)
             _fill(buf, rank)
             on_gpu = point.get("memory") == "cuda"
@@ -158,12 +160,20 @@ def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_p
                 codec = "int32" if _quantized(dtype) else None
                 # under a key, averaged: the scale stays what it was, so the
                 # exponents carried from one repetition fit the next
-                op, name = ("avg", 0) if dtype == "q-int32-carried" else ("sum", None)
-                times = _timed(barrier, lambda: c.allreduce(buf, op=op, codec=codec, key=name).result(300), reps,
-                               rank, aggregator)
-                # the warm-up sums rank+1 over ranks; every repetition then
-                # all-reduces the previous result again
-                _check(buf, world, reps, f"rank {rank}: {system}/{transport}/{dtype}", averaged=op == "avg")
+                op, name = ("avg", 0) if dtype.endswith("-carried") else ("sum", None)
+                if _owned(dtype):
+                    owned = _owner(buf, rank, c.chunk_bytes // 4)
+                    times = _timed(barrier, lambda: c.allreduce(buf, codec=codec, key=name, _quantized=owned).result(
+                        300), reps, rank, aggregator)
+                    # each round's owner writes rank+1 again: the sum is the warm-up's
+                    _check(buf, world, reps, f"rank {rank}: {system}/{transport}/{dtype}", want=world * (world + 1) / 2)
+                else:
+                    times = _timed(barrier, lambda: c.allreduce(buf, op=op, codec=codec, key=name).result(300), reps,
+                                   rank, aggregator)
+                    # the warm-up sums rank+1 over ranks; every repetition then
+                    # all-reduces the previous result again
+                    _check(buf, world, reps, f"rank {rank}: {system}/{transport}/{dtype}",
+                           want=(world + 1) / 2 if op == "avg" else None)
             results.append(times)
     finally:
         for c in clients.values():
@@ -175,15 +185,39 @@ def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_p
     out.put((rank, results))
 
 
+DTYPES = ("float32", "int32", "q-int32", "q-int32-carried", "o-int32", "o-int32-carried")
+
+
 def _quantized(dtype: str) -> bool:
-    return dtype.startswith("q-int32")
+    """float32 through the int32 codec: quantized by the client (q-) or by its owner (o-)."""
+    return dtype.startswith(("q-", "o-"))
 
 
-def _check(buf, world: int, reps: int, what: str, averaged: bool = False) -> None:
+def _owned(dtype: str) -> bool:
+    return dtype.startswith("o-")
+
+
+def _owner(buf: np.ndarray, rank: int, block: int):
+    """What the owner of an int32 buffer it quantizes itself gives the
+    client: its chunks' exponents (rank+1 < 2**3 everywhere) and a
+    quantizer that writes rank+1 where it is asked, as a GPU bucket's
+    stager writes the bucket quantized on the device (whose time is the
+    device's, not the host's, and is not here)."""
+    from aggnet.client.codec import Quantized
+
+    def quantize(agreed, chunks):
+        if chunks is None:
+            buf[...] = rank + 1
+        for i in chunks or ():
+            buf[i * block:(i + 1) * block] = rank + 1
+
+    return Quantized(np.full(-(-buf.size // block), 3, np.int16), quantize)
+
+
+def _check(buf, world: int, reps: int, what: str, want: float | None = None) -> None:
     """The warm-up sums rank+1 over ranks; every repetition then
-    all-reduces the previous result again (``averaged``: averages, which
-    leaves it as it was)."""
-    want = (world + 1) / 2 if averaged else world * (world + 1) / 2 * world ** reps
+    all-reduces the previous result again (``want``: what it is otherwise)."""
+    want = world * (world + 1) / 2 * world ** reps if want is None else want
     if not np.isclose(float(buf[0]), want, rtol=1e-3) or not np.isclose(float(buf[-1]), want, rtol=1e-3):
         raise AssertionError(f"{what} gave {buf[0]} and {buf[-1]}, want {want}")
 
@@ -339,9 +373,12 @@ def main(args) -> int:
         print(f"aggnet bench: --rounds must be at least 1, got {args.rounds}", file=sys.stderr)
         return 2
     for d in dtypes:
-        if d not in ("float32", "int32", "q-int32", "q-int32-carried"):
-            print(f"aggnet bench: unknown dtype {d!r}; choose from float32, int32, q-int32, q-int32-carried",
-                  file=sys.stderr)
+        if d not in DTYPES:
+            print(f"aggnet bench: unknown dtype {d!r}; choose from {', '.join(DTYPES)}", file=sys.stderr)
+            return 2
+        if _owned(d) and args.memory == "cuda":
+            print(f"aggnet bench: {d} times the host's share of an owner-quantized buffer; run it with --memory "
+                  f"host, or time GPU buckets with aggnet bench-ddp --device cuda", file=sys.stderr)
             return 2
     for t in transports:
         if t not in ("shm", "ipc", "tcp", "ucx"):
