@@ -76,3 +76,26 @@ def test_bench_in_rounds_alternates_the_systems_and_gives_each_rounds_ratios(tmp
                              text=True, timeout=60)
     assert refused.returncode == 2 and "--rounds must be at least 1, got 0" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.slow
+def test_bench_times_the_int32_codec_agreed_carried_and_quantized_by_its_owner(tmp_path):
+    """Every int32 kind runs and checks its sums (the bench fails on a wrong
+    one); a dtype it does not know is refused in one line."""
+    out = tmp_path / "bench.json"
+    scratch = Path(tempfile.mkdtemp(prefix="agq-", dir="/tmp"))
+    kinds = ["q-int32", "q-int32-carried", "o-int32", "o-int32-carried"]
+    try:
+        r = subprocess.run([sys.executable, "-m", "aggnet", "bench", "--workers", "2", "--sizes", "5MiB",
+                            "--transports", "shm,tcp", "--dtypes", ",".join(kinds), "--reps", "3", "--shards", "2",
+                            "--no-floor", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "TMPDIR": str(scratch)})
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = {(x["transport"], x["dtype"]) for x in json.loads(out.read_text())["records"] if x["system"] == "aggnet"}
+    assert got == {(t, k) for t in ("shm", "tcp") for k in kinds}
+    refused = subprocess.run([sys.executable, "-m", "aggnet", "bench", "--dtypes", "int8"], capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 2 and "unknown dtype 'int8'; choose from float32, int32, q-int32" in refused.stderr
+    assert "Traceback" not in refused.stderr
