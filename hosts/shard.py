@@ -808,7 +808,7 @@ class Shard:
                 f"{h.count} {h.dtype.name} at offset {h.offset} (exponent {h.exponent}) but ranks "
                 f"{job.present(slot.seen)} sent {slot.count} {slot.dtype.name} at offset {slot.offset} "
                 f"(exponent {slot.exponent}); all workers must all-reduce the same buffers in the same order")
-        if (h.dtype, h.count, h.offset) == (slot.dtype, slot.count, slot.offset):
+        if h.exponent != slot.exponent and (h.dtype, h.count, h.offset) == (slot.dtype, slot.count, slot.offset):
             text += (" and, with the int32 codec, carry exponents from round to round alike (the same "
                      "predict_scale, AGGNET_PREDICT_SCALE, on every worker)")
         self.counters["dropped_mismatch"] += 1

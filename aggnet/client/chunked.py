@@ -77,6 +77,11 @@ SCALE_HEADROOM = 1
 #: chunk goes again: its quantization step is then at most 2**SCALE_SLACK
 #: times the agreed one's (typically 2x, from SCALE_HEADROOM)
 SCALE_SLACK = 3
+#: set in the buffer-size agreement's dtype word by a round that carries
+#: its exponents: workers that carry and workers that agree (a different
+#: predict_scale, or a round of the key that failed on some only) fail
+#: the round at once, saying so, instead of waiting on each other
+CARRIED_PLAN_FLAG = 0x100
 
 
 @dataclass(eq=False)
@@ -394,7 +399,7 @@ class ChunkClient(Client):
                     f"{self._context()}: shard {shard} at {self.shards[shard]} restarted during reduce-scatter "
                     f"round {req.round}, which cannot be resumed; run the step again"))
                 continue
-            if not req.plan_done and req.plan_shard == shard:
+            if not req.plan_done and req.plan_shard == shard and req.plan_sent is not None:
                 self._send_plan(req)
             if shard in req.scale_pending:
                 self._send_scale(req, shard)
@@ -422,7 +427,6 @@ class ChunkClient(Client):
         self._active[req.round] = req
         # every chunk, and the agreement on the buffer's size
         req.remaining = len(req.chunks) + 1
-        self._start_plan_agreement(req)
         for c in req.chunks:
             req.queues.setdefault(c.shard, []).append(c)
             self._to_send[c.shard].append((req, c))
@@ -433,11 +437,13 @@ class ChunkClient(Client):
                 prev = self._last_of_key.get(req.key)
                 self._last_of_key[req.key] = req
                 if prev is not None and not prev.future.done():
-                    req.after = prev
+                    req.after = prev  # its exponents and buffer-size agreement once prev is over
                 else:
                     self._choose_scale(req)
             else:
                 self._start_scale_agreement(req)
+        if req.after is None and not req.failed:
+            self._start_plan_agreement(req)
         if not self._active or len(self._active) == 1:
             self._last_progress = time.monotonic()
 
@@ -447,7 +453,8 @@ class ChunkClient(Client):
         it a worker whose buffer is a prefix of another's finishes, and the
         other times out blaming a rank that did nothing wrong."""
         size = req.buf.size
-        mine = np.array([size >> 31, size & 0x7FFFFFFF, int(req.enc.wire)], np.int32)
+        mine = np.array([size >> 31, size & 0x7FFFFFFF, int(req.enc.wire) | (CARRIED_PLAN_FLAG if req.carried else 0)],
+                        np.int32)
         req.plan = mine
         req.plan_shard = req.round % len(self.shards)
         # rounds back to this worker's oldest unfinished one (this one: 1)
@@ -489,6 +496,13 @@ class ChunkClient(Client):
             text = (f"this worker all-reduces {req.buf.size} elements, the job's workers between {lo} and {hi}"
                     if lo != hi or hi != req.buf.size else
                     "the workers disagree on the buffer's dtype or codec")
+            if lo == hi == req.buf.size and int(agreed[2]) ^ int(-agreed[5]) == CARRIED_PLAN_FLAG:
+                self._fail_round(req, JobMismatch(
+                    f"{self._context()}: round {req.round}: some workers carry the int32 exponents of key "
+                    f"{req.key} from its last round and some agree them: set predict_scale (AGGNET_PREDICT_SCALE) "
+                    f"alike on every worker (after a round of the key that failed on some workers only, the next "
+                    f"one agrees on every worker)"))
+                return
         self._fail_round(req, JobMismatch(f"{self._context()}: round {req.round}: {text}; all workers must "
                                           f"all-reduce the same buffers in the same order"))
 
@@ -560,6 +574,8 @@ class ChunkClient(Client):
                 later.after = None
                 if not later.failed:
                     self._choose_scale(later)
+                if not later.failed:
+                    self._start_plan_agreement(later)
 
     def _complete(self, req: ChunkRequest) -> None:
         super()._complete(req)

@@ -43,7 +43,7 @@ def values(rank: int, rnd: int, nan_in: int | None = None) -> np.ndarray:
 def _rounds(rank: int, where: dict, job: str, rounds: int, key, predict: bool, nan_in=None, world: int = 2):
     out = []
     with Client(**where, job=job, rank=rank, world_size=world, chunk_bytes=4 * BLOCK, timeout=60,
-                predict_scale=predict) as client:
+                predict_scale=predict if isinstance(predict, bool) else predict[rank]) as client:
         for rnd in range(rounds):
             buf = values(rank % 2, rnd, nan_in)
             before = (client.stats.scales_carried, client.stats.chunks_sent_again)
@@ -57,7 +57,7 @@ def _rounds(rank: int, where: dict, job: str, rounds: int, key, predict: bool, n
     return out
 
 
-def run(address_or_topology: dict, rounds: int, key=7, predict: bool = True, nan_in=None, world: int = 2):
+def run(address_or_topology: dict, rounds: int, key=7, predict=True, nan_in=None, world: int = 2):
     return run_workers("spawn://" if "topology" in address_or_topology else address_or_topology["address"], world,
                        _rounds, address_or_topology, f"carry-{uuid.uuid4().hex[:8]}", rounds, key, predict, nan_in,
                        world, timeout=120)
@@ -127,6 +127,18 @@ def test_a_keyed_buffer_carries_its_exponents_and_sends_again_only_what_outgrew_
 def test_an_unkeyed_buffer_agrees_every_round(service):
     got = run({"address": service.address}, 2, key=None)
     assert [r["carried"] for r in got[0]] == [0, 0]
+
+
+def test_workers_that_carry_and_workers_that_agree_are_told_to_set_predict_scale_alike(service):
+    """At once, by the buffer-size agreement: without it the one waits for
+    the other's exponents and the other for the one's chunks, until the
+    stall timeout."""
+    got = run({"address": service.address}, 2, predict=[True, False])
+    for rank in got:
+        assert not isinstance(rank[0]["bits"], tuple)  # the first round agrees on both
+        kind, text = rank[1]["bits"]
+        assert kind == "JobMismatch" and "some workers carry the int32 exponents of key 7 from its last round and " \
+            "some agree them: set predict_scale (AGGNET_PREDICT_SCALE) alike on every worker" in text
 
 
 def test_nan_in_a_carried_round_is_named_by_its_rank_and_the_next_round_agrees_again(service):
