@@ -107,9 +107,9 @@ def test_a_keyed_buffer_carries_its_exponents_and_sends_again_only_what_outgrew_
         # the first round agrees; every later one carries
         assert [r["carried"] for r in carried[rank]] == [0, 1, 1, 1]
         assert [r["carried"] for r in agreed[rank]] == [0, 0, 0, 0]
-        # the second round sends again the chunk that grew and the one that
-        # shrank (not the one of zeros: zeros sum to zero at any scale);
-        # the third carries the second's exponents and needs nothing again
+        # round 2 sends again the chunk that grew and the one that shrank
+        # (not the one of zeros: zeros sum to zero at any scale); round 3
+        # carries round 2's exponents and needs nothing again
         assert [r["again"] for r in carried[rank]] == [0, 0, 2, 0]
     # carried from round 0, one octave up: within that step of the exact sum
     assert_within_step(carried[0][1]["bits"], 1, chunk_exponents(0) + 1)
