@@ -45,7 +45,8 @@ from aggnet.errors import AggregationError, AggregationTimeout, AggregatorUnreac
 from aggnet.transport import TransportError, connect
 from aggnet.protocol.replay import KeptResults, final_of
 from aggnet.protocol.wire import (
-    EXPONENT_NONFINITE, EXPONENT_ZERO, PLAN_VALUES, REDO_BIT, DType, Flag, Header, MsgType, settled_through,
+    EXPONENT_NONFINITE, EXPONENT_ZERO, PLAN_VALUES, REDO_BIT, DType, Flag, Header, MsgType, round_at_or_before,
+    settled_through,
 )
 
 log = logging.getLogger("aggnet.client")
@@ -82,6 +83,9 @@ SCALE_SLACK = 3
 #: predict_scale, or a round of the key that failed on some only) fail
 #: the round at once, saying so, instead of waiting on each other
 CARRIED_PLAN_FLAG = 0x100
+#: keys whose exponents a client keeps for their next round (a DDP model
+#: has a few dozen buckets); past it the oldest key's next round agrees
+MAX_CARRIED_KEYS = 4096
 
 
 @dataclass(eq=False)
@@ -314,7 +318,8 @@ class ChunkClient(Client):
         self._kept = [KeptResults(max(2 * self.config.window, KEEP_CHUNKS)) for _ in self.shards]
         #: the caller's elements a result overwrote, until its round is over
         self._saves = BufferPool(max_buffers=4096)
-        #: key -> exponents its next int32 round carries (from its last one)
+        #: key -> (its newest int32 round that is over, the exponents its
+        #: next round carries from it, or None when that round failed)
         self._scales: dict = {}
         #: key -> its latest int32 round admitted
         self._last_of_key: dict = {}
@@ -436,10 +441,15 @@ class ChunkClient(Client):
             if self._carries_scale(req):
                 prev = self._last_of_key.get(req.key)
                 self._last_of_key[req.key] = req
-                if prev is not None and not prev.future.done():
+                if prev is None or prev.future.done():
+                    self._choose_scale(req)
+                elif len(prev.chunks) == len(req.chunks):
                     req.after = prev  # its exponents and buffer-size agreement once prev is over
                 else:
-                    self._choose_scale(req)
+                    # nothing to carry from a buffer of another size, nor from
+                    # an older round: on a worker where prev is over, the
+                    # table holds prev's, and that one agrees too
+                    self._start_scale_agreement(req)
             else:
                 self._start_scale_agreement(req)
         if req.after is None and not req.failed:
@@ -546,7 +556,7 @@ class ChunkClient(Client):
         """Carry the exponents of the key's last round, when it completed
         with as many chunks; else agree them. Every worker has seen the same
         results of the same rounds, so every worker chooses alike."""
-        carried = self._scales.get(req.key)
+        carried = self._scales.get(req.key, (0, None))[1]
         if carried is None or carried.size != len(req.chunks):
             self._start_scale_agreement(req)
             return
@@ -563,12 +573,19 @@ class ChunkClient(Client):
             return
         if self._last_of_key.get(req.key) is req:
             del self._last_of_key[req.key]
-        if self._carries_scale(req):
+        newest = self._scales.get(req.key)
+        # rounds of a key may end out of order (buffers of two sizes under
+        # one key): an older one that ends later must not replace a newer
+        # one's exponents, which the key's next round is told to carry
+        if self._carries_scale(req) and (newest is None or not round_at_or_before(req.round, newest[0])):
+            self._scales.pop(req.key, None)  # the last key to end is the last to go
             if req.failed or req.error is not None or (req.maxima == -32768).any():
-                self._scales.pop(req.key, None)
+                self._scales[req.key] = (req.round, None)
             else:
-                self._scales[req.key] = np.minimum(req.maxima.astype(np.int32) + SCALE_HEADROOM,
-                                                   EXPONENT_NONFINITE - 1).astype(np.int16)
+                self._scales[req.key] = (req.round, np.minimum(req.maxima.astype(np.int32) + SCALE_HEADROOM,
+                                                               EXPONENT_NONFINITE - 1).astype(np.int16))
+            if len(self._scales) > MAX_CARRIED_KEYS:
+                del self._scales[next(iter(self._scales))]
         for later in list(self._active.values()):
             if later.after is req:
                 later.after = None

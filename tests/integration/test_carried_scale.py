@@ -141,6 +141,32 @@ def test_workers_that_carry_and_workers_that_agree_are_told_to_set_predict_scale
             "some agree them: set predict_scale (AGGNET_PREDICT_SCALE) alike on every worker" in text
 
 
+def _two_sizes_under_one_key(rank: int, address: str, job: str, rounds: int):
+    """Buffers of two sizes under one key (large, large, small, over and
+    over), all submitted before any is waited for: the rounds of a key
+    may end in any order here."""
+    sizes = (CHUNKS * BLOCK - 5, CHUNKS * BLOCK - 5, 3 * BLOCK)
+    with Client(address, job=job, rank=rank, world_size=2, chunk_bytes=4 * BLOCK, timeout=60) as client:
+        bufs = [values(rank, 0)[:sizes[i % 3]].copy() for i in range(rounds)]
+        futures = [client.allreduce(b, codec="int32", key=1) for b in bufs]
+        for f in futures:
+            f.result(60)
+        return {"bits": [b.view(np.uint32).copy() for b in bufs], "carried": client.stats.scales_carried}
+
+
+def test_buffers_of_two_sizes_under_one_key_in_flight_together_carry_alike_on_every_worker(service):
+    got = run_workers(service.address, 2, _two_sizes_under_one_key, service.address, f"two-{uuid.uuid4().hex[:8]}",
+                      12, timeout=120)
+    # a large round after a large one carries (waiting for it if it is
+    # open); after a small one it agrees, whatever has ended by then
+    assert got[0]["carried"] == got[1]["carried"] == 4
+    want = exact_sum(0)
+    for a, b in zip(got[0]["bits"], got[1]["bits"]):
+        np.testing.assert_array_equal(a, b)
+        result = a.view(np.float32).astype(np.float64)
+        assert np.allclose(result, want[:result.size], rtol=1e-6, atol=1e-3)
+
+
 def test_nan_in_a_carried_round_is_named_by_its_rank_and_the_next_round_agrees_again(service):
     got = run({"address": service.address}, 3, nan_in=1)
     assert got[1][1]["bits"][0] == "NonFiniteError"
