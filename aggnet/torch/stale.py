@@ -113,7 +113,12 @@ def allreduce_stale(state, bucket) -> torch.futures.Future:
             all_keys = [k for p in queue.parts for k in p[1]]
             all_sizes = [n for p in queue.parts for n in p[2]]
             queue.parts = []
-            future = state.client.allreduce(staging.numpy(), op=state.op, codec=state.codec, key=0)
+            # keyed by the step modulo staleness + 1: the int32 codec carries
+            # a round's exponents from the last round of its key, which is
+            # then step t - s - 1's, awaited at the last step (with one key
+            # for all it would wait for step t - 1's, and the pipeline with it)
+            future = state.client.allreduce(staging.numpy(), op=state.op, codec=state.codec,
+                                            key=t % (queue.staleness + 1))
             queue.sent[t] = [_Sent(future, staging, all_keys, all_sizes)]
             queue.step += 1
             queue.sent.pop(t - queue.staleness, None)

@@ -39,13 +39,13 @@ def emulated(world: int, steps: int, staleness: int, predict: bool) -> list:
 
 @ends_process_group
 def ddp_run(rank: int, world: int, port: int, address: str, job: str, steps: int, staleness: int,
-            predict: bool) -> dict:
+            predict: bool, codec: str | None = None) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     model = make_model()
     # small buckets: several per step, rebuilt after the first step
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
-    state = AggnetState(address, job=job, staleness=staleness, predict=predict)
+    state = AggnetState(address, job=job, staleness=staleness, predict=predict, codec=codec or "float32")
     ddp.register_comm_hook(state, allreduce_hook)
     opt = make_optimizer(ddp)
     if staleness:
@@ -62,7 +62,8 @@ def ddp_run(rank: int, world: int, port: int, address: str, job: str, steps: int
             opt.step()
         updates = steps
     calls = state.stale_queue.step if staleness else None
+    carried = state.client.stats.scales_carried
     state.close()
     dist.barrier()
     return {"params": [p.detach().numpy().copy() for p in model.parameters()], "updates": updates,
-            "steps_seen": calls}
+            "steps_seen": calls, "carried": carried}

@@ -43,6 +43,22 @@ def test_stale_ddp_equals_its_emulation_and_ranks_stay_identical(service, stalen
         np.testing.assert_array_equal(a, b)
 
 
+def test_stale_int32_steps_carry_exponents_from_the_step_the_last_one_awaited(service):
+    """The int32 codec carries a round's exponents from its key's last
+    round, waiting for it if it is open: stale steps are keyed modulo
+    s + 1, so each carries from step t - s - 1, which the last step
+    awaited, and none waits for the round before it (with one key for all
+    the steps would carry from t - 1)."""
+    job = f"stale-{uuid.uuid4().hex[:8]}"
+    results = run_workers("spawn://", 2, W.ddp_run, 2, free_port(), service.address, job, STEPS, 2, False, "int32",
+                          timeout=240, start_method="spawn")
+    for r in results:
+        assert r["updates"] == STEPS - 2
+        assert r["carried"] == STEPS - 3  # the first round of each of the 3 keys agrees
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_stale_and_synchronous_training_differ():
     # the comparison above is not vacuous: applying late changes the weights
     sync, late = W.emulated(2, STEPS, 0, False), W.emulated(2, STEPS, 1, False)
