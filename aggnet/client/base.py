@@ -313,8 +313,11 @@ class Client(ABC):
         buffers on the wire (``"int32"``, ``"fp16"``, ``"bf16"``); ``dtype``
         says the same as the type that travels (``"float32"``, ``"int32"``,
         ``"float16"``, ``"bfloat16"``). ``key`` names the buffer for
-        placement on aggregator shards (e.g. a DDP bucket index). The buffer
-        must not be touched until the future is done.
+        placement on aggregator shards (e.g. a DDP bucket index) and, with
+        the int32 codec, for carrying its exponents from the last round of
+        that key instead of agreeing them first: give each buffer of a step
+        its own key (a round waits for the last round of its key if that is
+        still open). The buffer must not be touched until the future is done.
         """
         caller = buf
         on_device = hasattr(buf, "__cuda_array_interface__")
