@@ -412,7 +412,7 @@ class ChunkClient(Client):
                 self._send_chunk(req, c, again=True)
             for c in req.queues.get(shard, ()):
                 if (req.round, c.index | REDO_BIT) in self._outstanding:
-                    self._send_again(req, c, resend=True)
+                    self._send_chunk(req, c, again=True, second=True)
 
 
     def _restore(self, req: ChunkRequest) -> None:
@@ -645,10 +645,17 @@ class ChunkClient(Client):
                 self._send_chunk(req, c)
                 progressed = True
 
-    def _send_chunk(self, req: ChunkRequest, c: chunking.Chunk, again: bool = False) -> None:
+    def _send_chunk(self, req: ChunkRequest, c: chunking.Chunk, again: bool = False, second: bool = False) -> None:
         """Send a chunk (``again``: once more, to a shard that restarted;
-        its window place and staging buffer are the ones it has)."""
+        its window place and staging buffer are the ones it has).
+
+        ``second``: a second time, quantized with the exponent its first
+        result agreed (index | REDO_BIT). It goes inline, outside the window
+        and the shared-memory rings: every worker decides to send it on a
+        result that reaches each at its own moment, so it cannot take a
+        place in the order they all keep; nothing waits behind it."""
         enc = req.enc
+        index = c.index | REDO_BIT if second else c.index
         src = req.buf[c.offset:c.offset + c.count]
         exponent = mine = 0
         shift = 0
@@ -656,11 +663,14 @@ class ChunkClient(Client):
             exponent = int(req.exponents[c.index])
             shift = kernels.quant_shift(exponent, self.world_size)
             mine = int(req.local_exponents[c.index])  # the result brings their MAX
-        staging = self._outstanding.get((req.round, c.index)) if again else None
-        seq = self._seq[c.shard]
-        self._seq[c.shard] = (seq + 1) & 0xFFFFFFFF
+        staging = self._outstanding.get((req.round, index)) if again else None
+        in_order = not second
+        seq = 0
+        if in_order:
+            seq = self._seq[c.shard]
+            self._seq[c.shard] = (seq + 1) & 0xFFFFFFFF
         flags = Flag.LITTLE_ENDIAN
-        if self._shm:
+        if self._shm and in_order:
             # the payload goes into this worker's input slot; only the header travels
             slot = self._segments[c.shard].input_slot(self.member_rank, seq)
             enc.encode_into(src, slot[: c.count * enc.wire_itemsize], shift)
@@ -671,44 +681,20 @@ class ChunkClient(Client):
         else:
             staging = staging if staging is not None else self._take_staging(enc)
             payload = enc.encode(src, staging.view(enc.staging_dtype), shift)
-        self._outstanding[(req.round, c.index)] = staging
+        self._outstanding[(req.round, index)] = staging
         if c.owner is not None:
             flags |= Flag.TO_OWNER  # the result goes to rank c.owner only (in nsum)
-        h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=c.index,
+        h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=index,
                    sender=self.member_rank, flags=flags, dtype=enc.wire, count=c.count, exponent=exponent,
                    next_exponent=mine, world=self.members, ref=seq, offset=c.offset, nsum=c.owner or 0)
         self._conn.send(c.shard, h.pack(), payload)
         if not again:
-            self._inflight[c.shard] += 1
+            if in_order:
+                self._inflight[c.shard] += 1
+            else:
+                self.stats.chunks_sent_again += 1
         self.stats.chunks_sent += 1
         self.stats.bytes_sent += c.count * enc.wire_itemsize
-
-    def _send_again(self, req: ChunkRequest, c: chunking.Chunk, resend: bool = False) -> None:
-        """Send chunk ``c`` a second time, quantized with the exponent its
-        first result agreed (``resend``: once more, to a shard that
-        restarted). It goes inline, outside the window and the shared-memory
-        rings: every worker decides to send it on a result that reaches
-        each at its own moment, so it cannot take a place in the order they
-        all keep; nothing waits behind it."""
-        enc = req.enc
-        index = c.index | REDO_BIT
-        src = req.buf[c.offset:c.offset + c.count]
-        exponent = int(req.exponents[c.index])
-        staging = self._outstanding.get((req.round, index)) if resend else None
-        if enc.zero_copy:  # quantized by its owner
-            payload = src
-        else:
-            staging = staging if staging is not None else self._take_staging(enc)
-            payload = enc.encode(src, staging.view(enc.staging_dtype), kernels.quant_shift(exponent, self.world_size))
-        self._outstanding[(req.round, index)] = staging
-        h = Header(MsgType.PUSH, job_id=self.job_id, round=req.round, index=index, sender=self.member_rank,
-                   flags=Flag.LITTLE_ENDIAN, dtype=enc.wire, count=c.count, exponent=exponent,
-                   next_exponent=int(req.local_exponents[c.index]), world=self.members, offset=c.offset)
-        self._conn.send(c.shard, h.pack(), payload)
-        self.stats.chunks_sent += 1
-        self.stats.bytes_sent += c.count * enc.wire_itemsize
-        if not resend:
-            self.stats.chunks_sent_again += 1
 
     def _on_message(self, msg) -> None:
         try:
@@ -825,7 +811,7 @@ class ChunkClient(Client):
                 self._fail_round(req, AggregationError(
                     f"{self._context()}: round {req.round}: quantizing chunk {c.index} again failed: {exc}"))
                 return True
-        self._send_again(req, c)
+        self._send_chunk(req, c, second=True)
         return True
 
     def _nonfinite_error(self, req: ChunkRequest, bad: list) -> NonFiniteError:
