@@ -6,6 +6,8 @@ Public API:
 * :class:`ClientConfig` -- its settings (``ClientConfig.from_env()``);
 * :func:`load_topology` -- racks, their aggregators and the root, from a
   topology file (:class:`Topology`; mistakes raise :class:`TopologyError`);
+* :func:`shared_array` -- an array the aggregator on the same host reads
+  where it lies (``shm://``), with no copy on the way in;
 * :class:`SparseClient` -- sparse tables on the aggregator service (a
   parameter server: push and pull rows, optimizers on the service);
   :class:`HostGroup` -- the workers of one host, which combine their rows
@@ -21,6 +23,7 @@ from aggnet.client.config import ClientConfig
 from aggnet.client.host_group import HostGroup
 from aggnet.client.sparse import SparseClient
 from aggnet.protocol.topology import Topology, TopologyError
+from aggnet.transport.shm import shared_array
 from aggnet.protocol.topology import load as load_topology
 from aggnet.errors import (
     AggnetError,
@@ -50,4 +53,5 @@ __all__ = [
     "Topology",
     "TopologyError",
     "load_topology",
+    "shared_array",
 ]

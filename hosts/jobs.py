@@ -31,6 +31,13 @@ FINALS_BYTES = 256 << 20
 #: which its workers' windows bound)
 KEEP_UP_CHUNKS = 64
 
+#: rounds' shared buffers (SHARE) a job remembers at most: a record goes
+#: once its chunks are read, so only failed rounds' linger, oldest first out
+SHARED_ROUNDS = DONE_MEMORY
+#: shared buffers a job keeps mapped at most, the least recently named
+#: unmapped first (a worker names the same few every step)
+SHARED_MAPS = 1024
+
 #: accumulator dtype per wire dtype: 16-bit floats are summed in float32
 ACC_DTYPE = {
     DType.FLOAT32: np.float32,
@@ -79,6 +86,11 @@ class Job:
     #: shared-memory rings of the job on this shard, and the ranks using them
     segment: "Segment | None" = None
     shm_members: set = field(default_factory=set)
+    #: (rank, round) -> [its shared buffer (None: refused), byte offset of
+    #: the round's buffer in it, chunks still to read there]
+    shared: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    #: segment name -> the SharedBuffer mapped from it
+    shared_maps: collections.OrderedDict = field(default_factory=collections.OrderedDict)
     #: (round, index, op) -> ERROR payload of slots given up (stall,
     #: mismatch, a member left), for the ranks whose part comes later
     abandoned: collections.OrderedDict = field(default_factory=collections.OrderedDict)
@@ -134,6 +146,17 @@ class Job:
         if quiet < LIVE_SECONDS or any(slot.seen >> rank & 1 for slot in self.slots.values()):
             return quiet
         return None
+
+    def remember_shared(self, rank: int, round_: int, record: list) -> None:
+        self.shared[(rank, round_)] = record
+        while len(self.shared) > SHARED_ROUNDS:
+            self.shared.popitem(last=False)
+
+    def close_shared(self) -> None:
+        for buf in self.shared_maps.values():
+            buf.close()
+        self.shared_maps.clear()
+        self.shared.clear()
 
     def remember_done(self, key) -> None:
         self.done[key] = None

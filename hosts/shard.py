@@ -30,7 +30,8 @@ from aggnet.buffers import BufferPool
 
 from aggnet.hosts.admission import Disagreement, PendingJoin, admit
 from aggnet.hosts.parent import refusal, whole_here
-from aggnet.hosts.jobs import ACC_DTYPE, KEEP_UP_CHUNKS, Job, Segment, Slot
+from aggnet.hosts.jobs import ACC_DTYPE, KEEP_UP_CHUNKS, SHARED_MAPS, Job, Segment, Slot
+from aggnet.transport.shm import SharedBuffer
 from aggnet.protocol.replay import final_of
 from aggnet.hosts.sparse import MESSAGES as SPARSE_MESSAGES, SparseTables
 from aggnet.hosts.aggregator import STOP_POLL
@@ -165,6 +166,8 @@ class Shard:
                 self._on_join(peer, h, payload)
             elif t == MsgType.LEAVE:
                 self._on_leave(peer, h)
+            elif t == MsgType.SHARE:
+                self._on_share(peer, h, payload)
             elif t == MsgType.HELLO:
                 self._reply(peer, Header(MsgType.HELLO_OK), wire.json_payload(
                     {"service": "aggnet", "version": wire.VERSION, "shards": [str(self.listener.address)]}))
@@ -320,6 +323,40 @@ class Shard:
                                f"all workers of a job must use the same chunk_bytes and window", "shm_mismatch")
         job.shm_members.add(h.sender)
 
+    def _on_share(self, peer, h: Header, payload) -> None:
+        """A member's buffer of round ``h.round`` lies in its own shared
+        memory: map it (once per buffer) and read that round's chunks
+        there. A refusal is remembered, so that the round's chunks are
+        dropped rather than read from the member's ring slots."""
+        job = self.jobs.get(h.job_id)
+        if job is None or job.members.get(h.sender) != peer or h.sender not in job.shm_members:
+            raise ControlError(ErrorCode.NOT_JOINED, f"rank {h.sender} named a shared buffer without joining job "
+                                                     f"{h.job_id:08x} over shm from this connection", "share_not_joined")
+        try:
+            info = control.parse(control.SHARE, payload, "SHARE")
+            if info["at"] >= info["bytes"]:
+                raise ControlError(ErrorCode.MALFORMED, f"SHARE: the buffer starts at byte {info['at']} of a "
+                                                        f"{info['bytes']}-byte segment", "share_bounds")
+            buf = job.shared_maps.pop(info["name"], None)
+            if buf is not None and buf.size < info["bytes"]:
+                buf.close()  # a segment of that name cannot grow: named larger, it is refused below
+                buf = None
+            if buf is None:
+                try:
+                    buf = SharedBuffer.open(info["name"], info["bytes"])
+                except (OSError, ValueError) as exc:
+                    raise ControlError(ErrorCode.REFUSED, f"cannot read rank {h.sender}'s shared buffer: {exc}; "
+                                                          f"the worker and the aggregator must share /dev/shm",
+                                       "share_unavailable") from None
+            job.shared_maps[info["name"]] = buf
+            while len(job.shared_maps) > SHARED_MAPS:
+                job.shared_maps.popitem(last=False)[1].close()
+        except ControlError:
+            job.remember_shared(h.sender, h.round, [None, 0, 0])
+            raise
+        job.remember_shared(h.sender, h.round, [buf, info["at"], info["chunks"]])
+        self.counters["shares"] += 1
+
     def _on_leave(self, peer, h: Header) -> None:
         # echoed, so the worker knows it may close: a connection closed
         # right behind its last message may lose it (UCX closes by abort)
@@ -379,6 +416,7 @@ class Shard:
         if self.uplink is not None and not job.whole and tell_root:
             self.uplink.leave(job.job_id)
         job.slots.clear()
+        job.close_shared()
         if job.segment is not None:
             job.segment.close()
             job.segment = None
@@ -465,12 +503,33 @@ class Shard:
                 self._drop(peer, "shm_not_joined", ErrorCode.NOT_JOINED,
                            f"rank {h.sender} sent a shared-memory payload without joining job {job.name!r} over shm", h)
                 return None
+            shared = job.shared.get((h.sender, h.round))
+            if shared is not None:
+                return self._read_shared(job, peer, h, shared, owner)
             if h.payload_bytes > seg.chunk_bytes:
                 self._drop(peer, "shm_too_large", ErrorCode.MALFORMED,
                            f"{h.payload_bytes}-byte payload exceeds the {seg.chunk_bytes}-byte shared-memory slot", h)
                 return None
             payload = seg.input_slot(h.sender, h.ref)[: h.payload_bytes]
         return job, payload, owner
+
+    def _read_shared(self, job: Job, peer, h: Header, shared: list, owner):
+        """A chunk read where it lies in the member's shared buffer."""
+        buf, at, _ = shared
+        if buf is None:  # its SHARE was refused, and the member told why
+            self.counters["dropped_share_refused"] += 1
+            return None
+        start = at + h.offset * wire.ITEMSIZE[h.dtype]
+        if start + h.payload_bytes > buf.size:
+            self._drop(peer, "share_bounds", ErrorCode.MALFORMED,
+                       f"chunk {h.index} of round {h.round} ends at byte {start + h.payload_bytes} of shared buffer "
+                       f"{buf.name}, which has {buf.size}", h)
+            return None
+        shared[2] -= 1
+        if shared[2] <= 0:  # every chunk named is read: the record goes
+            del job.shared[(h.sender, h.round)]
+        self.counters["shared_pushes"] += 1
+        return job, buf.array[start:start + h.payload_bytes], owner
 
     def _answered_before(self, job: Job, peer, h: Header, key) -> bool:
         """Answer a PUSH for a chunk this shard finished, gave up or cannot

@@ -28,8 +28,14 @@ same way (docs/protocol.md).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import mmap
 import os
+import re
+import secrets
+import threading
+import weakref
 
 import numpy as np
 
@@ -106,3 +112,176 @@ class Segment:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+# -- a worker's buffers in shared memory -------------------------------------------
+#
+# The rings above cost a worker one copy of every chunk into its input
+# slot. A buffer that already lies in shared memory (the pinned host
+# buffers a GPU bucket is staged through, or an array from
+# aggnet.shared_array) need not be copied: the worker names the buffer to
+# each shard once per round (a SHARE message) and the shard reads the
+# chunks where they lie. Only the copy out of the result slot is left.
+
+#: name prefix of the segments behind shared buffers: aggnet-buf-PID-N-RANDOM
+SHARED_PREFIX = "aggnet-buf-"
+_SHARED_NAME = re.compile(r"aggnet-buf-(\d{1,10})-\d{1,12}-[0-9a-f]{8}\Z")
+
+_registry_lock = threading.Lock()
+#: start address -> (end address, name, size, weakref of the mapping): the
+#: shared buffers of this process, found by the address of an array
+_registry: dict[int, tuple] = {}
+_starts: list[int] = []  #: the registry's keys, sorted
+_created = itertools.count()
+_swept = False
+
+
+class SharedBuffer:
+    """Bytes in a shared-memory segment of the worker's own, which a shard
+    on the same host maps read-only by name. Made by :func:`shared_bytes`;
+    the segment is removed once the last array over it is gone."""
+
+    def __init__(self, name: str, size: int, mapping: mmap.mmap, *, writable: bool):
+        self.name = name
+        self.size = size
+        self._map = mapping
+        self.array = np.frombuffer(mapping, np.uint8) if writable else np.frombuffer(memoryview(mapping), np.uint8)
+
+    @classmethod
+    def open(cls, name: str, size: int) -> "SharedBuffer":
+        """Map another process's shared buffer read-only (a shard); OSError
+        or ValueError names what is wrong with it."""
+        if not _SHARED_NAME.match(name):
+            raise ValueError(f"{name!r} is not the name of an aggnet shared buffer ({SHARED_PREFIX}PID-N-HEX)")
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise OSError(f"cannot open shared buffer {path}: {exc.strerror}") from None
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < size:
+                raise ValueError(f"shared buffer {path} is {actual} bytes, smaller than the {size} named")
+            mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        return cls(name, size, mapping, writable=False)
+
+    def close(self) -> None:
+        self.array = None
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes with it
+
+
+def shared_bytes(nbytes: int) -> np.ndarray | None:
+    """``nbytes`` bytes (uint8) in a new shared-memory segment of this
+    process, or None where /dev/shm cannot hold them (a container's small
+    /dev/shm: the caller then uses private memory). The space is reserved
+    up front: a full /dev/shm is a None here, not a SIGBUS at first touch."""
+    global _swept
+    if not _swept:
+        _swept = True
+        sweep_stale_shared()
+    name = f"{SHARED_PREFIX}{os.getpid()}-{next(_created)}-{secrets.token_hex(4)}"
+    path = os.path.join(SHM_DIR, name)
+    size = max(nbytes, 1)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return None
+    try:
+        os.posix_fallocate(fd, 0, size)
+        mapping = mmap.mmap(fd, size)
+    except OSError:
+        _unlink(path)
+        return None
+    finally:
+        os.close(fd)
+    array = np.frombuffer(mapping, np.uint8)
+    start = array.ctypes.data
+    with _registry_lock:
+        _registry[start] = (start + size, name, size, weakref.ref(mapping))
+        bisect.insort(_starts, start)
+    # the segment goes when the mapping does (the last array over it);
+    # a shard that mapped it keeps its own mapping until the job ends
+    weakref.finalize(mapping, _forget, start, path)
+    return array[:nbytes]
+
+
+def shared_array(shape, dtype=np.float32) -> np.ndarray:
+    """A new array (zeros) in shared memory of this process. All-reduced
+    through an aggregator on the same host (an ``shm://`` address), its
+    chunks are read by the aggregator where they lie: the worker copies
+    nothing into the rings, only the results out. Elsewhere it is an
+    ordinary array. Its memory is returned when the last view of it goes."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    raw = shared_bytes(count * dtype.itemsize)
+    if raw is None:
+        raise MemoryError(f"aggnet: {SHM_DIR} cannot hold {count * dtype.itemsize} more bytes; free space there "
+                          f"(a container: give it a larger /dev/shm) or use an ordinary array")
+    return raw.view(dtype).reshape(shape)
+
+
+def _forget(start: int, path: str) -> None:
+    with _registry_lock:
+        if _registry.pop(start, None) is not None:
+            _starts.remove(start)
+    _unlink(path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def find_shared(arr: np.ndarray) -> tuple[str, int, int] | None:
+    """(segment name, its size, the byte offset of ``arr`` in it) when the
+    C-contiguous host array ``arr`` lies in one of this process's shared
+    buffers, else None."""
+    if not _starts or arr.nbytes == 0:
+        return None
+    begin = arr.ctypes.data
+    with _registry_lock:
+        i = bisect.bisect_right(_starts, begin) - 1
+        if i < 0:
+            return None
+        start = _starts[i]
+        end, name, size, alive = _registry[start]
+    if begin + arr.nbytes > end or alive() is None:
+        return None
+    return name, size, begin - start
+
+
+def sweep_stale_shared() -> int:
+    """Remove shared buffers left in /dev/shm by processes that are gone
+    (a worker killed before it could remove its own); returns how many."""
+    removed = 0
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        m = _SHARED_NAME.match(name)
+        if m is None:
+            continue
+        pid = int(m.group(1))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        _unlink(os.path.join(SHM_DIR, name))
+        removed += 1
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True

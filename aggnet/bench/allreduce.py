@@ -47,7 +47,9 @@ def add_arguments(p) -> None:
                         "q-int32-carried (the same under a key, exponents carried from the last round; averaged, so "
                         "that the values keep their scale from one repetition to the next as a model's gradients do), "
                         "o-int32, o-int32-carried (int32 handed over by its owner, which quantizes it once the "
-                        "exponents are agreed or carried, as a GPU bucket is: the host's share of such a bucket)")
+                        "exponents are agreed or carried, as a GPU bucket is: the host's share of such a bucket); "
+                        "s-DTYPE: the same in shared memory (aggnet.shared_array), which an shm service reads in "
+                        "place, as a GPU bucket's staging buffer is")
     p.add_argument("--chunk-bytes", default=None, help="aggnet chunk sizes to compare (default: the default chunk)")
     p.add_argument("--shards", type=int, default=None, help="aggregator shards (default: one per core)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per point (default %(default)s)")
@@ -101,7 +103,7 @@ def _fill(buf: np.ndarray, rank: int) -> None:
 
 def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_port: int | None, barrier, out,
             *, aggregator: list | None = None) -> None:
-    from aggnet import Client
+    from aggnet import Client, shared_array
     from aggnet.bench.floor import FloorClient
 
     results = []
@@ -115,8 +117,12 @@ def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_p
     try:
         for point in plan:
             system, transport, dtype, nbytes, chunk = (point[k] for k in ("system", "transport", "dtype", "bytes", "chunk_bytes"))
+            shared = dtype.startswith(SHARED) and system != "gloo"
+            dtype = dtype.removeprefix(SHARED)
             np_dtype = np.int32 if dtype == "int32" or _owned(dtype) else np.float32
-            buf = np.empty(nbytes // 4, np_dtype)
+            # in shared memory, as a GPU bucket's staging buffer is for a
+            # service on its host: the shards read it where it lies
+            buf = shared_array(nbytes // 4, np_dtype) if shared else np.empty(nbytes // 4, np_dtype)
             _fill(buf, rank)
             on_gpu = point.get("memory") == "cuda"
             if system == "gloo":
@@ -186,15 +192,23 @@ def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_p
 
 
 DTYPES = ("float32", "int32", "q-int32", "q-int32-carried", "o-int32", "o-int32-carried")
+#: a dtype's buffer in shared memory (aggnet.shared_array): s-float32, s-o-int32...
+SHARED = "s-"
 
 
 def _quantized(dtype: str) -> bool:
     """float32 through the int32 codec: quantized by the client (q-) or by its owner (o-)."""
-    return dtype.startswith(("q-", "o-"))
+    return dtype.removeprefix(SHARED).startswith(("q-", "o-"))
 
 
 def _owned(dtype: str) -> bool:
-    return dtype.startswith("o-")
+    return dtype.removeprefix(SHARED).startswith("o-")
+
+
+def _peer_dtypes(dtypes: list) -> list:
+    """The dtypes gloo and the floor are timed at: each unquantized one
+    once, a shared buffer's as its own (they read no shared memory)."""
+    return list(dict.fromkeys(d.removeprefix(SHARED) for d in dtypes if not _quantized(d)))
 
 
 def _owner(buf: np.ndarray, rank: int, block: int):
@@ -373,7 +387,7 @@ def main(args) -> int:
         print(f"aggnet bench: --rounds must be at least 1, got {args.rounds}", file=sys.stderr)
         return 2
     for d in dtypes:
-        if d not in DTYPES:
+        if d.removeprefix(SHARED) not in DTYPES:
             print(f"aggnet bench: unknown dtype {d!r}; choose from {', '.join(DTYPES)}", file=sys.stderr)
             return 2
         if _owned(d) and args.memory == "cuda":
@@ -500,12 +514,12 @@ def _plan(group: str, sizes: list, dtypes: list, chunks: list, listen: dict, mem
     for nbytes in sizes:
         if group == "gloo":
             plan += [{"system": "gloo", "transport": "tcp", "dtype": d, "bytes": nbytes, "chunk_bytes": None,
-                      "memory": memory} for d in dtypes if not _quantized(d)]
+                      "memory": memory} for d in _peer_dtypes(dtypes)]
         elif group == "floor":
             # with no codec
             plan += [{"system": "floor", "transport": "tcp", "dtype": d, "bytes": nbytes,
                       "chunk_bytes": aggnet_chunk_bytes(), "memory": memory}
-                     for d in dtypes if not _quantized(d)]
+                     for d in _peer_dtypes(dtypes)]
         else:
             # the transport's default chunk size where none is asked for
             scheme = listen[group].split("://", 1)[0]
@@ -589,7 +603,10 @@ def _by_point(records: list[dict], system: str) -> dict:
 
 def _at(by_point: dict, r: dict) -> dict | None:
     """The record of ``by_point`` at r's point (float32's for a dtype it lacks)."""
-    return by_point.get((r["workers"], r["bytes"], r["dtype"]), by_point.get((r["workers"], r["bytes"], "float32")))
+    for dtype in (r["dtype"], r["dtype"].removeprefix(SHARED), "float32"):
+        if (r["workers"], r["bytes"], dtype) in by_point:
+            return by_point[(r["workers"], r["bytes"], dtype)]
+    return None
 
 
 def _ratio(by_point: dict, r: dict, width: int = 9) -> str:

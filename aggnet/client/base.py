@@ -68,6 +68,9 @@ class ClientStats:
     #: the values outgrew those exponents or were too small for them
     scales_carried: int = 0
     chunks_sent_again: int = 0
+    #: chunks an aggregator read where they lie in the caller's shared
+    #: memory (shm://, aggnet.shared_array), copied by nobody on the way in
+    chunks_shared: int = 0
     seconds: float = 0.0  #: wall time from submission to completion, summed
 
 

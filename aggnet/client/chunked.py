@@ -42,7 +42,7 @@ from aggnet.protocol.address import parse, reached_via
 from aggnet.client.base import STALL_FRACTION, Client, Request
 from aggnet.client.codec import Encoding
 from aggnet.errors import AggregationError, AggregationTimeout, AggregatorUnreachable, JobMismatch, NonFiniteError
-from aggnet.transport import TransportError, connect
+from aggnet.transport import TransportError, connect, shm
 from aggnet.protocol.replay import KeptResults, final_of
 from aggnet.protocol.wire import (
     EXPONENT_NONFINITE, EXPONENT_ZERO, PLAN_VALUES, REDO_BIT, DType, Flag, Header, MsgType, round_at_or_before,
@@ -125,6 +125,9 @@ class ChunkRequest(Request):
     #: worth reporting; no further chunk of the round is sent meanwhile
     held_error: Exception | None = None
     held_at: float = 0.0  #: when it was held
+    #: (segment, its size, the buffer's byte offset in it): the buffer lies
+    #: in shared memory of this process, where the shards read its chunks
+    shared: tuple | None = None
 
 
 class ChunkClient(Client):
@@ -132,6 +135,14 @@ class ChunkClient(Client):
 
     _request_class = ChunkRequest
     takes_quantized = True
+
+    @property
+    def takes_shared(self) -> bool:
+        """Whether the aggregator reads buffers that lie in this process's
+        shared memory (:func:`aggnet.shared_array`, a GPU bucket's staging
+        buffers) where they are, instead of a copy of each chunk: over
+        shm:// addresses."""
+        return self._shm
 
     @property
     def owner_results(self) -> bool:
@@ -435,6 +446,7 @@ class ChunkClient(Client):
         for c in req.chunks:
             req.queues.setdefault(c.shard, []).append(c)
             self._to_send[c.shard].append((req, c))
+        self._share(req)
         if req.enc.quantized:
             req.payload_ready = req.quantized is None
             self._find_local_exponents(req)
@@ -456,6 +468,23 @@ class ChunkClient(Client):
             self._start_plan_agreement(req)
         if not self._active or len(self._active) == 1:
             self._last_progress = time.monotonic()
+
+    def _share(self, req: ChunkRequest) -> None:
+        """Name ``req``'s buffer to its shards when it lies in shared memory
+        and goes as it is: they read its chunks there. Sent before any of
+        its chunks, on the connection they take after it."""
+        enc = req.enc
+        if not (self._shm and enc.zero_copy and enc.device is None):
+            return
+        req.shared = shm.find_shared(req.buf)
+        if req.shared is None:
+            return
+        name, size, at = req.shared
+        for shard, queue in req.queues.items():
+            payload = wire.json_payload({"name": name, "bytes": size, "at": at, "chunks": len(queue)})
+            h = Header(MsgType.SHARE, job_id=self.job_id, round=req.round, sender=self.member_rank,
+                       world=self.members)
+            self._conn.send(shard, h.pack_for(payload), payload)
 
     def _start_plan_agreement(self, req: ChunkRequest) -> None:
         """A MAX over workers of the buffer's size, wire dtype and op, and of
@@ -671,9 +700,12 @@ class ChunkClient(Client):
             self._seq[c.shard] = (seq + 1) & 0xFFFFFFFF
         flags = Flag.LITTLE_ENDIAN
         if self._shm and in_order:
-            # the payload goes into this worker's input slot; only the header travels
-            slot = self._segments[c.shard].input_slot(self.member_rank, seq)
-            enc.encode_into(src, slot[: c.count * enc.wire_itemsize], shift)
+            if req.shared is not None:
+                self.stats.chunks_shared += 1  # the shard reads it where it lies
+            else:
+                # the payload goes into this worker's input slot; only the header travels
+                slot = self._segments[c.shard].input_slot(self.member_rank, seq)
+                enc.encode_into(src, slot[: c.count * enc.wire_itemsize], shift)
             payload = None
             flags |= Flag.SHM
         elif enc.zero_copy:

@@ -124,6 +124,15 @@ JOIN = (
     AUTH,
 )
 
+#: SHARE: where a worker's buffer of one round lies (transport/shm.py),
+#: and how many of its chunks the shard is to read there
+SHARE = (
+    Field("name", "str", 1, 64, required=True),
+    Field("bytes", "int", 1, 1 << 50, required=True),
+    Field("at", "int", 0, 1 << 50, required=True),
+    Field("chunks", "int", 1, 1 << 31, required=True),
+)
+
 #: STATS: whose counters (a job's, with its key; everything, with the admin key)
 STATS = (
     Field("job", "str", 1, MAX_NAME),

@@ -128,6 +128,10 @@ class MsgType(enum.IntEnum):
     #: echoes a member's with the lapse it allows in ``ref`` (ms), a
     #: non-member's with 0 (docs/protocol.md "A worker that dies")
     HEARTBEAT = 13
+    #: a worker's buffer of round ``round`` lies in shared memory of its own
+    #: (JSON: control.SHARE): its chunks' PUSHes with flag ``SHM`` are read
+    #: there, at their ``offset``, instead of from its input ring slot
+    SHARE = 14
     # sparse tables on aggregator hosts (hosts/sparse.py; row payloads as
     # aggnet/protocol/sparse_layout.py says; docs/protocol.md "Sparse tables")
     TABLE = 20  #: create or open a sparse table (JSON, control.TABLE)
@@ -142,7 +146,9 @@ class Flag(enum.IntFlag):
     NONE = 0
     VERSION = 0x01  #: slot version bit (switch protocol)
     LITTLE_ENDIAN = 0x02  #: payload is little-endian (host paths)
-    SHM = 0x04  #: payload lies in a shared-memory slot named by ``ref``
+    #: payload lies in a shared-memory slot named by ``ref``, or in the
+    #: sender's shared buffer when a SHARE named one for the round
+    SHM = 0x04
     UPLINK = 0x08  #: a rack's partial sent to its parent / parent's final
     RETRANSMIT = 0x10  #: a resend after a timeout
     OP_MAX = 0x20  #: element-wise MAX instead of SUM
@@ -167,7 +173,7 @@ NOT_IN_P4 = Flag.TO_OWNER | Flag.FINAL
 
 #: message types only aggregator hosts speak: the P4 program's enum leaves
 #: them out (a switch drops them as unknown)
-HOST_ONLY_TYPES = frozenset({MsgType.HEARTBEAT, MsgType.TABLE, MsgType.TABLE_OK, MsgType.SPARSE_PUSH,
+HOST_ONLY_TYPES = frozenset({MsgType.HEARTBEAT, MsgType.SHARE, MsgType.TABLE, MsgType.TABLE_OK, MsgType.SPARSE_PUSH,
                              MsgType.SPARSE_PULL, MsgType.SPARSE_ROWS, MsgType.SPARSE_LOAD})
 
 

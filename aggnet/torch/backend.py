@@ -343,10 +343,11 @@ class AggnetProcessGroup(dist.ProcessGroup):
                             [(t, lambda t=t: self._allreduce_one(t, op)) for t in tensors])
 
     def _stager(self, device: torch.device) -> Stager:
+        shared = getattr(self.client, "takes_shared", False)
         with self._lock:
             stager = self._stagers.get(device)
             if stager is None:
-                stager = self._stagers[device] = Stager(device)
+                stager = self._stagers[device] = Stager(device, shared=shared)
             return stager
 
     def _allreduce_one(self, t: torch.Tensor, op: str):

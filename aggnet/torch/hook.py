@@ -248,11 +248,14 @@ class AggnetState:
 
     def stager(self, device: torch.device) -> Stager:
         """The stager of ``device``'s buckets (one side stream and buffer
-        pools per device, made on its first bucket)."""
+        pools per device, made on its first bucket). Its pinned buffers lie
+        in shared memory where the client's aggregator reads them in place."""
+        shared = getattr(self.client, "takes_shared", False)
         with self._lock:
             stager = self._stagers.get(device)
             if stager is None:
-                stager = self._stagers[device] = Stager(device, through_host=True if self.staging == "always" else None)
+                stager = self._stagers[device] = Stager(device, through_host=True if self.staging == "always" else None,
+                                                        shared=shared)
             return stager
 
     def staging_stats(self) -> dict:

@@ -63,6 +63,7 @@ from aggnet.client.codec import Quantized
 from aggnet.errors import AggnetError
 from aggnet.protocol.wire import DType
 from aggnet.torch import quantize as device_codec
+from aggnet.transport import shm
 
 __all__ = ["BufferPool", "Stager", "Staged", "quantize_block", "result_nonfinite", "wire_dtype"]
 
@@ -101,6 +102,7 @@ class PoolStats:
     allocated_bytes: int = 0
     reuses: int = 0  #: takes served by a buffer given back
     unpinned: int = 0  #: takes beyond the pinned limit, served by pageable memory
+    shared: int = 0  #: of the allocations, those in shared memory (read in place by an shm:// service)
 
 
 class BufferPool:
@@ -118,10 +120,14 @@ class BufferPool:
     alone, the buffers a step needs would depend on how many buckets were
     in flight at once, which varies from step to step."""
 
-    def __init__(self, device: torch.device, *, pin: bool = False, limit: int = PINNED_LIMIT):
+    def __init__(self, device: torch.device, *, pin: bool = False, limit: int = PINNED_LIMIT, shared: bool = False):
         self.device = torch.device(device)
         self.pin = pin
         self.limit = limit
+        #: host buffers in shared memory (aggnet.transport.shm), which an
+        #: aggregator on this host reads in place; private memory where
+        #: /dev/shm cannot hold them
+        self.shared = shared
         self.stats = PoolStats()
         self._free: dict[int, list[torch.Tensor]] = {}
         self._kept: dict[object, torch.Tensor] = {}  #: key -> the buffer given back under it
@@ -145,6 +151,16 @@ class BufferPool:
                 self.stats.unpinned += 1
             self.stats.allocations += 1
             self.stats.allocated_bytes += size
+        if self.shared:
+            raw = shm.shared_bytes(size)
+            if raw is not None:
+                with self._lock:
+                    self.stats.shared += 1
+                buf = torch.from_numpy(raw)
+                if pin and torch.cuda.is_available() and not _register(buf):
+                    with self._lock:
+                        self.stats.unpinned += 1
+                return buf
         # pinning needs a CUDA runtime (a CPU build of torch has none)
         return torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=pin and torch.cuda.is_available())
 
@@ -154,6 +170,16 @@ class BufferPool:
                 self._kept[key] = buf
             else:
                 self._free.setdefault(buf.numel(), []).append(buf)
+
+
+def _register(buf: torch.Tensor) -> bool:
+    """Page-lock ``buf`` (shared memory) for the GPU's copies, as pinned
+    memory is; False where CUDA refuses (it is then copied as pageable
+    memory is: correct, slower)."""
+    try:
+        return int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)) == 0
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def _view(raw: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -203,7 +229,8 @@ class Stager:
     they were submitted: every worker all-reduces its buckets in the same
     order, as the aggregator requires."""
 
-    def __init__(self, device: torch.device, *, pinned_limit: int = PINNED_LIMIT, through_host: bool | None = None):
+    def __init__(self, device: torch.device, *, pinned_limit: int = PINNED_LIMIT, through_host: bool | None = None,
+                 shared: bool = False):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         #: whether buffers are staged in host buffers of the pools (a CPU
@@ -214,7 +241,10 @@ class Stager:
         #: to the device) runs on a stream of its own: on the first, it
         #: would queue behind later buckets' waits for the training stream
         self.back_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
-        self.host_pool = BufferPool(torch.device("cpu"), pin=self.cuda, limit=pinned_limit)
+        #: ``shared``: the client's aggregator reads shared memory in place
+        #: (``client.takes_shared``): the pinned buffers the client sends
+        #: from are allocated there, so no chunk is copied on its way in
+        self.host_pool = BufferPool(torch.device("cpu"), pin=self.cuda, limit=pinned_limit, shared=shared)
         self.device_pool = BufferPool(self.device)
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None

@@ -120,9 +120,12 @@ def ddp_run(rank: int, world: int, port: int, mode: str, options: dict):
     jobs = [s.job for s in states]
     stats = [s.stats()["total"].calls for s in states]
     routes = [{i: vars(r) for i, r in s.stats()["routes"].items()} for s in states]
+    # chunks the aggregator read in place from the stager's shared memory
+    shared = [s.client.stats.chunks_shared if s.resolved else 0 for s in states]
     for s in states:
         s.close()
-    return {"params": out, "jobs": jobs, "calls": stats, "allocations": allocations, "routes": routes}
+    return {"params": out, "jobs": jobs, "calls": stats, "allocations": allocations, "routes": routes,
+            "chunks_shared": shared}
 
 
 def max_grad_magnitudes(world: int, steps: int):

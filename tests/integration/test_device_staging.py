@@ -79,6 +79,29 @@ def test_codecs_on_the_device_send_what_the_host_codec_sends(service, device, co
     assert 0 < rel_diff(staged[0]["params"][0], reference) <= 1e-2  # compressed, and close
 
 
+@pytest.mark.parametrize("device", [CPU_STAGED, CUDA])
+@pytest.mark.parametrize("codec", [None, pytest.param("int32", marks=pytest.mark.slow)])
+def test_a_service_on_the_host_reads_the_staged_buckets_in_place(device, codec):
+    """Over shm:// the pinned buffers a bucket is staged through lie in
+    shared memory, and the shards read its chunks there: training is
+    bit-identical to buckets the client copies into the rings itself."""
+    svc = RunningService("shm", shards=2)
+    try:
+        staged = ddp(2, "aggnet", address=svc.address, codec=codec, steps=6, bucket_mb=0.01, **on(device))
+        if device == "cuda":
+            plain = ddp(2, "aggnet", address=svc.address, device=device, codec=codec, steps=6, bucket_mb=0.01,
+                        staging=False)
+        else:
+            plain = ddp(2, "aggnet", address=svc.address, codec=codec, steps=6, bucket_mb=0.01)
+    finally:
+        svc.stop()
+    for rank in range(2):
+        for a, b in zip(staged[rank]["params"][0], plain[rank]["params"][0]):
+            np.testing.assert_array_equal(a, b)
+        assert staged[rank]["chunks_shared"][0] > 0
+        assert plain[rank]["chunks_shared"][0] == 0
+
+
 @pytest.mark.parametrize("device,codec", [(CPU_STAGED, "int32"), pytest.param("cuda", "fp16", marks=CUDA.marks),
                                           pytest.param("cuda", "int32", marks=CUDA.marks)])
 def test_no_bucket_allocates_once_ddp_has_rebuilt_its_buckets(service, device, codec):

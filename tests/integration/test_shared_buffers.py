@@ -1,0 +1,173 @@
+"""Buffers in a worker's own shared memory (``aggnet.shared_array``, a GPU
+bucket's staging buffers): over ``shm://`` the worker names the buffer to
+each shard once a round and the shard reads its chunks where they lie, so
+the worker copies nothing on the way in. Worker processes against a real
+shm service with two shards: the sums are the bits the ring-slot path
+gives, every chunk is read in place, and a buffer the shard cannot open
+fails the round with a line that says why, on a shard that goes on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+import aggnet
+from aggnet import Client
+from aggnet.transport import shm
+from harness.helpers import RunningService, run_workers
+
+N = 10_007  # elements: several 4 KiB chunks and a short last one
+CHUNK = 4096
+
+
+@pytest.fixture(scope="module")
+def service():
+    svc = RunningService("shm", shards=2)
+    yield svc
+    svc.stop()
+
+
+def values(rank: int, dtype, n: int = N) -> np.ndarray:
+    rng = np.random.default_rng(11 + rank)
+    if np.dtype(dtype) == np.int32:
+        return rng.integers(-1 << 20, 1 << 20, n, dtype=np.int32)
+    return rng.standard_normal(n).astype(dtype)
+
+
+def _rounds(rank: int, address: str, job: str, cases: list, shared_ranks: tuple):
+    """Each case (dtype, op, codec, offset) all-reduced twice, from a shared
+    array at ``offset`` elements into it (on the ranks in
+    ``shared_ranks``) or from an ordinary one."""
+    out = []
+    with Client(address, job=job, rank=rank, world_size=2, chunk_bytes=CHUNK, timeout=30) as c:
+        for dtype, op, codec, offset in cases:
+            if rank in shared_ranks:
+                whole = aggnet.shared_array(N + offset + 3, dtype)
+                buf = whole[offset:offset + N]
+            else:
+                buf = np.empty(N, dtype)
+            got = []
+            for rnd in range(2):
+                buf[...] = values(rank + rnd, dtype)
+                before = c.stats.chunks_shared
+                c.allreduce(buf, op=op, codec=codec).result(30)
+                got.append((buf.view(np.uint8).copy(), c.stats.chunks_shared - before))
+            out.append(got)
+    return out
+
+
+CASES = [(np.float32, "sum", None, 0), (np.float32, "avg", None, 37), (np.int32, "sum", None, 5),
+         (np.float16, "sum", None, 1), (np.float32, "sum", "int32", 0)]
+
+
+def run(service, shared_ranks):
+    return run_workers(service.address, 2, _rounds, service.address, f"shared-{uuid.uuid4().hex[:8]}", CASES,
+                       shared_ranks, timeout=90)
+
+
+def test_a_shared_buffer_is_read_in_place_and_sums_to_the_bits_the_rings_give(service):
+    service.mark_counts()
+    shared = run(service, (0, 1))
+    counts = service.new_counts()
+    ringed = run(service, ())
+    chunks = {case: -(-N * np.dtype(case[0]).itemsize // CHUNK) for case in CASES}
+    for rank in range(2):
+        for i, case in enumerate(CASES):
+            for rnd in range(2):
+                bits, read_in_place = shared[rank][i][rnd]
+                np.testing.assert_array_equal(bits, ringed[rank][i][rnd][0], err_msg=f"{case} round {rnd}")
+                np.testing.assert_array_equal(bits, shared[0][i][rnd][0])
+                # as they are on the wire: read in place; the int32 codec
+                # quantizes into a staging buffer first, through the rings
+                assert read_in_place == (0 if case[2] == "int32" else chunks[case]), case
+                assert ringed[rank][i][rnd][1] == 0
+    # the sums are the sums, not only equal to each other
+    want = values(0, np.float32) + values(1, np.float32)
+    np.testing.assert_allclose(shared[0][0][0][0].view(np.float32), want, rtol=1e-6)
+    in_place = 2 * 2 * sum(chunks[c] for c in CASES if c[2] is None)
+    assert counts["shared_pushes"] == in_place
+    assert counts["shares"] == 2 * 2 * 2 * sum(1 for c in CASES if c[2] is None)  # both shards, each round
+
+
+def test_one_worker_shared_and_one_not_sum_alike(service):
+    mixed = run(service, (1,))
+    ringed = run(service, ())
+    for i in range(len(CASES)):
+        for rnd in range(2):
+            np.testing.assert_array_equal(mixed[0][i][rnd][0], ringed[0][i][rnd][0])
+            np.testing.assert_array_equal(mixed[1][i][rnd][0], ringed[0][i][rnd][0])
+            assert mixed[0][i][rnd][1] == 0
+
+
+def test_over_a_socket_a_shared_array_is_an_ordinary_buffer():
+    svc = RunningService("zmq+ipc", shards=2)
+    try:
+        out = run_workers(svc.address, 2, _rounds, svc.address, f"shared-ipc-{uuid.uuid4().hex[:8]}", CASES[:1],
+                          (0, 1), timeout=60)
+    finally:
+        svc.stop()
+    want = values(0, np.float32) + values(1, np.float32)
+    for rank in range(2):
+        np.testing.assert_allclose(out[rank][0][0][0].view(np.float32), want, rtol=1e-6)
+        assert out[rank][0][0][1] == 0
+
+
+def _unreadable(rank: int, address: str, job: str):
+    """Rank 0's buffer is in shared memory whose file is gone (another
+    /dev/shm than the aggregator's, or removed by hand)."""
+    with Client(address, job=job, rank=rank, world_size=2, chunk_bytes=CHUNK, timeout=4) as c:
+        buf = aggnet.shared_array(N) if rank == 0 else np.empty(N, np.float32)
+        if rank == 0:
+            name = shm.find_shared(buf)[0]
+            os.unlink(os.path.join(shm.SHM_DIR, name))
+        buf[...] = 1.0
+        try:
+            c.allreduce(buf).result(30)
+        except aggnet.AggnetError as exc:
+            return type(exc).__name__, str(exc)
+        return "no error"
+
+
+def test_a_buffer_the_shard_cannot_open_fails_the_round_saying_why(service):
+    service.mark_counts()
+    out = run_workers(service.address, 2, _unreadable, service.address, f"unreadable-{uuid.uuid4().hex[:8]}",
+                      timeout=60)
+    kind, text = out[0]
+    assert "cannot read rank 0's shared buffer" in text and "/dev/shm" in text, text
+    assert "\n" not in text
+    assert out[1] != "no error"  # rank 1's part cannot complete without rank 0's
+    assert service.alive()
+    counts = service.new_counts()
+    assert counts["dropped_share_unavailable"] >= 1
+    # the shard went on: the next job sums as before
+    again = run(service, (0, 1))
+    np.testing.assert_allclose(again[0][0][0][0].view(np.float32), values(0, np.float32) + values(1, np.float32),
+                               rtol=1e-6)
+
+
+def test_a_shared_buffer_goes_with_its_last_view_and_a_dead_process_s_are_swept():
+    buf = aggnet.shared_array((4, 5), np.int32)
+    name = shm.find_shared(buf)[0]
+    path = os.path.join(shm.SHM_DIR, name)
+    assert os.path.exists(path) and buf.shape == (4, 5) and not buf.any()
+    view = buf[1:]
+    del buf
+    assert os.path.exists(path)  # a view still holds it
+    del view
+    assert not os.path.exists(path)
+    # a worker killed before it could remove its buffer leaves the file;
+    # the next process that makes one removes it
+    child = subprocess.run([sys.executable, "-c", "import os, aggnet\n"
+                            "a = aggnet.shared_array(64)\n"
+                            "from aggnet.transport import shm\n"
+                            "print(shm.find_shared(a)[0], flush=True)\n"
+                            "os._exit(0)"], capture_output=True, text=True, timeout=60)
+    left = os.path.join(shm.SHM_DIR, child.stdout.strip())
+    assert child.returncode == 0 and os.path.exists(left), child.stderr
+    shm.sweep_stale_shared()  # (or another test process's first shared buffer did)
+    assert not os.path.exists(left)
