@@ -176,8 +176,8 @@ def _register(buf: torch.Tensor) -> bool:
     """Page-lock ``buf`` (shared memory) for the GPU's copies, as pinned
     memory is; False where CUDA refuses (it is then copied as pageable
     memory is: correct, slower)."""
-    try:
-        return int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)) == 0
+    try:  # 1: cudaHostRegisterPortable, page-locked for every device's copies
+        return int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 1)) == 0
     except (RuntimeError, AttributeError):
         return False
 

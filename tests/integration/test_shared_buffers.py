@@ -19,7 +19,9 @@ import pytest
 import aggnet
 from aggnet import Client
 from aggnet.transport import shm
+from aggnet.processes import ServiceProcess
 from harness.helpers import RunningService, run_workers
+from harness.racks import topology_text
 
 N = 10_007  # elements: several 4 KiB chunks and a short last one
 CHUNK = 4096
@@ -39,12 +41,14 @@ def values(rank: int, dtype, n: int = N) -> np.ndarray:
     return rng.standard_normal(n).astype(dtype)
 
 
-def _rounds(rank: int, address: str, job: str, cases: list, shared_ranks: tuple):
+def _rounds(rank: int, address: str, job: str, cases: list, shared_ranks: tuple, world: int = 2):
     """Each case (dtype, op, codec, offset) all-reduced twice, from a shared
     array at ``offset`` elements into it (on the ranks in
-    ``shared_ranks``) or from an ordinary one."""
+    ``shared_ranks``) or from an ordinary one. ``address``: a topology's
+    text for racks."""
     out = []
-    with Client(address, job=job, rank=rank, world_size=2, chunk_bytes=CHUNK, timeout=30) as c:
+    where = {"topology": address} if "[[racks]]" in address else {"address": address}
+    with Client(**where, job=job, rank=rank, world_size=world, chunk_bytes=CHUNK, timeout=30) as c:
         for dtype, op, codec, offset in cases:
             if rank in shared_ranks:
                 whole = aggnet.shared_array(N + offset + 3, dtype)
@@ -115,6 +119,34 @@ def test_over_a_socket_a_shared_array_is_an_ordinary_buffer():
     for rank in range(2):
         np.testing.assert_allclose(out[rank][0][0][0].view(np.float32), want, rtol=1e-6)
         assert out[rank][0][0][1] == 0
+
+
+def test_racks_on_shared_memory_under_a_root_read_in_place(tmp_path):
+    """A rack aggregator on its workers' host (shm://) under a root: the
+    rack reads its workers' buffers in place and sends its partial up."""
+    root = ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2)
+    racks = []
+    try:
+        for i in range(2):
+            listen = f"shm://{tmp_path}/rack{i}.sock"
+            racks.append(ServiceProcess(listen, shards=2, args=["--parent", root.address, "--rack-id", str(i),
+                                                                "--racks", "2"]))
+        topology = topology_text("service", root.address, [r.address for r in racks], 2, shards=2)
+        cases = CASES[:3]
+        shared = run_workers("spawn://", 4, _rounds, topology, f"shared-racks-{uuid.uuid4().hex[:8]}", cases,
+                             (0, 1, 2, 3), 4, timeout=120)
+        ringed = run_workers("spawn://", 4, _rounds, topology, f"ringed-racks-{uuid.uuid4().hex[:8]}", cases,
+                             (), 4, timeout=120)
+    finally:
+        for p in [*racks, root]:
+            p.stop()
+    for rank in range(4):
+        for i, case in enumerate(cases):
+            bits, read_in_place = shared[rank][i][0]
+            np.testing.assert_array_equal(bits, ringed[rank][i][0][0], err_msg=str(case))
+            assert read_in_place == -(-N * np.dtype(case[0]).itemsize // CHUNK)
+    want = sum(values(r, np.float32).astype(np.float64) for r in range(4))
+    np.testing.assert_allclose(shared[0][0][0][0].view(np.float32), want, rtol=1e-6, atol=1e-5)
 
 
 def _unreadable(rank: int, address: str, job: str):
