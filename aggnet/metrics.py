@@ -92,6 +92,7 @@ _CLIENT_HELP = {
     "scales_carried": "int32 all-reduces quantized with exponents carried from their key's last round",
     "chunks_sent_again": "int32 chunks sent again with the agreed exponent (values outgrew the carried one)",
     "chunks_shared": "Chunks a shard read where they lie in the worker's shared memory (no copy into a ring slot)",
+    "results_in_place": "Results a shard wrote into the worker's shared memory itself (no copy out of a ring slot)",
     "seconds": "Seconds from submission to completion, summed over all-reduces",
 }
 

@@ -352,9 +352,11 @@ class Shard:
             while len(job.shared_maps) > SHARED_MAPS:
                 job.shared_maps.popitem(last=False)[1].close()
         except ControlError:
-            job.remember_shared(h.sender, h.round, [None, 0, 0])
+            job.remember_shared(h.sender, h.round, [None, 0, 0, 0, 1.0])
             raise
-        job.remember_shared(h.sender, h.round, [buf, info["at"], info["chunks"]])
+        # [buffer, start, chunks to read, results to write there, their multiplier]
+        job.remember_shared(h.sender, h.round, [buf, info["at"], info["chunks"],
+                                                info["chunks"] if info["results"] else 0, info["multiplier"]])
         self.counters["shares"] += 1
 
     def _on_leave(self, peer, h: Header) -> None:
@@ -515,7 +517,7 @@ class Shard:
 
     def _read_shared(self, job: Job, peer, h: Header, shared: list, owner):
         """A chunk read where it lies in the member's shared buffer."""
-        buf, at, _ = shared
+        buf, at = shared[0], shared[1]
         if buf is None:  # its SHARE was refused, and the member told why
             self.counters["dropped_share_refused"] += 1
             return None
@@ -526,7 +528,7 @@ class Shard:
                        f"{buf.name}, which has {buf.size}", h)
             return None
         shared[2] -= 1
-        if shared[2] <= 0:  # every chunk named is read: the record goes
+        if shared[2] <= 0 and shared[3] <= 0:  # every chunk named is read (and written): the record goes
             del job.shared[(h.sender, h.round)]
         self.counters["shared_pushes"] += 1
         return job, buf.array[start:start + h.payload_bytes], owner
@@ -693,6 +695,15 @@ class Shard:
                 out_buf = self.pool.take(slot.count * 2)
                 out = out_buf[: slot.count * 2].view(np.uint16)
             self.k.to_half(slot.acc, out, _HALF_FMT[slot.dtype])
+        # members whose SHARE asked for the result in their buffer have it
+        # there now: their RESULT says so and carries nothing
+        placed = self._write_shared(job, slot, out) if job.shared and slot.owner is None and not slot.op_max else ()
+        placed_header = None
+        if placed:
+            self.counters["results_in_place"] += len(placed)
+            h.msg_type, h.flags = MsgType.RESULT_IN_PLACE, h.flags | Flag.SHM
+            placed_header = h.pack()
+            h.msg_type, h.flags = MsgType.RESULT, h.flags & ~Flag.SHM
         inline = out
         shm_header = None
         if in_shm:
@@ -710,6 +721,8 @@ class Shard:
         for rank, peer in job.members.items():
             if ack is not None and rank != slot.owner:
                 sent = self.listener.send(peer, ack)
+            elif rank in placed:
+                sent = self.listener.send(peer, placed_header)
             elif shm_header is not None and rank in job.shm_members:
                 sent = self.listener.send(peer, shm_header)
             else:
@@ -728,6 +741,33 @@ class Shard:
         job.counters["results"] += 1
         job.counters["bytes_out"] += out.nbytes * readers
         self.latency.observe(time.monotonic() - slot.first_seen)
+
+    @staticmethod
+    def _write_shared(job: Job, slot: Slot, out: np.ndarray) -> set:
+        """Write a chunk's result into the shared buffer of each member whose
+        SHARE of the round asked for it (times its multiplier: an average);
+        the ranks written. A worker copies nothing of such a result: a GPU
+        bucket's pinned buffer then holds it for the copy to the device."""
+        placed = set()
+        for rank in job.members:
+            rec = job.shared.get((rank, slot.key[0]))
+            if rec is None or rec[0] is None or rec[3] <= 0:
+                continue
+            buf, at, multiplier = rec[0], rec[1], rec[4]
+            start = at + slot.offset * out.itemsize
+            if start + out.nbytes > buf.size or (multiplier != 1.0 and out.dtype != np.float32):
+                continue  # the member decodes it from the RESULT as any other
+            dest = buf.array[start:start + out.nbytes].view(out.dtype)
+            if multiplier != 1.0:
+                # as the client's decode does: the same float32 product
+                np.multiply(out, np.float32(multiplier), out=dest)
+            else:
+                np.copyto(dest, out)
+            rec[3] -= 1
+            if rec[2] <= 0 and rec[3] <= 0:
+                del job.shared[(rank, slot.key[0])]
+            placed.add(rank)
+        return placed
 
     # -- a rack under a root (hosts/uplink.py) ----------------------------------------
 

@@ -138,34 +138,35 @@ _swept = False
 
 class SharedBuffer:
     """Bytes in a shared-memory segment of the worker's own, which a shard
-    on the same host maps read-only by name. Made by :func:`shared_bytes`;
+    on the same host maps by name. Made by :func:`shared_bytes`;
     the segment is removed once the last array over it is gone."""
 
-    def __init__(self, name: str, size: int, mapping: mmap.mmap, *, writable: bool):
+    def __init__(self, name: str, size: int, mapping: mmap.mmap):
         self.name = name
         self.size = size
         self._map = mapping
-        self.array = np.frombuffer(mapping, np.uint8) if writable else np.frombuffer(memoryview(mapping), np.uint8)
+        self.array = np.frombuffer(mapping, np.uint8)
 
     @classmethod
     def open(cls, name: str, size: int) -> "SharedBuffer":
-        """Map another process's shared buffer read-only (a shard); OSError
-        or ValueError names what is wrong with it."""
+        """Map another process's shared buffer (a shard, which reads the
+        chunks there and may write the results back); OSError or
+        ValueError names what is wrong with it."""
         if not _SHARED_NAME.match(name):
             raise ValueError(f"{name!r} is not the name of an aggnet shared buffer ({SHARED_PREFIX}PID-N-HEX)")
         path = os.path.join(SHM_DIR, name)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDWR)
         except OSError as exc:
             raise OSError(f"cannot open shared buffer {path}: {exc.strerror}") from None
         try:
             actual = os.fstat(fd).st_size
             if actual < size:
                 raise ValueError(f"shared buffer {path} is {actual} bytes, smaller than the {size} named")
-            mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            mapping = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        return cls(name, size, mapping, writable=False)
+        return cls(name, size, mapping)
 
     def close(self) -> None:
         self.array = None

@@ -71,6 +71,9 @@ class ClientStats:
     #: chunks an aggregator read where they lie in the caller's shared
     #: memory (shm://, aggnet.shared_array), copied by nobody on the way in
     chunks_shared: int = 0
+    #: results an aggregator wrote into that shared memory itself (the
+    #: caller's buffer, when nothing needs restoring): copied by nobody here
+    results_in_place: int = 0
     seconds: float = 0.0  #: wall time from submission to completion, summed
 
 

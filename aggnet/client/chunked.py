@@ -128,6 +128,8 @@ class ChunkRequest(Request):
     #: (segment, its size, the buffer's byte offset in it): the buffer lies
     #: in shared memory of this process, where the shards read its chunks
     shared: tuple | None = None
+    #: and the shards write its results there too (nothing to restore)
+    results_in_place: bool = False
 
 
 class ChunkClient(Client):
@@ -480,8 +482,15 @@ class ChunkClient(Client):
         if req.shared is None:
             return
         name, size, at = req.shared
+        # the shards write the results there too, where no result must be
+        # saved first (a failed round's buffer is thrown away, as aggnet.torch's
+        # are) and it is all-reduced (a reduce-scatter's share goes elsewhere)
+        req.results_in_place = not self._restores and req.bounds is None
+        # an owner-quantized buffer's sums are its to scale
+        multiplier = 1.0 if enc.prequantized else enc.multiplier
         for shard, queue in req.queues.items():
-            payload = wire.json_payload({"name": name, "bytes": size, "at": at, "chunks": len(queue)})
+            payload = wire.json_payload({"name": name, "bytes": size, "at": at, "chunks": len(queue),
+                                         "results": int(req.results_in_place), "multiplier": multiplier})
             h = Header(MsgType.SHARE, job_id=self.job_id, round=req.round, sender=self.member_rank,
                        world=self.members)
             self._conn.send(shard, h.pack_for(payload), payload)
@@ -741,12 +750,16 @@ class ChunkClient(Client):
             return
         if h.msg_type == MsgType.RESULT:
             self._on_result(msg.peer, h, msg.payload)
+        elif h.msg_type == MsgType.RESULT_IN_PLACE:
+            self._on_result(msg.peer, h, msg.payload, in_place=True)
         elif h.msg_type == MsgType.ERROR:
             self._on_error(msg.peer, h, *wire.parse_error(msg.payload))
         elif h.msg_type == MsgType.JOIN_OK and msg.peer in self._rejoining:
             self._rejoined(msg.peer)
 
-    def _on_result(self, shard: int, h: Header, payload) -> None:
+    def _on_result(self, shard: int, h: Header, payload, in_place: bool = False) -> None:
+        """A chunk's result (``in_place``: the shard wrote it into this
+        worker's shared buffer; the header says which)."""
         again = False
         if h.index not in (wire.SCALE_INDEX, wire.PLAN_INDEX):
             key = (h.round, h.index)
@@ -793,6 +806,13 @@ class ChunkClient(Client):
             return
         if req.enc.quantized and not again and self._goes_again(req, c, h):
             return
+        if in_place:
+            if not req.results_in_place:  # never asked for: nothing was written where this worker reads
+                self.stats.dropped_replies += 1
+                return
+            self.stats.results_in_place += 1
+            self._counted(req, h.payload_bytes)
+            return
         shift = kernels.quant_shift(h.exponent, self.world_size) if req.enc.quantized else 0
         if h.flags & Flag.SHM:
             if not self._segments:
@@ -809,8 +829,12 @@ class ChunkClient(Client):
                 saved = dest.copy()  # on the device: a failed round puts it back there
             req.saved.append((start, saved))
         req.enc.decode(payload, dest, shift)
+        self._counted(req, len(payload))
+
+    def _counted(self, req: ChunkRequest, nbytes: int) -> None:
+        """One of ``req``'s results is in its buffer."""
         self.stats.results += 1
-        self.stats.bytes_received += len(payload)
+        self.stats.bytes_received += nbytes
         req.remaining -= 1
         if req.remaining == 0:
             self._complete(req)

@@ -131,6 +131,10 @@ SHARE = (
     Field("bytes", "int", 1, 1 << 50, required=True),
     Field("at", "int", 0, 1 << 50, required=True),
     Field("chunks", "int", 1, 1 << 31, required=True),
+    #: 1: write the round's results into the buffer too (times
+    #: ``multiplier``, an average's 1/N), and answer RESULT_IN_PLACE
+    Field("results", "int", 0, 1, default=0),
+    Field("multiplier", "number", 0.0, 1.0, default=1.0),
 )
 
 #: STATS: whose counters (a job's, with its key; everything, with the admin key)

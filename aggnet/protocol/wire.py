@@ -132,6 +132,9 @@ class MsgType(enum.IntEnum):
     #: (JSON: control.SHARE): its chunks' PUSHes with flag ``SHM`` are read
     #: there, at their ``offset``, instead of from its input ring slot
     SHARE = 14
+    #: a RESULT whose sum the shard wrote into the member's shared buffer
+    #: itself (its SHARE asked for it): the RESULT's header, no payload
+    RESULT_IN_PLACE = 15
     # sparse tables on aggregator hosts (hosts/sparse.py; row payloads as
     # aggnet/protocol/sparse_layout.py says; docs/protocol.md "Sparse tables")
     TABLE = 20  #: create or open a sparse table (JSON, control.TABLE)
@@ -173,7 +176,7 @@ NOT_IN_P4 = Flag.TO_OWNER | Flag.FINAL
 
 #: message types only aggregator hosts speak: the P4 program's enum leaves
 #: them out (a switch drops them as unknown)
-HOST_ONLY_TYPES = frozenset({MsgType.HEARTBEAT, MsgType.SHARE, MsgType.TABLE, MsgType.TABLE_OK, MsgType.SPARSE_PUSH,
+HOST_ONLY_TYPES = frozenset({MsgType.HEARTBEAT, MsgType.SHARE, MsgType.RESULT_IN_PLACE, MsgType.TABLE, MsgType.TABLE_OK, MsgType.SPARSE_PUSH,
                              MsgType.SPARSE_PULL, MsgType.SPARSE_ROWS, MsgType.SPARSE_LOAD})
 
 

@@ -41,14 +41,18 @@ def values(rank: int, dtype, n: int = N) -> np.ndarray:
     return rng.standard_normal(n).astype(dtype)
 
 
-def _rounds(rank: int, address: str, job: str, cases: list, shared_ranks: tuple, world: int = 2):
+def _rounds(rank: int, address: str, job: str, cases: list, shared_ranks: tuple, world: int = 2,
+            restore: bool = False):
     """Each case (dtype, op, codec, offset) all-reduced twice, from a shared
     array at ``offset`` elements into it (on the ranks in
-    ``shared_ranks``) or from an ordinary one. ``address``: a topology's
-    text for racks."""
+    ``shared_ranks``) or from an ordinary one: (the result's bytes, chunks
+    read in place, results written in place). ``address``: a topology's
+    text for racks. ``restore``: a failed round puts the buffer back
+    (all_or_nothing), which the client does only for results it writes."""
     out = []
     where = {"topology": address} if "[[racks]]" in address else {"address": address}
-    with Client(**where, job=job, rank=rank, world_size=world, chunk_bytes=CHUNK, timeout=30) as c:
+    with Client(**where, job=job, rank=rank, world_size=world, chunk_bytes=CHUNK, timeout=30,
+                all_or_nothing=restore) as c:
         for dtype, op, codec, offset in cases:
             if rank in shared_ranks:
                 whole = aggnet.shared_array(N + offset + 3, dtype)
@@ -58,9 +62,10 @@ def _rounds(rank: int, address: str, job: str, cases: list, shared_ranks: tuple,
             got = []
             for rnd in range(2):
                 buf[...] = values(rank + rnd, dtype)
-                before = c.stats.chunks_shared
+                before = c.stats.chunks_shared, c.stats.results_in_place
                 c.allreduce(buf, op=op, codec=codec).result(30)
-                got.append((buf.view(np.uint8).copy(), c.stats.chunks_shared - before))
+                got.append((buf.view(np.uint8).copy(), c.stats.chunks_shared - before[0],
+                            c.stats.results_in_place - before[1]))
             out.append(got)
     return out
 
@@ -69,32 +74,41 @@ CASES = [(np.float32, "sum", None, 0), (np.float32, "avg", None, 37), (np.int32,
          (np.float16, "sum", None, 1), (np.float32, "sum", "int32", 0)]
 
 
-def run(service, shared_ranks):
+def run(service, shared_ranks, restore: bool = False):
     return run_workers(service.address, 2, _rounds, service.address, f"shared-{uuid.uuid4().hex[:8]}", CASES,
-                       shared_ranks, timeout=90)
+                       shared_ranks, 2, restore, timeout=90)
 
 
-def test_a_shared_buffer_is_read_in_place_and_sums_to_the_bits_the_rings_give(service):
+CHUNKS = {case: -(-N * np.dtype(case[0]).itemsize // CHUNK) for case in CASES}
+
+
+@pytest.mark.parametrize("restore", [False, True], ids=["results-in-place", "results-copied"])
+def test_a_shared_buffer_is_read_in_place_and_sums_to_the_bits_the_rings_give(service, restore):
+    """Its chunks are read where they lie; its results are written there
+    by the shards too, unless the client restores a failed round's buffer
+    (then it saves each chunk before it copies the result in itself)."""
     service.mark_counts()
-    shared = run(service, (0, 1))
+    shared = run(service, (0, 1), restore)
     counts = service.new_counts()
-    ringed = run(service, ())
-    chunks = {case: -(-N * np.dtype(case[0]).itemsize // CHUNK) for case in CASES}
+    ringed = run(service, (), restore)
     for rank in range(2):
         for i, case in enumerate(CASES):
             for rnd in range(2):
-                bits, read_in_place = shared[rank][i][rnd]
+                bits, read_in_place, written_in_place = shared[rank][i][rnd]
                 np.testing.assert_array_equal(bits, ringed[rank][i][rnd][0], err_msg=f"{case} round {rnd}")
                 np.testing.assert_array_equal(bits, shared[0][i][rnd][0])
                 # as they are on the wire: read in place; the int32 codec
                 # quantizes into a staging buffer first, through the rings
-                assert read_in_place == (0 if case[2] == "int32" else chunks[case]), case
-                assert ringed[rank][i][rnd][1] == 0
-    # the sums are the sums, not only equal to each other
+                assert read_in_place == (0 if case[2] == "int32" else CHUNKS[case]), case
+                assert written_in_place == (0 if restore else read_in_place), case
+                assert ringed[rank][i][rnd][1:] == (0, 0)
+    # the sums are the sums (and the averages the averages), not only equal to each other
     want = values(0, np.float32) + values(1, np.float32)
     np.testing.assert_allclose(shared[0][0][0][0].view(np.float32), want, rtol=1e-6)
-    in_place = 2 * 2 * sum(chunks[c] for c in CASES if c[2] is None)
+    np.testing.assert_allclose(shared[0][1][0][0].view(np.float32), want / 2, rtol=1e-6)
+    in_place = 2 * 2 * sum(CHUNKS[c] for c in CASES if c[2] is None)
     assert counts["shared_pushes"] == in_place
+    assert counts["results_in_place"] == (0 if restore else in_place)
     assert counts["shares"] == 2 * 2 * 2 * sum(1 for c in CASES if c[2] is None)  # both shards, each round
 
 
@@ -105,7 +119,8 @@ def test_one_worker_shared_and_one_not_sum_alike(service):
         for rnd in range(2):
             np.testing.assert_array_equal(mixed[0][i][rnd][0], ringed[0][i][rnd][0])
             np.testing.assert_array_equal(mixed[1][i][rnd][0], ringed[0][i][rnd][0])
-            assert mixed[0][i][rnd][1] == 0
+            assert mixed[0][i][rnd][1:] == (0, 0)
+            assert mixed[1][i][rnd][2] == mixed[1][i][rnd][1]
 
 
 def test_over_a_socket_a_shared_array_is_an_ordinary_buffer():
@@ -118,7 +133,7 @@ def test_over_a_socket_a_shared_array_is_an_ordinary_buffer():
     want = values(0, np.float32) + values(1, np.float32)
     for rank in range(2):
         np.testing.assert_allclose(out[rank][0][0][0].view(np.float32), want, rtol=1e-6)
-        assert out[rank][0][0][1] == 0
+        assert out[rank][0][0][1:] == (0, 0)
 
 
 def test_racks_on_shared_memory_under_a_root_read_in_place(tmp_path):
@@ -142,9 +157,10 @@ def test_racks_on_shared_memory_under_a_root_read_in_place(tmp_path):
             p.stop()
     for rank in range(4):
         for i, case in enumerate(cases):
-            bits, read_in_place = shared[rank][i][0]
+            bits, read_in_place, written_in_place = shared[rank][i][0]
             np.testing.assert_array_equal(bits, ringed[rank][i][0][0], err_msg=str(case))
-            assert read_in_place == -(-N * np.dtype(case[0]).itemsize // CHUNK)
+            # the rack reads the chunks there and writes the root's finals there
+            assert read_in_place == written_in_place == CHUNKS[case]
     want = sum(values(r, np.float32).astype(np.float64) for r in range(4))
     np.testing.assert_allclose(shared[0][0][0][0].view(np.float32), want, rtol=1e-6, atol=1e-5)
 
