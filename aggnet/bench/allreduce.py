@@ -58,6 +58,10 @@ def add_arguments(p) -> None:
                         "each round's ratios: systems timed side by side share the machine's drift "
                         "(default %(default)s)")
     p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
+    p.add_argument("--no-restore", action="store_true",
+                   help="aggnet clients do not save what each result overwrites for a failed round "
+                        "(all_or_nothing=False, as aggnet.torch's clients): then the shards also write the results "
+                        "of an s- buffer into it themselves")
     p.add_argument("--no-floor", action="store_true",
                    help="skip the floor: a parameter server in plain TCP sockets moving the same chunks, what any "
                         "parameter server pays on this machine (aggnet/bench/floor.py)")
@@ -158,10 +162,12 @@ def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_p
                                aggregator)
                 _check(buf, world, reps, f"rank {rank}: {system}/{transport}/{dtype}/{point['path']}")
             else:
-                key = (transport, chunk)
+                restore = point.get("restore", True)
+                key = (transport, chunk, restore)
                 if key not in clients:
-                    clients[key] = Client(services[transport], job=f"bench-{world}-{transport}-{chunk}",
-                                          rank=rank, world_size=world, chunk_bytes=chunk, timeout=120)
+                    clients[key] = Client(services[transport], job=f"bench-{world}-{transport}-{chunk}-{restore}",
+                                          rank=rank, world_size=world, chunk_bytes=chunk, timeout=120,
+                                          all_or_nothing=restore)
                 c = clients[key]
                 codec = "int32" if _quantized(dtype) else None
                 # under a key, averaged: the scale stays what it was, so the
@@ -439,8 +445,11 @@ def _run(args, sizes: list, worlds: list, transports: list, dtypes: list, chunks
         for r in range(args.rounds):
             for world in worlds:
                 for group in rounds.order(groups, r):
-                    for rec in _time_group(group, world, _plan(group, sizes, dtypes, chunks, listen, args.memory),
-                                           listen.get(group), args, sums):
+                    plan = _plan(group, sizes, dtypes, chunks, listen, args.memory)
+                    for point in plan:
+                        if point["system"] == "aggnet" and args.no_restore:
+                            point["restore"] = False
+                    for rec in _time_group(group, world, plan, listen.get(group), args, sums):
                         timed.setdefault(_point_key(rec), []).append(rec)
                     progress.step(f"{group}, {world} workers" + rounds.label(r, args.rounds))
     records += [rounds.merge(recs) for recs in timed.values()]
