@@ -34,6 +34,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import threading
 import weakref
 
@@ -156,11 +157,20 @@ class SharedBuffer:
             raise ValueError(f"{name!r} is not the name of an aggnet shared buffer ({SHARED_PREFIX}PID-N-HEX)")
         path = os.path.join(SHM_DIR, name)
         try:
-            fd = os.open(path, os.O_RDWR)
+            # never through a link: a shard writes results into what it opens
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as exc:
             raise OSError(f"cannot open shared buffer {path}: {exc.strerror}") from None
         try:
-            actual = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"{path} is not a shared-memory file")
+            if st.st_uid != os.geteuid():
+                # the job's rings are this user's alone (mode 0600), so its
+                # workers run as this user: a file of another is no worker's
+                raise ValueError(f"shared buffer {path} belongs to uid {st.st_uid}, not to the aggregator's "
+                                 f"{os.geteuid()}; run the workers as the aggregator's user")
+            actual = st.st_size
             if actual < size:
                 raise ValueError(f"shared buffer {path} is {actual} bytes, smaller than the {size} named")
             mapping = mmap.mmap(fd, size)
