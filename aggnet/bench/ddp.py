@@ -38,7 +38,8 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps per system (default %(default)s)")
     p.add_argument("--systems", default="gloo,aggnet-float32,aggnet-int32",
                    help="what to time, comma-separated: gloo, aggnet-CODEC[-staleS[-predict]], compute, "
-                        "comm-CODEC[-buckets|-pipelined] (default %(default)s)")
+                        "comm-CODEC[-buckets|-pipelined]; aggnet-CODEC-rings stages GPU buckets through private "
+                        "pinned memory copied through the shm rings (share_buffers=False) (default %(default)s)")
     p.add_argument("--address", default=None, help="aggregator (default: embedded local aggregator)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where the model trains (cuda: every worker on GPU 0 unless CUDA_VISIBLE_DEVICES "
@@ -54,13 +55,13 @@ def check_system(name: str) -> str:
     parts = name.split("-")
     ok = (name in ("gloo", "compute")
           or (parts[0] == "aggnet" and len(parts) >= 2 and parts[1] in _CODEC_NAMES
-              and (len(parts) == 2 or parts[2:] == ["sync"] or (parts[2].startswith("stale") and parts[2][5:].isdigit() and int(parts[2][5:]) > 0
+              and (len(parts) == 2 or parts[2:] in (["sync"], ["rings"]) or (parts[2].startswith("stale") and parts[2][5:].isdigit() and int(parts[2][5:]) > 0
                                        and parts[3:] in ([], ["predict"]))))
           or (parts[0] == "comm" and len(parts) in (2, 3) and parts[1] in _CODEC_NAMES
               and parts[2:] in ([], ["buckets"], ["pipelined"])))
     if not ok:
         raise SystemExit(f"aggnet bench-ddp: unknown system {name!r}; use gloo, compute, aggnet-CODEC, "
-                         f"aggnet-CODEC-sync, aggnet-CODEC-staleS[-predict], comm-CODEC[-buckets|-pipelined] with CODEC one of "
+                         f"aggnet-CODEC-sync, aggnet-CODEC-rings, aggnet-CODEC-staleS[-predict], comm-CODEC[-buckets|-pipelined] with CODEC one of "
                          f"{', '.join(_CODEC_NAMES)}")
     return name
 
@@ -120,9 +121,12 @@ def _time_system(system: str, model, x, y, args, rank: int, world: int, port) ->
     else:
         ddp = DDP(model)
     if system.startswith("aggnet"):
-        staleness = int(parts[2][len("stale"):]) if len(parts) > 2 and parts[2] != "sync" else 0
+        from aggnet.client.config import ClientConfig
+
+        staleness = int(parts[2][len("stale"):]) if len(parts) > 2 and parts[2].startswith("stale") else 0
         state = AggnetState(args.address, codec=parts[1], staleness=staleness, predict="predict" in parts,
-                            staging="sync" not in parts)
+                            staging="sync" not in parts,
+                            config=ClientConfig.from_env(share_buffers=False) if "rings" in parts else None)
         ddp.register_comm_hook(state, allreduce_hook)
     opt = torch.optim.SGD((ddp or model).parameters(), lr=1e-4, momentum=0.9)
     if state is not None and state.staleness:

@@ -143,8 +143,8 @@ class ChunkClient(Client):
         """Whether the aggregator reads buffers that lie in this process's
         shared memory (:func:`aggnet.shared_array`, a GPU bucket's staging
         buffers) where they are, instead of a copy of each chunk: over
-        shm:// addresses."""
-        return self._shm
+        shm:// addresses, unless ``share_buffers=False``."""
+        return self._shm and self.config.share_buffers
 
     @property
     def owner_results(self) -> bool:
@@ -476,7 +476,7 @@ class ChunkClient(Client):
         and goes as it is: they read its chunks there. Sent before any of
         its chunks, on the connection they take after it."""
         enc = req.enc
-        if not (self._shm and enc.zero_copy and enc.device is None):
+        if not (self.takes_shared and enc.zero_copy and enc.device is None):
             return
         req.shared = shm.find_shared(req.buf)
         if req.shared is None:

@@ -153,6 +153,11 @@ class ClientConfig:
     #: 8x more coarsely than agreeing would, goes again with the agreed one.
     #: Every worker of a job must set it alike
     predict_scale: bool = True
+    #: over shm://, a buffer in this process's shared memory
+    #: (aggnet.shared_array, a GPU bucket's staging buffer) is read by the
+    #: shards where it lies, and its results written there where nothing
+    #: is restored; False copies it through the rings as any other
+    share_buffers: bool = True
 
     def __post_init__(self):
         if self.timeout <= 0:
@@ -208,6 +213,7 @@ class ClientConfig:
             ("all_or_nothing", "AGGNET_ALL_OR_NOTHING", _flag),
             ("device_path", "AGGNET_DEVICE_PATH", str),
             ("predict_scale", "AGGNET_PREDICT_SCALE", _flag),
+            ("share_buffers", "AGGNET_SHARE_BUFFERS", _flag),
         ):
             if env.get(name):
                 try:

@@ -42,7 +42,7 @@ def values(rank: int, dtype, n: int = N) -> np.ndarray:
 
 
 def _rounds(rank: int, address: str, job: str, cases: list, shared_ranks: tuple, world: int = 2,
-            restore: bool = False):
+            restore: bool = False, share: bool = True):
     """Each case (dtype, op, codec, offset) all-reduced twice, from a shared
     array at ``offset`` elements into it (on the ranks in
     ``shared_ranks``) or from an ordinary one: (the result's bytes, chunks
@@ -52,7 +52,7 @@ def _rounds(rank: int, address: str, job: str, cases: list, shared_ranks: tuple,
     out = []
     where = {"topology": address} if "[[racks]]" in address else {"address": address}
     with Client(**where, job=job, rank=rank, world_size=world, chunk_bytes=CHUNK, timeout=30,
-                all_or_nothing=restore) as c:
+                all_or_nothing=restore, share_buffers=share) as c:
         for dtype, op, codec, offset in cases:
             if rank in shared_ranks:
                 whole = aggnet.shared_array(N + offset + 3, dtype)
@@ -121,6 +121,16 @@ def test_one_worker_shared_and_one_not_sum_alike(service):
             np.testing.assert_array_equal(mixed[1][i][rnd][0], ringed[0][i][rnd][0])
             assert mixed[0][i][rnd][1:] == (0, 0)
             assert mixed[1][i][rnd][2] == mixed[1][i][rnd][1]
+
+
+def test_share_buffers_off_sends_a_shared_array_through_the_rings(service):
+    out = run_workers(service.address, 2, _rounds, service.address, f"unshared-{uuid.uuid4().hex[:8]}", CASES[:2],
+                      (0, 1), 2, False, False, timeout=60)
+    ringed = run(service, ())
+    for rank in range(2):
+        for i in range(2):
+            np.testing.assert_array_equal(out[rank][i][0][0], ringed[rank][i][0][0])
+            assert out[rank][i][0][1:] == (0, 0)
 
 
 def test_over_a_socket_a_shared_array_is_an_ordinary_buffer():
