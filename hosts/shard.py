@@ -374,6 +374,8 @@ class Shard:
         after the stall timeout."""
         del job.members[rank]
         job.shm_members.discard(rank)
+        for key in [k for k in job.shared if k[0] == rank]:
+            del job.shared[key]  # nothing more is read from, or written to, its buffers
         if not job.members:
             self._drop_job(job)
             log.info("shard %d: job %r finished (every worker left)", self.index, job.name)

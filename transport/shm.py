@@ -225,7 +225,10 @@ def shared_array(shape, dtype=np.float32) -> np.ndarray:
     """A new array (zeros) in shared memory of this process. All-reduced
     through an aggregator on the same host (an ``shm://`` address), its
     chunks are read by the aggregator where they lie: the worker copies
-    nothing into the rings, only the results out. Elsewhere it is an
+    nothing into the rings; and where the client restores nothing
+    (``all_or_nothing=False``) the shards write the results into it too.
+    Such a round that fails may still see its results land for a moment
+    after: reuse the array once the client is closed. Elsewhere it is an
     ordinary array. Its memory is returned when the last view of it goes."""
     dtype = np.dtype(dtype)
     count = int(np.prod(shape, dtype=np.int64))
