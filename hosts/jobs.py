@@ -16,7 +16,7 @@ import numpy as np
 
 from aggnet.hosts.parent import Standing
 from aggnet.protocol.replay import KeptResults
-from aggnet.transport.shm import Segment
+from aggnet.transport.shm import Segment, SharedBuffer
 from aggnet.protocol.wire import DType
 
 #: how many finished (round, chunk) keys a job remembers, so that a late or
@@ -69,6 +69,22 @@ class Slot:
     owner: int | None = None
 
 
+@dataclass(eq=False)
+class SharedRound:
+    """Where a member's buffer of one round lies in its shared memory
+    (its SHARE): what is left to read there and to write back."""
+
+    buffer: "SharedBuffer | None"  #: None: the SHARE was refused (the round's chunks are dropped)
+    start: int = 0  #: byte of the segment where the round's buffer begins
+    reads_left: int = 0  #: its chunks on this shard not read yet
+    writes_left: int = 0  #: results still to write there (0: the member copies them itself)
+    multiplier: float = 1.0  #: applied as they are written (an average's 1/N)
+
+    @property
+    def done(self) -> bool:
+        return self.reads_left <= 0 and self.writes_left <= 0
+
+
 #: a member heard from this recently is running: another connection's JOIN
 #: for its rank is a second run under the same job name, not a restart
 LIVE_SECONDS = 5.0
@@ -86,8 +102,7 @@ class Job:
     #: shared-memory rings of the job on this shard, and the ranks using them
     segment: "Segment | None" = None
     shm_members: set = field(default_factory=set)
-    #: (rank, round) -> [its shared buffer (None: refused), byte offset of
-    #: the round's buffer in it, chunks still to read there]
+    #: (rank, round) -> SharedRound: where that member's buffer of the round lies
     shared: collections.OrderedDict = field(default_factory=collections.OrderedDict)
     #: segment name -> the SharedBuffer mapped from it
     shared_maps: collections.OrderedDict = field(default_factory=collections.OrderedDict)
@@ -147,7 +162,7 @@ class Job:
             return quiet
         return None
 
-    def remember_shared(self, rank: int, round_: int, record: list) -> None:
+    def remember_shared(self, rank: int, round_: int, record: SharedRound) -> None:
         self.shared[(rank, round_)] = record
         while len(self.shared) > SHARED_ROUNDS:
             self.shared.popitem(last=False)

@@ -30,7 +30,7 @@ from aggnet.buffers import BufferPool
 
 from aggnet.hosts.admission import Disagreement, PendingJoin, admit
 from aggnet.hosts.parent import refusal, whole_here
-from aggnet.hosts.jobs import ACC_DTYPE, KEEP_UP_CHUNKS, SHARED_MAPS, Job, Segment, Slot
+from aggnet.hosts.jobs import ACC_DTYPE, KEEP_UP_CHUNKS, SHARED_MAPS, Job, Segment, SharedRound, Slot
 from aggnet.transport.shm import SharedBuffer
 from aggnet.protocol.replay import final_of
 from aggnet.hosts.sparse import MESSAGES as SPARSE_MESSAGES, SparseTables
@@ -352,11 +352,11 @@ class Shard:
             while len(job.shared_maps) > SHARED_MAPS:
                 job.shared_maps.popitem(last=False)[1].close()
         except ControlError:
-            job.remember_shared(h.sender, h.round, [None, 0, 0, 0, 1.0])
+            job.remember_shared(h.sender, h.round, SharedRound(None))
             raise
-        # [buffer, start, chunks to read, results to write there, their multiplier]
-        job.remember_shared(h.sender, h.round, [buf, info["at"], info["chunks"],
-                                                info["chunks"] if info["results"] else 0, info["multiplier"]])
+        job.remember_shared(h.sender, h.round, SharedRound(buf, info["at"], info["chunks"],
+                                                           info["chunks"] if info["results"] else 0,
+                                                           info["multiplier"]))
         self.counters["shares"] += 1
 
     def _on_leave(self, peer, h: Header) -> None:
@@ -517,20 +517,20 @@ class Shard:
             payload = seg.input_slot(h.sender, h.ref)[: h.payload_bytes]
         return job, payload, owner
 
-    def _read_shared(self, job: Job, peer, h: Header, shared: list, owner):
+    def _read_shared(self, job: Job, peer, h: Header, shared: SharedRound, owner):
         """A chunk read where it lies in the member's shared buffer."""
-        buf, at = shared[0], shared[1]
+        buf = shared.buffer
         if buf is None:  # its SHARE was refused, and the member told why
             self.counters["dropped_share_refused"] += 1
             return None
-        start = at + h.offset * wire.ITEMSIZE[h.dtype]
+        start = shared.start + h.offset * wire.ITEMSIZE[h.dtype]
         if start + h.payload_bytes > buf.size:
             self._drop(peer, "share_bounds", ErrorCode.MALFORMED,
                        f"chunk {h.index} of round {h.round} ends at byte {start + h.payload_bytes} of shared buffer "
                        f"{buf.name}, which has {buf.size}", h)
             return None
-        shared[2] -= 1
-        if shared[2] <= 0 and shared[3] <= 0:  # every chunk named is read (and written): the record goes
+        shared.reads_left -= 1
+        if shared.done:  # every chunk named is read (and written): the record goes
             del job.shared[(h.sender, h.round)]
         self.counters["shared_pushes"] += 1
         return job, buf.array[start:start + h.payload_bytes], owner
@@ -753,10 +753,10 @@ class Shard:
         placed = set()
         for rank in job.members:
             rec = job.shared.get((rank, slot.key[0]))
-            if rec is None or rec[0] is None or rec[3] <= 0:
+            if rec is None or rec.buffer is None or rec.writes_left <= 0:
                 continue
-            buf, at, multiplier = rec[0], rec[1], rec[4]
-            start = at + slot.offset * out.itemsize
+            buf, multiplier = rec.buffer, rec.multiplier
+            start = rec.start + slot.offset * out.itemsize
             if start + out.nbytes > buf.size or (multiplier != 1.0 and out.dtype != np.float32):
                 continue  # the member decodes it from the RESULT as any other
             dest = buf.array[start:start + out.nbytes].view(out.dtype)
@@ -765,8 +765,8 @@ class Shard:
                 np.multiply(out, np.float32(multiplier), out=dest)
             else:
                 np.copyto(dest, out)
-            rec[3] -= 1
-            if rec[2] <= 0 and rec[3] <= 0:
+            rec.writes_left -= 1
+            if rec.done:
                 del job.shared[(rank, slot.key[0])]
             placed.add(rank)
         return placed
