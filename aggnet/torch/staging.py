@@ -26,7 +26,10 @@ bucket. A :class:`Stager` instead, per bucket:
 The caller's stream never waits, so several buckets overlap their
 copies, the network and the backward pass. Pinned and device buffers come
 from :class:`BufferPool` s and go back when a bucket is done: after the
-first step no bucket allocates (``Stager.stats()`` counts it).
+first step no bucket allocates (``Stager.stats()`` counts it). For an
+aggregator on this host (``shm://``) the pinned buffers are shared memory
+page-locked for the GPU: the shards read the chunks there and write the
+results back, and the host copies no byte of the bucket.
 
 The int32 codec is quantized on the device too, where the client agrees
 exponents per chunk (an aggregator service; a switch client quantizes
