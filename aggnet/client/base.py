@@ -382,7 +382,7 @@ class Client(ABC):
 
     @functools.cached_property
     def _pinned(self) -> device.PinnedPool:
-        return device.PinnedPool()
+        return device.PinnedPool(shared=getattr(self, "takes_shared", False))
 
     #: whether this client can have each chunk's result sent to one rank
     #: (:meth:`reduce_scatter`); a client kind that can says so

@@ -19,6 +19,8 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from aggnet.transport import shm
+
 #: pinned bytes a client keeps for reuse: page-locking is slow (about a
 #: millisecond per 10 MB), so buffers are kept, up to this much
 PINNED_KEEP = 1 << 30
@@ -56,10 +58,14 @@ def device_view(buf):
 
 
 class PinnedPool:
-    """Page-locked host buffers, reused by size."""
+    """Page-locked host buffers, reused by size. ``shared``: in shared
+    memory (the client's aggregator reads them in place, over shm://),
+    page-locked for the GPU there; ordinary pinned memory where /dev/shm
+    cannot hold them or CUDA will not lock them."""
 
-    def __init__(self, keep: int = PINNED_KEEP):
+    def __init__(self, keep: int = PINNED_KEEP, shared: bool = False):
         self.keep = keep
+        self.shared = shared
         self._free: dict[int, list] = {}
         self._kept = 0
         self._lock = threading.Lock()
@@ -75,6 +81,10 @@ class PinnedPool:
         import cupyx
 
         self.allocations += 1
+        if self.shared:
+            raw = shm.shared_bytes(nbytes)
+            if raw is not None and _register(raw):
+                return raw
         return cupyx.empty_pinned(nbytes, np.uint8)
 
     def give(self, buf: np.ndarray) -> None:
@@ -82,6 +92,16 @@ class PinnedPool:
             if self._kept + buf.nbytes <= self.keep:
                 self._free.setdefault(buf.nbytes, []).append(buf)
                 self._kept += buf.nbytes
+
+
+def _register(raw: np.ndarray) -> bool:
+    """Page-lock ``raw`` for the GPU's copies (cudaHostRegisterPortable)."""
+    cupy = cupy_or_fail()
+    try:
+        cupy.cuda.runtime.hostRegister(raw.ctypes.data, raw.nbytes, 1)
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return False
+    return True
 
 
 def staged(view, caller, pool: PinnedPool, allreduce_host) -> Future:

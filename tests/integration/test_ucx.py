@@ -217,16 +217,19 @@ def _device_worker(rank, address, world, job, device_path=None):
             assert c.allreduce(t).result(30) is t  # the caller's own CUDA tensor holds the result
             out.append(("torch", "sum", host, t.cpu().numpy()))
         # staged: one pinned buffer, reused by every all-reduce of that size
-        out.append(("pinned", c._sends_device_memory(), c._pinned.allocations))
+        # (over shm://, in shared memory, where the shards read the chunks)
+        out.append(("pinned", c._sends_device_memory(), c._pinned.allocations, c.stats.chunks_shared > 0))
     return out
 
 
 @pytest.mark.requires_gpu
 @pytest.mark.skipif(not _gpu(), reason="no CUDA GPU with CuPy on this machine")
-@pytest.mark.parametrize("transport, device_path", [("ucx", "direct"), ("ucx", None), ("zmq+ipc", "staged")])
+@pytest.mark.parametrize("transport, device_path", [("ucx", "direct"), ("ucx", None), ("zmq+ipc", "staged"),
+                                                    ("shm", "staged")])
 def test_device_buffers_all_reduce_to_the_same_bits_as_host_buffers(service_factory, transport, device_path):
     """Direct (UCX reads device memory) and staged (through pinned host
-    memory, on any transport; the default without GPUDirect RDMA)."""
+    memory, on any transport; the default without GPUDirect RDMA; over
+    shm:// that memory is shared, and the shards read it in place)."""
     from aggnet.client.device import gpudirect_rdma
 
     svc = service_factory(transport, 2)
@@ -234,7 +237,7 @@ def test_device_buffers_all_reduce_to_the_same_bits_as_host_buffers(service_fact
                           device_path, timeout=120, start_method="spawn")  # CUDA does not survive fork
     direct = device_path == "direct" or (device_path is None and transport == "ucx" and gpudirect_rdma())
     for rank_out in results:
-        assert rank_out.pop() == ("pinned", direct, 0 if direct else 1)
+        assert rank_out.pop() == ("pinned", direct, 0 if direct else 1, transport == "shm")
     for rank_out in results:
         assert len(rank_out) >= 8
         for codec, op, host, dev in rank_out:
