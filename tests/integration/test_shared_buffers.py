@@ -13,12 +13,16 @@ import subprocess
 import sys
 import uuid
 
+import json
+
 import numpy as np
 import pytest
 
 import aggnet
 from aggnet import Client
-from aggnet.transport import shm
+from aggnet.protocol import wire
+from aggnet.protocol.wire import Header, MsgType
+from aggnet.transport import connect, shm
 from aggnet.processes import ServiceProcess
 from harness.helpers import RunningService, run_workers
 from harness.racks import topology_text
@@ -229,3 +233,64 @@ def test_a_shared_buffer_goes_with_its_last_view_and_a_dead_process_s_are_swept(
     assert child.returncode == 0 and os.path.exists(left), child.stderr
     shm.sweep_stale_shared()  # (or another test process's first shared buffer did)
     assert not os.path.exists(left)
+
+
+def test_malformed_shares_are_refused_and_counted_on_a_shard_that_goes_on(service):
+    """A member's SHARE that is not JSON, names no aggnet buffer, starts
+    outside it, or a chunk that ends outside it: each refused with an
+    ERROR that says why, and counted; a stranger's too. A good one is
+    read, and its result written back in place."""
+    with connect([service.address]) as conn:
+        conn.send(0, Header(MsgType.HELLO).pack())
+        shard = json.loads(bytes(conn.recv(5.0).payload))["shards"][0]
+    raw = shm.shared_bytes(64)
+    name, size, _ = shm.find_shared(raw)
+    job = 0x5A5A0000 | os.getpid() & 0xFFFF
+    service.mark_counts()
+    with connect([shard]) as conn:
+        def tell(h, payload=b""):
+            conn.send(0, h.pack_for(payload) if payload else h.pack(), payload or None)
+
+        def ask(h, payload=b""):
+            tell(h, payload)
+            msg = conn.recv(5.0)
+            assert msg is not None, f"no answer to {h.msg_type.name}"
+            return wire.unpack_header(msg.header), bytes(msg.payload)
+
+        def share(rnd, answered=True, **fields):  # a SHARE is answered only when refused
+            body = {"name": name, "bytes": size, "at": 0, "chunks": 1, **fields}
+            h = Header(MsgType.SHARE, job_id=job, round=rnd, sender=0, world=1)
+            return (ask if answered else tell)(h, json.dumps(body).encode())
+
+        # not a member yet
+        h, reply = share(1)
+        assert h.msg_type == MsgType.ERROR and "without joining" in wire.parse_error(reply)[1]
+        join = json.dumps({"name": f"raw-{job:x}", "shm": {"window": 2, "chunk_bytes": 4096}}).encode()
+        assert ask(Header(MsgType.JOIN, job_id=job, sender=0, world=1), join)[0].msg_type == MsgType.JOIN_OK
+        h, reply = ask(Header(MsgType.SHARE, job_id=job, round=2, sender=0, world=1), b"{not json")
+        assert h.msg_type == MsgType.ERROR and h.round == 2
+        for rnd, fields, says in ((3, {"name": "../../etc/passwd"}, "not the name of an aggnet shared buffer"),
+                                  (4, {"at": size}, "starts at byte"),
+                                  (5, {"bytes": size + 1}, "smaller than")):
+            h, reply = share(rnd, **fields)
+            assert h.msg_type == MsgType.ERROR and h.round == rnd and says in wire.parse_error(reply)[1], reply
+        # a good one: the chunk is read there, and its result written back
+        raw.view(np.float32)[:4] = [1.5, 2.5, -3.0, 4.0]
+        share(6, answered=False, results=1, multiplier=0.5)
+        push = Header(MsgType.PUSH, job_id=job, round=6, index=0, sender=0, world=1, dtype=wire.DType.FLOAT32,
+                      count=4, flags=wire.Flag.LITTLE_ENDIAN | wire.Flag.SHM, ref=0, offset=0)
+        h, _ = ask(push)
+        assert h.msg_type == MsgType.RESULT_IN_PLACE and h.count == 4
+        assert list(raw.view(np.float32)[:4]) == [0.75, 1.25, -1.5, 2.0]  # the sum of one, times 0.5
+        # a chunk past the buffer's end
+        share(7, answered=False)
+        push.round, push.offset, push.ref = 7, 15, 1
+        h, reply = ask(push)
+        assert h.msg_type == MsgType.ERROR and "ends at byte 76" in wire.parse_error(reply)[1], reply
+        ask(Header(MsgType.LEAVE, job_id=job, sender=0, world=1))
+    assert service.alive()
+    counts = service.new_counts()
+    for reason, n in (("share_not_joined", 1), ("malformed_json", 1), ("share_unavailable", 2),
+                      ("share_bounds", 2)):
+        assert counts[f"dropped_{reason}"] == n, (reason, counts)
+    assert counts["shared_pushes"] == 1 and counts["results_in_place"] == 1
