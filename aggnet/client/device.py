@@ -71,6 +71,9 @@ class PinnedPool:
         self._lock = threading.Lock()
         #: buffers page-locked so far (a test reads it: reuse, not growth)
         self.allocations = 0
+        #: addresses of the shared buffers this pool registered with CUDA
+        #: (unregistered before they go: their memory is unmapped then)
+        self._registered: set[int] = set()
 
     def take(self, nbytes: int) -> np.ndarray:
         with self._lock:
@@ -84,6 +87,8 @@ class PinnedPool:
         if self.shared:
             raw = shm.shared_bytes(nbytes)
             if raw is not None and _register(raw):
+                with self._lock:
+                    self._registered.add(raw.ctypes.data)
                 return raw
         return cupyx.empty_pinned(nbytes, np.uint8)
 
@@ -92,6 +97,11 @@ class PinnedPool:
             if self._kept + buf.nbytes <= self.keep:
                 self._free.setdefault(buf.nbytes, []).append(buf)
                 self._kept += buf.nbytes
+                return
+            registered = buf.ctypes.data in self._registered
+            self._registered.discard(buf.ctypes.data)
+        if registered:
+            cupy_or_fail().cuda.runtime.hostUnregister(buf.ctypes.data)
 
 
 def _register(raw: np.ndarray) -> bool:

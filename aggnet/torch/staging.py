@@ -180,9 +180,14 @@ def _register(buf: torch.Tensor) -> bool:
     memory is; False where CUDA refuses (it is then copied as pageable
     memory is: correct, slower)."""
     try:  # 1: cudaHostRegisterPortable, page-locked for every device's copies
-        return int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 1)) == 0
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 1)) == 0:
+            return True  # never unregistered: the pool keeps its buffers for the process's life
+        if hasattr(cudart, "cudaGetLastError"):
+            cudart.cudaGetLastError()  # the refusal is handled: no later kernel launch may report it
     except (RuntimeError, AttributeError):
-        return False
+        pass
+    return False
 
 
 def _view(raw: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
