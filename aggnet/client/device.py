@@ -110,6 +110,8 @@ def _register(raw: np.ndarray) -> bool:
     try:
         cupy.cuda.runtime.hostRegister(raw.ctypes.data, raw.nbytes, 1)
     except cupy.cuda.runtime.CUDARuntimeError:
+        if hasattr(cupy.cuda.runtime, "getLastError"):
+            cupy.cuda.runtime.getLastError()  # handled: no later launch may report it
         return False
     return True
 
