@@ -97,6 +97,10 @@ class Request:
     out: np.ndarray | None = None
     #: an int32 buffer its owner quantizes once the exponents are agreed
     quantized: Quantized | None = None
+    #: the buffer is the client's own staging copy of a device buffer,
+    #: which is written back only when the round succeeds: nothing in it
+    #: needs restoring when one fails
+    scratch: bool = False
 
 
 _WIRE_NAMES = {"float32": None, "int32": "int32", "float16": "fp16", "fp16": "fp16", "bfloat16": "bf16", "bf16": "bf16"}
@@ -311,7 +315,7 @@ class Client(ABC):
 
     def allreduce(self, buf, op: str = "sum", codec: str | None = None, *, dtype: str | None = None,
                   key: int | None = None, _wire_hint: DType | None = None,
-                  _quantized: Quantized | None = None) -> Future:
+                  _quantized: Quantized | None = None, _scratch: bool = False) -> Future:
         """Sum (or average) ``buf`` over every worker of the job, in place.
 
         Returns a :class:`concurrent.futures.Future` that resolves to ``buf``
@@ -332,7 +336,7 @@ class Client(ABC):
             buf = device.device_view(buf)
             if not direct:
                 return device.staged(buf, caller, self._pinned, lambda host: self.allreduce(
-                    host, op, codec, dtype=dtype, key=key, _wire_hint=_wire_hint))
+                    host, op, codec, dtype=dtype, key=key, _wire_hint=_wire_hint, _scratch=True))
         if dtype is not None:
             codec = _codec_for_dtype(buf, dtype, codec)
         if not on_device and not isinstance(buf, np.ndarray):
@@ -342,7 +346,7 @@ class Client(ABC):
         if _quantized is not None:
             return self._submit_quantized(buf, codec, op, key, _quantized)
         enc = self._encoding(buf, codec, op, _wire_hint)
-        return self._submit(buf.reshape(-1), caller, enc, key)
+        return self._submit(buf.reshape(-1), caller, enc, key, scratch=_scratch)
 
     #: whether the owner of an int32-codec buffer may quantize it itself
     #: (:class:`~aggnet.client.codec.Quantized`); a client kind that

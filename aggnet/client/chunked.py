@@ -485,7 +485,7 @@ class ChunkClient(Client):
         # the shards write the results there too, where no result must be
         # saved first (a failed round's buffer is thrown away, as aggnet.torch's
         # are) and it is all-reduced (a reduce-scatter's share goes elsewhere)
-        req.results_in_place = not self._restores and req.bounds is None
+        req.results_in_place = not self._restores_in(req) and req.bounds is None
         # an owner-quantized buffer's sums are its to scale
         multiplier = 1.0 if enc.prequantized else enc.multiplier
         for shard, queue in req.queues.items():
@@ -821,7 +821,7 @@ class ChunkClient(Client):
         # a reduce-scatter's share goes to its own output buffer
         start = c.offset if req.out is None else c.offset - req.bounds[self.rank]
         dest = (req.buf if req.out is None else req.out)[start:start + c.count]
-        if self._restores:
+        if self._restores_in(req):
             if req.enc.device is None:
                 saved = self._saves.take(dest.nbytes)[:dest.nbytes].view(dest.dtype)
                 np.copyto(saved, dest)
@@ -830,6 +830,11 @@ class ChunkClient(Client):
             req.saved.append((start, saved))
         req.enc.decode(payload, dest, shift)
         self._counted(req, len(payload))
+
+    def _restores_in(self, req: ChunkRequest) -> bool:
+        """Whether ``req``'s results overwrite its buffer only after what
+        they overwrite is saved (all_or_nothing; never in a scratch copy)."""
+        return self._restores and not req.scratch
 
     def _counted(self, req: ChunkRequest, nbytes: int) -> None:
         """One of ``req``'s results is in its buffer."""

@@ -127,6 +127,27 @@ def test_one_worker_shared_and_one_not_sum_alike(service):
             assert mixed[1][i][rnd][2] == mixed[1][i][rnd][1]
 
 
+def _scratch_copy(rank: int, address: str, job: str):
+    """A CUDA buffer's staging copy, as the client makes one (aggnet/client/
+    device.py): its own, so nothing in it is restored, whatever
+    all_or_nothing says, and the shards write the results there."""
+    with Client(address, job=job, rank=rank, world_size=2, chunk_bytes=CHUNK, timeout=30) as c:
+        assert c.config.all_or_nothing is None  # the default: restore the caller's buffers
+        host = aggnet.shared_array(N)
+        host[...] = values(rank, np.float32)
+        c.allreduce(host, op="avg", _scratch=True).result(30)
+        return host.copy(), c.stats.results_in_place
+
+
+def test_a_device_buffer_s_staging_copy_takes_its_results_in_place(service):
+    out = run_workers(service.address, 2, _scratch_copy, service.address, f"scratch-{uuid.uuid4().hex[:8]}",
+                      timeout=60)
+    ringed = run(service, ())  # CASES[1]: the same values averaged through the rings, in its first round
+    for got, in_place in out:
+        np.testing.assert_array_equal(got.view(np.uint8), ringed[0][1][0][0])
+        assert in_place == CHUNKS[CASES[0]]
+
+
 def test_share_buffers_off_sends_a_shared_array_through_the_rings(service):
     out = run_workers(service.address, 2, _rounds, service.address, f"unshared-{uuid.uuid4().hex[:8]}", CASES[:2],
                       (0, 1), 2, False, False, timeout=60)

@@ -218,7 +218,9 @@ def _device_worker(rank, address, world, job, device_path=None):
             out.append(("torch", "sum", host, t.cpu().numpy()))
         # staged: one pinned buffer, reused by every all-reduce of that size
         # (over shm://, in shared memory, where the shards read the chunks)
-        out.append(("pinned", c._sends_device_memory(), c._pinned.allocations, c.stats.chunks_shared > 0))
+        # and, the staging copy being the client's own, the results written there
+        out.append(("pinned", c._sends_device_memory(), c._pinned.allocations, c.stats.chunks_shared > 0,
+                    c.stats.results_in_place > 0))
     return out
 
 
@@ -237,7 +239,7 @@ def test_device_buffers_all_reduce_to_the_same_bits_as_host_buffers(service_fact
                           device_path, timeout=120, start_method="spawn")  # CUDA does not survive fork
     direct = device_path == "direct" or (device_path is None and transport == "ucx" and gpudirect_rdma())
     for rank_out in results:
-        assert rank_out.pop() == ("pinned", direct, 0 if direct else 1, transport == "shm")
+        assert rank_out.pop() == ("pinned", direct, 0 if direct else 1, transport == "shm", transport == "shm")
     for rank_out in results:
         assert len(rank_out) >= 8
         for codec, op, host, dev in rank_out:
