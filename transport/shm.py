@@ -122,7 +122,8 @@ class Segment:
 # buffers a GPU bucket is staged through, or an array from
 # aggnet.shared_array) need not be copied: the worker names the buffer to
 # each shard once per round (a SHARE message) and the shard reads the
-# chunks where they lie. Only the copy out of the result slot is left.
+# chunks where they lie, and writes the results there where the worker
+# restores nothing (docs/protocol.md).
 
 #: name prefix of the segments behind shared buffers: aggnet-buf-PID-N-RANDOM
 SHARED_PREFIX = "aggnet-buf-"
@@ -138,9 +139,9 @@ _swept = False
 
 
 class SharedBuffer:
-    """Bytes in a shared-memory segment of the worker's own, which a shard
-    on the same host maps by name. Made by :func:`shared_bytes`;
-    the segment is removed once the last array over it is gone."""
+    """A worker's shared buffer as a shard on the same host maps it, by the
+    name a SHARE gave (the worker's side is the array :func:`shared_bytes`
+    returns; its segment is removed once the last array over it is gone)."""
 
     def __init__(self, name: str, size: int, mapping: mmap.mmap):
         self.name = name
@@ -217,7 +218,7 @@ def shared_bytes(nbytes: int) -> np.ndarray | None:
         bisect.insort(_starts, start)
     # the segment goes when the mapping does (the last array over it);
     # a shard that mapped it keeps its own mapping until the job ends
-    weakref.finalize(mapping, _forget, start, path)
+    weakref.finalize(mapping, _forget, start, path, os.getpid())
     return array[:nbytes]
 
 
@@ -239,11 +240,12 @@ def shared_array(shape, dtype=np.float32) -> np.ndarray:
     return raw.view(dtype).reshape(shape)
 
 
-def _forget(start: int, path: str) -> None:
+def _forget(start: int, path: str, creator: int) -> None:
     with _registry_lock:
         if _registry.pop(start, None) is not None:
             _starts.remove(start)
-    _unlink(path)
+    if os.getpid() == creator:  # a forked child (a DataLoader worker) lets go of its copy, not of the segment
+        _unlink(path)
 
 
 def _unlink(path: str) -> None:

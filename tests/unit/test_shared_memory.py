@@ -56,3 +56,23 @@ def test_another_user_s_buffer_is_refused():
     os.chown(os.path.join(shm.SHM_DIR, name), 54321, -1)
     with pytest.raises(ValueError, match="belongs to uid 54321"):
         shm.SharedBuffer.open(name, 64)
+
+
+def test_a_forked_child_letting_go_of_its_copy_keeps_the_segment():
+    """A process forked after the buffer was made (a DataLoader worker)
+    inherits the mapping; when it lets go, the segment stays for the parent."""
+    import gc
+
+    raw = shm.shared_bytes(128)
+    path = os.path.join(shm.SHM_DIR, shm.find_shared(raw)[0])
+    pid = os.fork()
+    if pid == 0:  # the child: drop its copy, collect, and leave without running atexit
+        del raw
+        gc.collect()
+        os._exit(0 if not os.path.exists(path) else 3)  # 3: the segment survived, as it must
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 3
+    assert os.path.exists(path)
+    del raw
+    gc.collect()
+    assert not os.path.exists(path)
