@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from aggnet.pids import alive
 from aggnet.processes import die_with_parent
 
 log = logging.getLogger("aggnet.hosts.supervisor")
@@ -300,17 +301,6 @@ class ShardSupervisor:
                 log.warning("%s process %d did not stop in time; killing it", self.label, s.process.pid)
                 s.process.kill()
                 s.process.join(1.0)
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (one of another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 __all__ = ["ShardSupervisor", "ShardProcess", "ShardReport", "ShardStartError", "RestartLimit", "alive",

@@ -40,6 +40,7 @@ import weakref
 
 import numpy as np
 
+from aggnet import pids
 from aggnet.protocol.control import slot_size
 
 SHM_DIR = "/dev/shm"
@@ -286,18 +287,9 @@ def sweep_stale_shared() -> int:
         if m is None:
             continue
         pid = int(m.group(1))
-        if pid == os.getpid() or _pid_alive(pid):
+        if pid == os.getpid() or pids.alive(pid):
             continue
         _unlink(os.path.join(SHM_DIR, name))
         removed += 1
     return removed
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True

@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 
+from aggnet import pids
 from aggnet.protocol import keys
 from aggnet.client.config import ClientConfig
 from aggnet.errors import AggregatorUnreachable
@@ -61,16 +62,6 @@ def key_path(job: str) -> str:
     return _base(job) + ".keys"
 
 
-def _alive(pid) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ProcessLookupError, ValueError, TypeError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _read_pointer(job: str) -> dict | None:
     """The job's file, if a live service's: {"jobs": {job: key}, "address",
     "pid" (the service), "owner" (rank 0's process)}; None if absent, half
@@ -81,7 +72,7 @@ def _read_pointer(job: str) -> dict | None:
         data["jobs"][job], data["address"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return data if _alive(data.get("pid")) else None
+    return data if pids.alive(data.get("pid")) else None
 
 
 def read_job_key(job: str, timeout: float) -> tuple[bytes, str]:
@@ -135,7 +126,7 @@ class EmbeddedService:
         """Give ``job`` a key the service knows, and leave the key and the
         service's address where the job's other ranks look."""
         theirs = _read_pointer(job)
-        if theirs is not None and theirs.get("owner") != os.getpid() and _alive(theirs.get("owner")):
+        if theirs is not None and theirs.get("owner") != os.getpid() and pids.alive(theirs.get("owner")):
             raise AggregatorUnreachable(
                 f"another process (pid {theirs['owner']}) already runs the embedded aggregator of job {job!r}; "
                 f"give this job another name, or set AGGNET_ADDRESS to share a running service")

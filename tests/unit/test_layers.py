@@ -22,7 +22,7 @@ SOURCES = {"aggnet": "aggnet", "aggnet.transport": "transport", "aggnet.hosts": 
 #: imports between them) or a set of siblings that may import each other
 LAYERS: list[tuple[str, ...] | set[str]] = [
     ("aggnet.protocol",),
-    ("aggnet.errors", "aggnet.buffers", "aggnet.metrics", "aggnet.progress"),
+    ("aggnet.errors", "aggnet.buffers", "aggnet.metrics", "aggnet.progress", "aggnet.pids"),
     ("aggnet.transport", "aggnet.kernels", "aggnet.processes"),
     ("aggnet.client", "aggnet.hosts", "aggnet.p4"),
     ("aggnet",),  # the public API (aggnet/__init__.py) only: it re-exports the clients
