@@ -46,6 +46,24 @@ def _wait_gone(pids, timeout: float = 30.0) -> bool:
     return False
 
 
+def _states(pids) -> dict:
+    """What /proc says of each process still there (state, parent, command
+    line): what a failure needs to be explained."""
+    out = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            with open(f"/proc/{pid}/wchan") as f:
+                wchan = f.read()
+            out[pid] = {"state": fields[0], "ppid": int(fields[1]), "wchan": wchan, "cmd": cmd[:200]}
+        except OSError:
+            out[pid] = "gone"
+    return out
+
+
 def test_a_forked_service_serves_leads_its_group_and_stops_with_status_0():
     # the suite's process keeps a fork server (conftest.py)
     svc = ServiceProcess(_address(), shards=2, parent_pid=os.getpid())
@@ -94,7 +112,7 @@ def test_a_killed_forked_service_reads_as_the_signal_and_takes_its_shards():
     os.kill(svc.pid, signal.SIGKILL)
     assert svc.process.wait(timeout=30) == -signal.SIGKILL
     assert not svc.alive() and svc.stop() == -signal.SIGKILL
-    assert _wait_gone(shards), "a shard outlived its killed service"
+    assert _wait_gone(shards), f"a shard outlived its killed service: {_states(shards)}"
 
 
 def test_with_exec_children_set_the_service_is_a_fresh_interpreter(monkeypatch):
