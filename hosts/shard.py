@@ -331,7 +331,8 @@ class Shard:
         job = self.jobs.get(h.job_id)
         if job is None or job.members.get(h.sender) != peer or h.sender not in job.shm_members:
             raise ControlError(ErrorCode.NOT_JOINED, f"rank {h.sender} named a shared buffer without joining job "
-                                                     f"{h.job_id:08x} over shm from this connection", "share_not_joined")
+                                                     f"{h.job_id:08x} over shm from this connection",
+                               "share_not_joined")
         try:
             info = control.parse(control.SHARE, payload, "SHARE")
             if info["at"] >= info["bytes"]:

@@ -61,8 +61,8 @@ def check_system(name: str) -> str:
               and parts[2:] in ([], ["buckets"], ["pipelined"])))
     if not ok:
         raise SystemExit(f"aggnet bench-ddp: unknown system {name!r}; use gloo, compute, aggnet-CODEC, "
-                         f"aggnet-CODEC-sync, aggnet-CODEC-rings, aggnet-CODEC-staleS[-predict], comm-CODEC[-buckets|-pipelined] with CODEC one of "
-                         f"{', '.join(_CODEC_NAMES)}")
+                         f"aggnet-CODEC-sync, aggnet-CODEC-rings, aggnet-CODEC-staleS[-predict], "
+                         f"comm-CODEC[-buckets|-pipelined] with CODEC one of {', '.join(_CODEC_NAMES)}")
     return name
 
 

@@ -176,8 +176,9 @@ NOT_IN_P4 = Flag.TO_OWNER | Flag.FINAL
 
 #: message types only aggregator hosts speak: the P4 program's enum leaves
 #: them out (a switch drops them as unknown)
-HOST_ONLY_TYPES = frozenset({MsgType.HEARTBEAT, MsgType.SHARE, MsgType.RESULT_IN_PLACE, MsgType.TABLE, MsgType.TABLE_OK, MsgType.SPARSE_PUSH,
-                             MsgType.SPARSE_PULL, MsgType.SPARSE_ROWS, MsgType.SPARSE_LOAD})
+HOST_ONLY_TYPES = frozenset({MsgType.HEARTBEAT, MsgType.SHARE, MsgType.RESULT_IN_PLACE, MsgType.TABLE,
+                             MsgType.TABLE_OK, MsgType.SPARSE_PUSH, MsgType.SPARSE_PULL, MsgType.SPARSE_ROWS,
+                             MsgType.SPARSE_LOAD})
 
 
 class DType(enum.IntEnum):
