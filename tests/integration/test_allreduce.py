@@ -315,18 +315,27 @@ def test_a_worker_that_died_before_joining_every_shard_is_reported_in_seconds():
     """Rank 1 joined shard 0 and died before joining shard 1. Shard 0 tells
     rank 0 at once; shard 1 never heard of rank 1, and holds the round's
     buffer-size agreement until its stall timeout. Rank 0 reports what
-    shard 0 said after a short grace, not after half its timeout."""
+    shard 0 said after a short grace, not after half its timeout.
+
+    Rank 0 joins first: had shard 0 seen rank 1's connection close before
+    rank 0's JOIN, it would have dropped the job with its last member and
+    never known rank 1 (a CI run caught that order)."""
     from harness.raw_worker import RawWorker
 
     from aggnet.client.chunked import HELD_GRACE
+    from aggnet.client.stats import query
     from aggnet.processes import ServiceProcess
 
     with ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2) as svc:
         job = f"half-{uuid.uuid4().hex[:6]}"
-        raw = RawWorker(svc.address, job, rank=1, world=2, timeout=10)
-        raw.join(shards=[0])
-        raw.close()
         with Client(svc.address, job=job, rank=0, world_size=2, timeout=40, chunk_bytes=4096) as c:
+            raw = RawWorker(svc.address, job, rank=1, world=2, timeout=10)
+            raw.join(shards=[0])
+            raw.close()
+            deadline = time.monotonic() + 10
+            while query(svc.address)["totals"].get("members_disconnected", 0) < 1:  # shard 0 saw it go
+                assert time.monotonic() < deadline, "shard 0 never saw rank 1's connection close"
+                time.sleep(0.02)
             t0 = time.monotonic()
             # round 1's buffer-size agreement is shard 1's, which never heard of rank 1
             with pytest.raises(AggregationTimeout, match=r"shard 0 .*rank\(s\) \[1\] left job .* or lost their "
