@@ -356,7 +356,7 @@ class Shard:
             job.remember_shared(h.sender, h.round, SharedRound(None))
             raise
         job.remember_shared(h.sender, h.round, SharedRound(buf, info["at"], info["chunks"],
-                                                           info["chunks"] if info["results"] else 0,
+                                                           min(info["results"], info["chunks"]),
                                                            info["multiplier"]))
         self.counters["shares"] += 1
 
@@ -700,7 +700,7 @@ class Shard:
             self.k.to_half(slot.acc, out, _HALF_FMT[slot.dtype])
         # members whose SHARE asked for the result in their buffer have it
         # there now: their RESULT says so and carries nothing
-        placed = self._write_shared(job, slot, out) if job.shared and slot.owner is None and not slot.op_max else ()
+        placed = self._write_shared(job, slot, out) if job.shared and not slot.op_max else ()
         placed_header = None
         if placed:
             self.counters["results_in_place"] += len(placed)
@@ -749,10 +749,11 @@ class Shard:
     def _write_shared(job: Job, slot: Slot, out: np.ndarray) -> set:
         """Write a chunk's result into the shared buffer of each member whose
         SHARE of the round asked for it (times its multiplier: an average);
-        the ranks written. A worker copies nothing of such a result: a GPU
-        bucket's pinned buffer then holds it for the copy to the device."""
+        the ranks written. A reduce-scatter's chunk goes to its owner only.
+        A worker copies nothing of such a result: a GPU bucket's pinned
+        buffer then holds it for the copy to the device."""
         placed = set()
-        for rank in job.members:
+        for rank in job.members if slot.owner is None else (slot.owner,):
             rec = job.shared.get((rank, slot.key[0]))
             if rec is None or rec.buffer is None or rec.writes_left <= 0:
                 continue

@@ -344,7 +344,7 @@ class Client(ABC):
         if not buf.flags.c_contiguous or not getattr(buf.flags, "writeable", True):
             raise ValueError("allreduce needs a C-contiguous, writable buffer (results are written in place)")
         if _quantized is not None:
-            return self._submit_quantized(buf, codec, op, key, _quantized)
+            return self._submit_quantized(buf, codec, op, key, _quantized, _scratch)
         enc = self._encoding(buf, codec, op, _wire_hint)
         return self._submit(buf.reshape(-1), caller, enc, key, scratch=_scratch)
 
@@ -353,7 +353,7 @@ class Client(ABC):
     #: agrees exponents per chunk of ``chunk_bytes`` says so
     takes_quantized = False
 
-    def _submit_quantized(self, buf, codec, op, key, quantized: Quantized) -> Future:
+    def _submit_quantized(self, buf, codec, op, key, quantized: Quantized, scratch: bool = False) -> Future:
         if not self.takes_quantized:
             raise TypeError(f"{self._context()}: this aggregator path quantizes int32 itself; give the client the "
                             f"float32 buffer")
@@ -363,7 +363,7 @@ class Client(ABC):
         if exps.dtype != np.int16 or exps.shape != (chunks,):
             raise ValueError(f"a prequantized buffer of {buf.size} elements has {chunks} chunks of "
                              f"{self.chunk_bytes // 4}: give as many int16 exponents, got {exps.dtype} {exps.shape}")
-        return self._submit(buf.reshape(-1), buf, enc, key, quantized=quantized)
+        return self._submit(buf.reshape(-1), buf, enc, key, quantized=quantized, scratch=scratch)
 
     #: whether device (CUDA) buffers may be passed as they are: a client
     #: whose transport sends device memory says so
@@ -394,7 +394,7 @@ class Client(ABC):
 
     def reduce_scatter(self, buf, out, bounds: list[int] | None = None, op: str = "sum", codec: str | None = None,
                        *, dtype: str | None = None, key: int | None = None,
-                       _wire_hint: DType | None = None) -> Future:
+                       _wire_hint: DType | None = None, _scratch: bool = False) -> Future:
         """Sum (or average) ``buf`` over every worker of the job; this
         worker receives only its own share of the sum, in ``out``.
 
@@ -402,8 +402,11 @@ class Client(ABC):
         equal shares: ``buf.size`` must divide by the world size). Each
         worker sends all of ``buf`` and receives only its share, so it
         moves S up and S/N down where an all-reduce moves S both ways.
-        ``buf`` is left as it was; the future resolves to ``out``. Neither
-        may be touched until it is done. Options as for :meth:`allreduce`.
+        ``buf`` is left as it was, but for ``out``, which may be this rank's
+        own share of ``buf`` (``buf[bounds[r]:bounds[r + 1]]``, the same
+        memory: a buffer in shared memory then receives its share where it
+        lies over ``shm://``). The future resolves to ``out``. Neither may be
+        touched until it is done. Options as for :meth:`allreduce`.
         """
         if not self.owner_results:
             raise NotImplementedError(
@@ -433,7 +436,7 @@ class Client(ABC):
         if out.size != share:
             raise ValueError(f"rank {self.rank}'s share is {share} elements (bounds {bounds}), out holds {out.size}")
         enc = self._encoding(buf, codec, op, _wire_hint)
-        return self._submit(buf.reshape(-1), out, enc, key, bounds=bounds, out=out.reshape(-1))
+        return self._submit(buf.reshape(-1), out, enc, key, bounds=bounds, out=out.reshape(-1), scratch=_scratch)
 
     def _submit(self, flat, caller_buf, enc: Encoding, key, **extra) -> Future:
         with self._lock:

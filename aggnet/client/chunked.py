@@ -484,16 +484,28 @@ class ChunkClient(Client):
         name, size, at = req.shared
         # the shards write the results there too, where no result must be
         # saved first (a failed round's buffer is thrown away, as aggnet.torch's
-        # are) and it is all-reduced (a reduce-scatter's share goes elsewhere)
-        req.results_in_place = not self._restores_in(req) and req.bounds is None
+        # are) and each result belongs where its chunk came from: an
+        # all-reduce, or a reduce-scatter whose share is received into the
+        # buffer's own elements of it
+        req.results_in_place = not self._restores_in(req) and (req.bounds is None or self._share_in_place(req))
         # an owner-quantized buffer's sums are its to scale
         multiplier = 1.0 if enc.prequantized else enc.multiplier
         for shard, queue in req.queues.items():
+            results = 0
+            if req.results_in_place:
+                results = len(queue) if req.bounds is None else sum(c.owner == self.rank for c in queue)
             payload = wire.json_payload({"name": name, "bytes": size, "at": at, "chunks": len(queue),
-                                         "results": int(req.results_in_place), "multiplier": multiplier})
+                                         "results": results, "multiplier": multiplier})
             h = Header(MsgType.SHARE, job_id=self.job_id, round=req.round, sender=self.member_rank,
                        world=self.members)
             self._conn.send(shard, h.pack_for(payload), payload)
+
+    def _share_in_place(self, req: ChunkRequest) -> bool:
+        """Whether a reduce-scatter's output is its buffer's own share (the
+        same memory), where a shard may write the share's results."""
+        start = req.bounds[self.rank]
+        return (req.out.size > 0 and req.out.dtype == req.buf.dtype and
+                req.out.ctypes.data == req.buf.ctypes.data + start * req.buf.itemsize)
 
     def _start_plan_agreement(self, req: ChunkRequest) -> None:
         """A MAX over workers of the buffer's size, wire dtype and op, and of

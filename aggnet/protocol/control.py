@@ -131,9 +131,11 @@ SHARE = (
     Field("bytes", "int", 1, 1 << 50, required=True),
     Field("at", "int", 0, 1 << 50, required=True),
     Field("chunks", "int", 1, 1 << 31, required=True),
-    #: 1: write the round's results into the buffer too (times
-    #: ``multiplier``, an average's 1/N), and answer RESULT_IN_PLACE
-    Field("results", "int", 0, 1, default=0),
+    #: results to write into the buffer too (times ``multiplier``, an
+    #: average's 1/N), answered RESULT_IN_PLACE: every result of the
+    #: round's chunks on this shard, or of those in the member's share (a
+    #: reduce-scatter); 0: none
+    Field("results", "int", 0, 1 << 31, default=0),
     Field("multiplier", "number", 0.0, 1.0, default=1.0),
 )
 

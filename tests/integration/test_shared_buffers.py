@@ -148,6 +148,57 @@ def test_a_device_buffer_s_staging_copy_takes_its_results_in_place(service):
         assert in_place == CHUNKS[CASES[0]]
 
 
+#: unequal shares, each several chunks with a short last one
+BOUNDS = [0, 3001, N]
+#: how each reduce-scatter is received: (buffer shared, output its own share)
+SCATTERS = [(True, True), (True, False), (False, True), (False, False)]
+
+
+def _scatters(rank: int, address: str, job: str, op: str, restore: bool):
+    """Each of SCATTERS once: (the share's bytes, chunks read in place,
+    results written in place)."""
+    out = []
+    mine = slice(BOUNDS[rank], BOUNDS[rank + 1])
+    with Client(address, job=job, rank=rank, world_size=2, chunk_bytes=CHUNK, timeout=30,
+                all_or_nothing=restore) as c:
+        for shared, own in SCATTERS:
+            buf = aggnet.shared_array(N, np.float32) if shared else np.empty(N, np.float32)
+            buf[...] = values(rank, np.float32)
+            share = buf[mine] if own else np.empty(mine.stop - mine.start, np.float32)
+            before = c.stats.chunks_shared, c.stats.results_in_place
+            c.reduce_scatter(buf, share, BOUNDS, op=op).result(30)
+            out.append((share.copy(), c.stats.chunks_shared - before[0], c.stats.results_in_place - before[1]))
+            if not own:  # the rest of buf is left as it was
+                np.testing.assert_array_equal(buf, values(rank, np.float32))
+    return out
+
+
+@pytest.mark.parametrize("op,restore", [("sum", False), ("avg", False), ("sum", True)],
+                         ids=["sum", "avg", "sum-restoring"])
+def test_a_reduce_scatter_into_its_own_share_of_a_shared_buffer_takes_it_in_place(service, op, restore):
+    """The staged reduce-scatter of aggnet.torch's backend receives its
+    share into the staged input's own elements: the shards write the
+    share's results there, and only there; every other way of receiving
+    it gets the same bits through the rings."""
+    service.mark_counts()
+    got = run_workers(service.address, 2, _scatters, service.address, f"scatter-{uuid.uuid4().hex[:8]}", op,
+                      restore, timeout=90)
+    counts = service.new_counts()
+    total = sum(values(r, np.float32) for r in range(2))
+    if op == "avg":
+        total = total * np.float32(0.5)
+    chunks = [-(-(e - b) * 4 // CHUNK) for b, e in zip(BOUNDS, BOUNDS[1:])]
+    for rank in range(2):
+        want = total[BOUNDS[rank]:BOUNDS[rank + 1]]
+        first = got[rank][0][0]
+        np.testing.assert_allclose(first, want, rtol=1e-6)
+        for (shared, own), (share, read_in_place, written) in zip(SCATTERS, got[rank]):
+            np.testing.assert_array_equal(share, first, err_msg=f"shared={shared} own share={own}")
+            assert read_in_place == (sum(chunks) if shared else 0)
+            assert written == (chunks[rank] if shared and own and not restore else 0), (shared, own)
+    assert counts["results_in_place"] == (0 if restore else sum(chunks))
+
+
 def test_share_buffers_off_sends_a_shared_array_through_the_rings(service):
     out = run_workers(service.address, 2, _rounds, service.address, f"unshared-{uuid.uuid4().hex[:8]}", CASES[:2],
                       (0, 1), 2, False, False, timeout=60)
