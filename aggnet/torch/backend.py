@@ -37,8 +37,9 @@ to use instead: ``AVG`` of bool or sparse tensors, or of integers mixed
 with floats in one call, ``PREMUL_SUM``, tensors on other devices than
 the CPU and CUDA GPUs. A CUDA tensor's all-reduce goes through the DDP
 hook's staging (:mod:`aggnet.torch.staging`: encoded on the device, sent
-from pinned memory), its reduce-scatter through host copies; gloo takes
-CUDA tensors for what it carries. Over a switch, or for a rank in a rack of a
+from pinned memory, off the caller's stream), and so does its
+reduce-scatter, of which only the rank's share comes back to the device;
+gloo takes CUDA tensors for what it carries. Over a switch, or for a rank in a rack of a
 hierarchy, where an aggregator cannot send one rank its share alone, a
 reduce-scatter is an all-reduce of which each rank keeps its share.
 
@@ -189,6 +190,13 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
 
 class AggnetProcessGroup(dist.ProcessGroup):
     """One torch process group whose reductions go through aggnet."""
+
+    #: True: CPU tensors too go through what a CUDA tensor goes through
+    #: (:mod:`aggnet.torch.staging`: pools, narrowing, int32 quantized where
+    #: the tensor is), as the DDP hook's ``AggnetState(staging="always")``;
+    #: how the tests run the device path without a GPU. Set it on the group
+    #: (``dist.group.WORLD``) before its first collective.
+    stage_cpu_tensors = False
 
     def __init__(self, store, rank: int, world_size: int, timeout: datetime.timedelta, *,
                  group_name: str = "", config: ClientConfig | None = None):
@@ -347,12 +355,18 @@ class AggnetProcessGroup(dist.ProcessGroup):
         with self._lock:
             stager = self._stagers.get(device)
             if stager is None:
-                stager = self._stagers[device] = Stager(device, shared=shared)
+                stager = self._stagers[device] = Stager(device, shared=shared,
+                                                        through_host=True if self.stage_cpu_tensors else None)
             return stager
+
+    def _staged(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` goes through :mod:`aggnet.torch.staging` (a device
+        tensor; a CPU one too under ``stage_cpu_tensors``)."""
+        return t.device.type != "cpu" or self.stage_cpu_tensors
 
     def _allreduce_one(self, t: torch.Tensor, op: str):
         """(aggnet future, what to do once it is done) for one tensor."""
-        if t.device.type != "cpu":
+        if self._staged(t):
             return self._allreduce_staged(t, op)
         work = _contiguous(t.detach())
         arr, hint = _numpy_view(work)
@@ -447,15 +461,8 @@ class AggnetProcessGroup(dist.ProcessGroup):
 
     def _reduce_scatter_one(self, input: torch.Tensor, output: torch.Tensor, bounds: list[int], op: str):
         client = self.client
-        if input.device.type != "cpu":
-            # through host copies: the client reads and writes host memory
-            host_out = torch.empty(output.shape, dtype=output.dtype)
-            fut, finish = self._reduce_scatter_one(input.detach().to("cpu"), host_out, bounds, op)
-
-            def back():
-                finish()
-                output.detach().copy_(host_out)
-            return fut, back
+        if self._staged(input):
+            return self._reduce_scatter_staged(input, output, bounds, op)
         src = _contiguous(input.detach())
         dst = _contiguous(output.detach())
         src_arr, hint = _numpy_view(src)
@@ -476,6 +483,36 @@ class AggnetProcessGroup(dist.ProcessGroup):
             if whole is not None:
                 dst.reshape(-1).copy_(whole[mine])
             if not output.is_contiguous():
+                output.detach().copy_(dst)
+        return fut, finish
+
+    def _reduce_scatter_staged(self, input: torch.Tensor, output: torch.Tensor, bounds: list[int], op: str):
+        """A device tensor's reduce-scatter through the staging its
+        all-reduce takes: the input goes to pinned memory off the caller's
+        stream, and only this rank's share comes back to the device. The
+        share is received into the staged input's own elements of it, so an
+        ``shm://`` service writes it there in place (a switch or a rack
+        all-reduces the staged copy instead: the same share comes back)."""
+        stager = self._stager(input.device)
+        client = self.client
+        codec = self.codec if input.dtype == torch.float32 else None
+        # int32 is quantized on the host here: the device's chunks would be
+        # the all-reduce's, and a reduce-scatter cuts each share on its own
+        staged = stager.stage(_contiguous(input.detach()), codec=codec, op=op, world=self._world, check_finite=False)
+        mine = slice(bounds[self._rank], bounds[self._rank + 1])
+        if client.owner_results:
+            def send(arr, **options):
+                return client.reduce_scatter(arr, arr[mine], bounds, op=staged.op, codec=staged.codec, **options)
+        else:
+            def send(arr, **options):
+                return client.allreduce(arr, op=staged.op, codec=staged.codec, **options)
+        fut = stager.submit(staged, send)
+        fut.add_done_callback(lambda f: f.exception() is not None and stager.release(staged))
+        dst = _contiguous(output.detach())
+
+        def finish():
+            stager.unstage(staged, mine, dst.view(-1))
+            if not output.is_contiguous():  # the result went to a contiguous copy
                 output.detach().copy_(dst)
         return fut, finish
 

@@ -396,8 +396,9 @@ class Stager:
 
     def submit(self, staged: Staged, send: Callable[..., Future]) -> Future:
         """Once ``staged``'s host copy is ready, ``send(array, **options)``
-        (the client's all-reduce, given ``_wire_hint`` and, for int32
-        quantized here, ``_quantized``); the returned future is the client's."""
+        (the client's all-reduce, given ``_wire_hint`` or, for int32
+        quantized here, ``_quantized``, and ``_scratch`` for pinned memory of
+        the stager's own); the returned future is the client's."""
         out: Future = Future()
         if not self.cuda:
             self._send(staged, send, out)
@@ -423,15 +424,18 @@ class Stager:
     def _send(self, staged: Staged, send, out: Future) -> None:
         try:
             arr, hint = _numpy(staged.host)
+            # pinned memory of the stager's own: a failed round leaves the
+            # caller's buffer as it was, so nothing in it need be saved
+            mine = {"_scratch": True} if staged.host is not staged.buf else {}
             if staged.block is None:
-                inner = send(arr, _wire_hint=hint)
+                inner = send(arr, _wire_hint=hint, **mine)
             else:
                 exps = device_codec.exponents_of_bits(staged._best.numpy())
 
                 def quantize(agreed, chunks):
                     self._quantize(staged, agreed, chunks)
 
-                inner = send(arr, _quantized=Quantized(exps, quantize, staged.local_nonfinite()))
+                inner = send(arr, _quantized=Quantized(exps, quantize, staged.local_nonfinite()), **mine)
         except BaseException as exc:
             out.set_exception(exc)
             return
@@ -447,9 +451,14 @@ class Stager:
 
     # -- back: pinned host -> device ---------------------------------------------------
 
-    def unstage(self, staged: Staged) -> None:
+    def unstage(self, staged: Staged, part: slice | None = None, out: torch.Tensor | None = None) -> None:
         """Copy the result back into ``staged.buf`` on the side stream and
-        wait for it; then the buffers go back to their pools."""
+        wait for it; then the buffers go back to their pools. ``part``: only
+        those elements come back, into ``out`` (flat, on the device) where
+        given: a reduce-scatter's share, which is all the rank received."""
+        if part is not None:
+            self._unstage_part(staged, part, staged.buf[part] if out is None else out)
+            return
         buf, host = staged.buf, staged.host
         with self._on_back_stream():
             if host is buf:
@@ -467,6 +476,21 @@ class Stager:
                 buf.copy_(host, non_blocking=self.cuda)
             # the bucket is complete once the copy is; the pools hand the
             # buffers out again only after it has read them
+            self._wait_back(f"copying a result to {self.device}")
+        self.release(staged)
+
+    def _unstage_part(self, staged: Staged, part: slice, out: torch.Tensor) -> None:
+        if staged.block is not None:
+            raise ValueError("a share of a buffer quantized on the device cannot come back alone: its chunks are "
+                             "the client's, not the share's; stage it with block=None")
+        host = staged.host[part]
+        with self._on_back_stream():
+            if staged._wide is not None:  # a half format: widened on the device
+                wide = staged._wide[part]
+                wide.copy_(host, non_blocking=self.cuda)
+                out.copy_(wide)
+            else:
+                out.copy_(host, non_blocking=self.cuda)
             self._wait_back(f"copying a result to {self.device}")
         self.release(staged)
 

@@ -50,16 +50,42 @@ def _inputs(rank: int, device: str) -> dict:
     }
 
 
-@ends_process_group
-def backend_collectives(rank: int, world: int, port: int, address: str, device: str) -> dict:
-    """Each collective through the aggnet backend and through a gloo group,
-    on ``device`` tensors; {name: (aggnet's result, gloo's)} as NumPy."""
-    os.environ["AGGNET_ADDRESS"] = address
-    os.environ.pop("AGGNET_CODEC", None)
-    torch.set_num_threads(1)
+#: CPU tensors through what a CUDA tensor goes through (the backend's
+#: ``stage_cpu_tensors``)
+CPU_STAGED = "cpu-staged"
+
+
+def _backend_on(device: str, port: int, rank: int, world: int) -> str:
+    """``init_process_group("aggnet")`` for tensors on ``device``; the
+    torch device they are made on."""
     import aggnet.torch  # noqa: F401  (registers the backend)
 
     dist.init_process_group("aggnet", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if device == CPU_STAGED:
+        dist.group.WORLD.stage_cpu_tensors = True
+        return "cpu"
+    return device
+
+
+def _staging_counts() -> dict:
+    """What the backend's staging did: buffers its pools allocated, and
+    the client's chunks read and results written in shared memory."""
+    group = dist.group.WORLD
+    client = group.client
+    return {"allocations": sum(s.stats()["pinned"].allocations + s.stats()["device"].allocations
+                               for s in group._stagers.values()),
+            "chunks_shared": client.stats.chunks_shared, "results_in_place": client.stats.results_in_place}
+
+
+@ends_process_group
+def backend_collectives(rank: int, world: int, port: int, address: str, device: str) -> dict:
+    """Each collective through the aggnet backend and through a gloo group,
+    on ``device`` tensors; {name: (aggnet's result, gloo's)} as NumPy, and
+    under "staging" what the staging did."""
+    os.environ["AGGNET_ADDRESS"] = address
+    os.environ.pop("AGGNET_CODEC", None)
+    torch.set_num_threads(1)
+    device = _backend_on(device, port, rank, world)
     gloo = dist.new_group(backend="gloo")
     out = {}
     for name, (t, op) in _inputs(rank, device).items():
@@ -71,14 +97,39 @@ def backend_collectives(rank: int, world: int, port: int, address: str, device: 
             ref = ref / world if ref.is_floating_point() else torch.div(ref, world, rounding_mode="trunc")
         out[name] = (_numpy(mine), _numpy(ref))
     g = torch.Generator().manual_seed(10 + rank)
-    whole = torch.randn(world * 1000, generator=g)
-    share = torch.empty(1000, device=device)
-    dist.reduce_scatter_tensor(share, whole.clone().to(device))
-    ref = whole.clone()
-    dist.all_reduce(ref, group=gloo)
-    out["reduce_scatter_tensor"] = (_numpy(share), _numpy(ref[rank * 1000:(rank + 1) * 1000]))
+    before = dist.group.WORLD.client.stats.results_in_place
+    # one chunk a share, then several (a float16 share's last one short)
+    for n, dtype, op in [(1000, torch.float32, "SUM"), (700_001, torch.float32, "AVG"),
+                         (700_001, torch.float16, "SUM")]:
+        whole = torch.randn(world * n, generator=g).to(dtype)
+        share = torch.empty(2 * n, dtype=dtype, device=device)[::2]  # strided: received in a contiguous copy
+        dist.reduce_scatter_tensor(share, whole.clone().to(device), op=getattr(dist.ReduceOp, op))
+        ref = whole.clone()
+        dist.all_reduce(ref, group=gloo)
+        if op == "AVG":
+            ref = ref / world
+        out[f"reduce_scatter_tensor {n} {dtype} {op}"] = (_numpy(share), _numpy(ref[rank * n:(rank + 1) * n]))
     if device == "cuda":
         torch.cuda.synchronize()
+    out["staging"] = _staging_counts()
+    out["staging"]["scattered_in_place"] = out["staging"]["results_in_place"] - before
+    return out
+
+
+@ends_process_group
+def backend_scatter_codec(rank: int, world: int, port: int, address: str, device: str, codec: str) -> list:
+    """Reduce-scatters (sum, avg) of float32 under ``AGGNET_CODEC``: the
+    shares as NumPy."""
+    os.environ["AGGNET_ADDRESS"] = address
+    os.environ["AGGNET_CODEC"] = codec
+    torch.set_num_threads(1)
+    device = _backend_on(device, port, rank, world)
+    g = torch.Generator().manual_seed(20 + rank)
+    out = []
+    for n, op in [(300_001, dist.ReduceOp.SUM), (4097, dist.ReduceOp.AVG)]:
+        share = torch.empty(n, device=device)
+        dist.reduce_scatter_tensor(share, torch.randn(world * n, generator=g).to(device), op=op)
+        out.append(_numpy(share))
     return out
 
 
@@ -92,18 +143,18 @@ def fsdp_on_device(rank: int, world: int, port: int, address: str, device: str) 
     """FSDP2 on ``device`` over the aggnet backend, and again over gloo."""
     os.environ["AGGNET_ADDRESS"] = address
     torch.set_num_threads(1)
-    import aggnet.torch  # noqa: F401
     from torch.distributed.device_mesh import DeviceMesh
 
     from harness.backend_workers import _fsdp_train
 
-    dist.init_process_group("aggnet", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = _backend_on(device, port, rank, world)
     gloo = dist.new_group(backend="gloo")
     # each rank's shards: gathering DTensors on CUDA over a Python
     # process group (torch's functional all-gather) crashes torch 2.11
     agg = _fsdp_train(rank, world, DeviceMesh.from_group(dist.group.WORLD, device), device, gather=False)
+    staging = _staging_counts()
     ref = _fsdp_train(rank, world, DeviceMesh.from_group(gloo, device), device, gather=False)
-    return {"aggnet": agg, "gloo": ref}
+    return {"aggnet": agg, "gloo": ref, "staging": staging}
 
 
 def quantized_allreduce(rank: int, world: int, address: str, job: str, hows: list, rounds: int = 3,

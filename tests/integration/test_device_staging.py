@@ -117,13 +117,55 @@ def test_no_bucket_allocates_once_ddp_has_rebuilt_its_buckets(service, device, c
         assert pools["pinned"] > 0 and pools["device"] > 0
 
 
-@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_backend_all_reduces_and_reduce_scatters_device_tensors_like_gloo(service, device):
+    """Every all-reduce and reduce-scatter of the backend equals gloo's,
+    on CPU tensors sent from where they are, on CPU tensors through the
+    staging, and on CUDA tensors (staged)."""
     results = run_workers("spawn://", 2, DW.backend_collectives, 2, free_port(), service.address, device,
                           timeout=180, start_method="spawn")
     for r in results:
+        staging = r.pop("staging")
         for name, (mine, gloo) in r.items():
             np.testing.assert_array_equal(mine, gloo, err_msg=name)
+        assert (staging["allocations"] > 0) == (device != "cpu"), staging
+        assert staging["scattered_in_place"] == 0  # zmq+tcp: nothing is written where a worker reads
+
+
+@pytest.mark.parametrize("device", [CPU_STAGED, CUDA])
+@pytest.mark.parametrize("codec", ["int32", "fp16", "bf16"])
+def test_the_backend_s_staged_reduce_scatter_sends_what_the_host_codec_sends(service, device, codec):
+    """Narrowed on the device (fp16, bf16) or staged as float32 for the
+    client to quantize (int32), a staged reduce-scatter's shares are the
+    bits of the same tensors' reduce-scatter from the CPU."""
+    def shares(where):
+        return run_workers("spawn://", 2, DW.backend_scatter_codec, 2, free_port(), service.address, where, codec,
+                           timeout=180, start_method="spawn")
+    staged, plain = shares(device), shares("cpu")
+    for rank in range(2):
+        for a, b in zip(staged[rank], plain[rank]):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("device", [CPU_STAGED, CUDA])
+def test_the_backend_s_staged_reduce_scatter_takes_its_share_in_place_from_a_service_on_the_host(device):
+    """Over shm:// a staged tensor's reduce-scatter is read where it was
+    staged, and the shards write this rank's share there: the worker copies
+    none of it, and the shares are gloo's."""
+    svc = RunningService("shm", shards=2)
+    try:
+        results = run_workers("spawn://", 2, DW.backend_collectives, 2, free_port(), svc.address, device,
+                              timeout=180, start_method="spawn")
+    finally:
+        svc.stop()
+    for r in results:
+        staging = r.pop("staging")
+        for name, (mine, gloo) in r.items():
+            np.testing.assert_array_equal(mine, gloo, err_msg=name)
+        # 2 MiB chunks: the 1000-element share in one, the 700_001-element
+        # float32 one in two, the float16 one in one
+        assert staging["scattered_in_place"] == 1 + 2 + 1, staging
+        assert staging["chunks_shared"] > 0
 
 
 @pytest.mark.parametrize("device,codec", [("cpu", None), (CPU_STAGED, "int32"),
@@ -138,9 +180,10 @@ def test_non_finite_values_on_the_device_name_the_rank(service, device, codec):
     assert kind0 == "error" and "NaN/Inf" in text0 and "names it" in text0, text0
 
 
-@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("device", DEVICES)
 def test_fsdp2_on_the_device_trains_like_gloo(service, device):
     results = run_workers("spawn://", 2, DW.fsdp_on_device, 2, free_port(), service.address, device, timeout=180,
                           start_method="spawn")
     for r in results:
         assert rel_diff(r["aggnet"], r["gloo"]) <= 1e-6
+        assert (r["staging"]["allocations"] > 0) == (device != "cpu"), r["staging"]

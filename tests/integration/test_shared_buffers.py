@@ -199,6 +199,35 @@ def test_a_reduce_scatter_into_its_own_share_of_a_shared_buffer_takes_it_in_plac
     assert counts["results_in_place"] == (0 if restore else sum(chunks))
 
 
+def _staged_under_restore(rank: int, address: str, job: str):
+    """A tensor through aggnet.torch's stager (in shared memory, as for an
+    shm:// service) on a client told to restore failed rounds: the
+    stager's buffer is its own, so nothing in it is saved, and the shards
+    write the results there all the same."""
+    import torch
+
+    from aggnet.torch.staging import Stager
+
+    torch.set_num_threads(1)
+    with Client(address, job=job, rank=rank, world_size=2, chunk_bytes=CHUNK, timeout=30,
+                all_or_nothing=True) as c:
+        stager = Stager(torch.device("cpu"), through_host=True, shared=c.takes_shared)
+        t = torch.from_numpy(values(rank, np.float32))
+        staged = stager.stage(t, codec=None, op="avg", world=2)
+        stager.submit(staged, lambda arr, **o: c.allreduce(arr, op=staged.op, codec=staged.codec, **o)).result(30)
+        stager.unstage(staged)
+        return t.numpy().copy(), c.stats.results_in_place
+
+
+def test_a_tensor_staged_by_aggnet_torch_takes_its_results_in_place_even_where_failed_rounds_are_restored(service):
+    out = run_workers(service.address, 2, _staged_under_restore, service.address,
+                      f"staged-{uuid.uuid4().hex[:8]}", timeout=60)
+    ringed = run(service, ())  # CASES[1]: the same values averaged through the rings, in its first round
+    for got, in_place in out:
+        np.testing.assert_array_equal(got.view(np.uint8), ringed[0][1][0][0])
+        assert in_place == CHUNKS[CASES[0]]
+
+
 def test_share_buffers_off_sends_a_shared_array_through_the_rings(service):
     out = run_workers(service.address, 2, _rounds, service.address, f"unshared-{uuid.uuid4().hex[:8]}", CASES[:2],
                       (0, 1), 2, False, False, timeout=60)
