@@ -73,7 +73,7 @@ def add_arguments(p) -> None:
     p.add_argument("--collective", choices=("allreduce", "reduce_scatter"), default="allreduce",
                    help="reduce_scatter: the torch.distributed aggnet backend's reduce-scatter and all-reduce beside "
                         "gloo and the aggnet client, over shm (aggnet/bench/collectives.py; uses --workers, "
-                        "--sizes, --shards, --reps, --json)")
+                        "--sizes, --shards, --reps, --memory, --json)")
 
 
 def _system_info() -> dict:

@@ -12,7 +12,16 @@ in turns (AB, BA, ...: drift on a shared machine then falls on both):
 * ``all_reduce`` of S bytes on aggnet through the backend, and
   ``Client.allreduce`` of the same buffer on the same service: what the
   process-group layer costs;
-* ``all_reduce`` on gloo, for context.
+* ``all_reduce`` on gloo, for context;
+* with host memory, ``reduce_scatter_tensor`` through the staging a CUDA
+  tensor takes (a second aggnet group with ``stage_cpu_tensors``): the
+  host's share of a GPU's reduce-scatter, whose share the shards write
+  where it was staged.
+
+``--memory cuda`` puts the tensors on the GPU: gloo's and aggnet's (the
+backend stages them) reduce-scatters and all-reduces of CUDA tensors, each
+timed until its result is on the device; the client's all-reduce stays on
+host memory.
 
 A repetition's time is the slowest rank's; the table shows medians and the
 two ratios the backend answers to: aggnet reduce-scatter / gloo
@@ -53,9 +62,18 @@ def _timed_pair(barrier, fa, fb, reps: int) -> tuple[list[float], list[float]]:
 #: what each worker times, in this order
 SYSTEMS = ("gloo reduce_scatter", "aggnet reduce_scatter", "aggnet all_reduce", "client all_reduce",
            "gloo all_reduce")
+#: host memory only: CPU tensors through the staging a CUDA tensor takes
+#: (the backend's stage_cpu_tensors): the host's share of a GPU's
+#: reduce-scatter, its shares received in place over shm://
+STAGED = "aggnet reduce_scatter staged"
 
 
-def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, port: int, barrier) -> list:
+def systems(memory: str) -> tuple:
+    return SYSTEMS + ((STAGED,) if memory == "host" else ())
+
+
+def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, memory: str, port: int,
+            barrier) -> list:
     import datetime
 
     import torch
@@ -66,33 +84,55 @@ def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, po
     from aggnet.client.config import ClientConfig
 
     torch.set_num_threads(1)
+    device = torch.device("cuda" if memory == "cuda" else "cpu")
     config = ClientConfig(address=address, timeout=300.0)
     dist.init_process_group("aggnet", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             pg_options=config, timeout=datetime.timedelta(seconds=600))
     gloo = dist.new_group(backend="gloo")
+    staged = None
+    if memory == "host":
+        staged = dist.new_group(backend="aggnet", pg_options=config)
+        staged.stage_cpu_tensors = True
     client = Client(address, job=f"bench-client-{port}", rank=rank, world_size=world, config=config)
+
+    def done(f):
+        """``f``, until its result is on the device (gloo's CUDA work may
+        only have queued it on a stream)."""
+        def run():
+            f()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return run
+
     results = []
     try:
         for nbytes in sizes:
             n = nbytes // 4 // world * world
-            inp = torch.full((n,), float(rank + 1))
-            share = torch.empty(n // world)
+            inp = torch.full((n,), float(rank + 1), device=device)
+            share = torch.empty(n // world, device=device)
             want = world * (world + 1) / 2
             times = {}
             times["gloo reduce_scatter"], times["aggnet reduce_scatter"] = _timed_pair(
-                barrier, lambda: dist.reduce_scatter_single(share, inp, group=gloo),
-                lambda: dist.reduce_scatter_single(share, inp), reps)
+                barrier, done(lambda: dist.reduce_scatter_single(share, inp, group=gloo)),
+                done(lambda: dist.reduce_scatter_single(share, inp)), reps)
             if float(share[0]) != want or float(share[-1]) != want:
                 raise AssertionError(f"rank {rank}: aggnet reduce_scatter gave {share[0]} .. {share[-1]}, want {want}")
+            if staged is not None:
+                share.zero_()
+                times[STAGED] = _timed(barrier, lambda: dist.reduce_scatter_single(share, inp, group=staged),
+                                       reps)["times"]
+                if float(share[0]) != want or float(share[-1]) != want:
+                    raise AssertionError(f"rank {rank}: staged reduce_scatter gave {share[0]} .. {share[-1]}")
             # all-reduces of ones: every repetition multiplies by N, exactly
-            buf = torch.ones(n)
+            # (the client's buffer is host memory either way)
+            buf = torch.ones(n, device=device)
             arr = np.ones(n, np.float32)
             times["aggnet all_reduce"], times["client all_reduce"] = _timed_pair(
-                barrier, lambda: dist.all_reduce(buf), lambda: client.allreduce(arr).result(600), reps)
+                barrier, done(lambda: dist.all_reduce(buf)), lambda: client.allreduce(arr).result(600), reps)
             if float(buf[0]) != float(arr[0]) or float(buf[-1]) != float(arr[-1]):
                 raise AssertionError(f"rank {rank}: backend all_reduce gave {buf[-1]}, client {arr[-1]}")
-            buf = torch.ones(n)
-            times["gloo all_reduce"] = _timed(barrier, lambda: dist.all_reduce(buf, group=gloo), reps)["times"]
+            buf = torch.ones(n, device=device)
+            times["gloo all_reduce"] = _timed(barrier, done(lambda: dist.all_reduce(buf, group=gloo)), reps)["times"]
             results.append(times)
     finally:
         client.close()
@@ -108,6 +148,14 @@ def main(args) -> int:
     except ImportError:
         print("aggnet bench --collective reduce_scatter needs torch (pip install aggnet[torch])", file=sys.stderr)
         return 2
+    memory = getattr(args, "memory", "host")
+    if memory == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("aggnet bench --collective reduce_scatter --memory cuda needs a CUDA GPU that torch sees; leave "
+                  "--memory out", file=sys.stderr)
+            return 2
     worlds = [int(w) for w in args.workers.split(",")]
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     records = []
@@ -117,16 +165,16 @@ def main(args) -> int:
         with tempfile.TemporaryDirectory(prefix="aggnet-bench-") as run_dir:
             service = ServiceProcess(f"shm://{run_dir}/shm.sock", args.shards)
             try:
-                per_rank = spawn_workers(_worker, world, (sizes, args.reps, service.address), 3600,
+                per_rank = spawn_workers(_worker, world, (sizes, args.reps, service.address, memory), 3600,
                                          "aggnet bench --collective reduce_scatter")
             finally:
                 service.stop()
         for i, nbytes in enumerate(sizes):
-            for system in SYSTEMS:
+            for system in systems(memory):
                 slowest = [max(per_rank[r][i][system][k] for r in range(world)) for k in range(args.reps)]
                 records.append({"system": system, "workers": world, "bytes": nbytes, "transport": "shm",
-                                "dtype": "float32", "median_s": statistics.median(slowest), "min_s": min(slowest),
-                                "max_s": max(slowest), "reps": args.reps})
+                                "dtype": "float32", "memory": memory, "median_s": statistics.median(slowest),
+                                "min_s": min(slowest), "max_s": max(slowest), "reps": args.reps})
     ratios = _print(records)
     if args.json:
         with open(args.json, "w") as f:
@@ -148,8 +196,13 @@ def _print(records: list[dict]) -> list[dict]:
             return median[(world, nbytes, system)]
         rs = m("aggnet reduce_scatter") / m("gloo reduce_scatter")
         ar = m("aggnet all_reduce") / m("client all_reduce")
-        ratios.append({"workers": world, "bytes": nbytes, "reduce_scatter_aggnet_over_gloo": rs,
-                       "all_reduce_backend_over_client": ar})
-        print(f"N={world} {format_size(nbytes)}: reduce_scatter aggnet/gloo {rs:.2f} (target <= 0.7); "
-              f"all_reduce backend/client {ar:.2f} (target <= 1.10)")
+        ratio = {"workers": world, "bytes": nbytes, "reduce_scatter_aggnet_over_gloo": rs,
+                 "all_reduce_backend_over_client": ar}
+        line = (f"N={world} {format_size(nbytes)}: reduce_scatter aggnet/gloo {rs:.2f} (target <= 0.7); "
+                f"all_reduce backend/client {ar:.2f} (target <= 1.10)")
+        if (world, nbytes, STAGED) in median:
+            ratio["staged_reduce_scatter_over_gloo"] = m(STAGED) / m("gloo reduce_scatter")
+            line += f"; staged reduce_scatter/gloo {ratio['staged_reduce_scatter_over_gloo']:.2f}"
+        ratios.append(ratio)
+        print(line)
     return ratios

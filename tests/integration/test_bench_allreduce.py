@@ -99,3 +99,28 @@ def test_bench_times_the_int32_codec_agreed_carried_and_quantized_by_its_owner(t
                              text=True, timeout=60)
     assert refused.returncode == 2 and "unknown dtype 'int8'; choose from float32, int32, q-int32" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.slow
+def test_bench_of_the_backend_s_reduce_scatter_times_its_staged_form_beside_gloo(tmp_path):
+    """``--collective reduce_scatter``: the backend's reduce-scatter beside
+    gloo's, and through the staging a CUDA tensor takes (on CPU tensors),
+    each checked for the right share; ``--memory cuda`` without a GPU says
+    so in one line."""
+    torch = pytest.importorskip("torch", reason="the backend's side of the benchmark needs PyTorch")
+    out = tmp_path / "rs.json"
+    r = subprocess.run([sys.executable, "-m", "aggnet", "bench", "--collective", "reduce_scatter", "--workers", "2",
+                        "--sizes", "1MiB", "--reps", "2", "--json", str(out)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert {x["system"] for x in data["records"]} == {
+        "gloo reduce_scatter", "aggnet reduce_scatter", "aggnet reduce_scatter staged", "aggnet all_reduce",
+        "client all_reduce", "gloo all_reduce"}
+    assert all(x["median_s"] > 0 and x["memory"] == "host" for x in data["records"])
+    assert data["ratios"][0]["staged_reduce_scatter_over_gloo"] > 0
+    assert "staged reduce_scatter/gloo" in r.stdout
+    if not torch.cuda.is_available():
+        r = subprocess.run([sys.executable, "-m", "aggnet", "bench", "--collective", "reduce_scatter", "--memory",
+                            "cuda"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr, r.stderr
