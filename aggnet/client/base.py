@@ -353,17 +353,25 @@ class Client(ABC):
     #: agrees exponents per chunk of ``chunk_bytes`` says so
     takes_quantized = False
 
-    def _submit_quantized(self, buf, codec, op, key, quantized: Quantized, scratch: bool = False) -> Future:
+    def _submit_quantized(self, buf, codec, op, key, quantized: Quantized, scratch: bool = False,
+                          bounds: list[int] | None = None, out=None) -> Future:
+        """``bounds`` and ``out``: a reduce-scatter's, whose shares are
+        chunked each on its own (and so are the exponents)."""
         if not self.takes_quantized:
             raise TypeError(f"{self._context()}: this aggregator path quantizes int32 itself; give the client the "
                             f"float32 buffer")
         enc = Encoding(buf, codec, op, self.world_size, prequantized=True)
-        chunks = -(-buf.size // (self.chunk_bytes // 4))
+        block = self.chunk_bytes // 4
+        shares = bounds if bounds is not None else [0, buf.size]
+        chunks = sum(-(-(e - b) // block) for b, e in zip(shares, shares[1:]))
         exps = np.asarray(quantized.exponents)
         if exps.dtype != np.int16 or exps.shape != (chunks,):
             raise ValueError(f"a prequantized buffer of {buf.size} elements has {chunks} chunks of "
-                             f"{self.chunk_bytes // 4}: give as many int16 exponents, got {exps.dtype} {exps.shape}")
-        return self._submit(buf.reshape(-1), buf, enc, key, quantized=quantized, scratch=scratch)
+                             f"{block}: give as many int16 exponents, got {exps.dtype} {exps.shape}")
+        if out is None:
+            return self._submit(buf.reshape(-1), buf, enc, key, quantized=quantized, scratch=scratch)
+        return self._submit(buf.reshape(-1), out, enc, key, quantized=quantized, scratch=scratch, bounds=bounds,
+                            out=out.reshape(-1))
 
     #: whether device (CUDA) buffers may be passed as they are: a client
     #: whose transport sends device memory says so
@@ -394,7 +402,8 @@ class Client(ABC):
 
     def reduce_scatter(self, buf, out, bounds: list[int] | None = None, op: str = "sum", codec: str | None = None,
                        *, dtype: str | None = None, key: int | None = None,
-                       _wire_hint: DType | None = None, _scratch: bool = False) -> Future:
+                       _wire_hint: DType | None = None, _quantized: Quantized | None = None,
+                       _scratch: bool = False) -> Future:
         """Sum (or average) ``buf`` over every worker of the job; this
         worker receives only its own share of the sum, in ``out``.
 
@@ -435,6 +444,8 @@ class Client(ABC):
         share = bounds[self.rank + 1] - bounds[self.rank]
         if out.size != share:
             raise ValueError(f"rank {self.rank}'s share is {share} elements (bounds {bounds}), out holds {out.size}")
+        if _quantized is not None:
+            return self._submit_quantized(buf, codec, op, key, _quantized, _scratch, bounds=bounds, out=out)
         enc = self._encoding(buf, codec, op, _wire_hint)
         return self._submit(buf.reshape(-1), out, enc, key, bounds=bounds, out=out.reshape(-1), scratch=_scratch)
 

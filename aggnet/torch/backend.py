@@ -496,9 +496,12 @@ class AggnetProcessGroup(dist.ProcessGroup):
         stager = self._stager(input.device)
         client = self.client
         codec = self.codec if input.dtype == torch.float32 else None
-        # int32 is quantized on the host here: the device's chunks would be
-        # the all-reduce's, and a reduce-scatter cuts each share on its own
-        staged = stager.stage(_contiguous(input.detach()), codec=codec, op=op, world=self._world, check_finite=False)
+        # int32 is quantized on the device, share by share as the client
+        # chunks them, where the client sends each rank its share alone
+        # (a switch or a rack quantizes the all-reduced copy itself)
+        block = quantize_block(client, codec, input.dtype) if client.owner_results else None
+        staged = stager.stage(_contiguous(input.detach()), codec=codec, op=op, world=self._world, check_finite=False,
+                              block=block, bounds=bounds)
         mine = slice(bounds[self._rank], bounds[self._rank + 1])
         if client.owner_results:
             def send(arr, **options):

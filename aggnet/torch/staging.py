@@ -51,6 +51,7 @@ test suite runs those functions without a GPU.
 
 from __future__ import annotations
 
+import bisect
 import queue
 import threading
 import time
@@ -221,6 +222,12 @@ class Staged:
     #: largest magnitude (host memory, once ``_ready``), the exponents the
     #: workers agreed, and float64 device scratch
     block: int | None = None
+    #: element ranges each chunked on its own from its start (a
+    #: reduce-scatter's shares, where they do not fall on chunk
+    #: boundaries; else the whole buffer), and each chunk's first element
+    #: and elements
+    segments: list = field(default_factory=list)
+    _chunks: list = field(default_factory=list)
     world: int = 1
     _best: torch.Tensor | None = None
     agreed: np.ndarray | None = None
@@ -261,17 +268,20 @@ class Stager:
     # -- out: device -> pinned host ---------------------------------------------------
 
     def stage(self, buf: torch.Tensor, *, codec: str | None, op: str, world: int,
-              check_finite: bool = True, block: int | None = None, key=None) -> Staged:
+              check_finite: bool = True, block: int | None = None, key=None,
+              bounds: list[int] | None = None) -> Staged:
         """Start moving ``buf`` (contiguous) to pinned host memory in its
         wire dtype; returns at once (the copy runs on the side stream).
         ``staged.codec`` and ``staged.op`` are what the client is to do
         with what arrives there. ``block``: the int32 codec is quantized
         here, in chunks of that many elements (:func:`quantize_block`).
         ``key``: a name the same buffer has every step (a DDP bucket's
-        index), under which its pinned and device buffers are kept for it."""
+        index), under which its pinned and device buffers are kept for it.
+        ``bounds``: a reduce-scatter's shares (``bounds[r]:bounds[r + 1]``),
+        which the client chunks each on its own, and so does the quantizer."""
         buf = buf.view(-1)  # flat, as the host buffer is: the result lands in the caller's memory
         if block is not None and codec == "int32" and self.through_host:
-            return self._stage_for_quantizing(buf, op, world, block, key)
+            return self._stage_for_quantizing(buf, op, world, block, key, bounds)
         if not self.through_host:
             # a CPU buffer is sent from where it is; the client encodes it
             # chunk by chunk while earlier chunks are on the wire (narrowing
@@ -307,23 +317,39 @@ class Stager:
             staged._ready = torch.cuda.Event()
             staged._ready.record(self.stream)
 
-    def _stage_for_quantizing(self, buf: torch.Tensor, op: str, world: int, block: int, key) -> Staged:
+    def _stage_for_quantizing(self, buf: torch.Tensor, op: str, world: int, block: int, key,
+                              bounds: list[int] | None) -> Staged:
         """The first half of int32 on the device: each chunk's largest
         magnitude, found on the side stream and copied to the host (the
         client agrees exponents from it; :meth:`_quantize` does the rest)."""
         n = buf.numel()
         staged = Staged(buf, torch.int32, None, 1.0 / world if op == "avg" else 1.0,
                         codec="int32", op="sum", block=block, world=world, key=key)
+        staged.segments = _segments(n, block, bounds)
+        for start, end in staged.segments:
+            staged._chunks += [(at, min(block, end - at)) for at in range(start, end, block)]
         staged.host = self._host(torch.int32, n, staged, "host")
-        staged._best = self._host(torch.int32, -(-n // block), staged, "best")
+        staged._best = self._host(torch.int32, len(staged._chunks), staged, "best")
         with self._on_side_stream():
             staged._nonfinite = _count_nonfinite(buf)  # named if the agreement refuses the bucket
             staged._wide = self._scratch(torch.int32, n, staged, "wide")
             staged._f64 = self._scratch(torch.float64, n, staged, "float64")
-            if n:
-                staged._best.copy_(device_codec.chunk_max_bits(buf, block, staged._wide), non_blocking=self.cuda)
+            for (start, end), chunks in self._by_segment(staged):
+                staged._best[chunks].copy_(device_codec.chunk_max_bits(buf[start:end], block, staged._wide[start:end]),
+                                           non_blocking=self.cuda)
             self._mark_ready(staged)
         return staged
+
+    @staticmethod
+    def _by_segment(staged: Staged):
+        """((start, end), the slice of chunk indices) of each segment that
+        holds elements."""
+        first = 0
+        for start, end in staged.segments:
+            count = -(-(end - start) // staged.block)
+            if count:
+                yield (start, end), slice(first, first + count)
+            first += count
 
     def _quantize(self, staged: Staged, agreed: np.ndarray, chunks: list | None = None) -> None:
         """The second half, called by the client once every exponent is
@@ -337,10 +363,14 @@ class Stager:
         block = staged.block
         with self._on_back_stream():
             if chunks is None:
-                device_codec.quantize_chunks(staged.buf, factors, block, staged._wide, staged._f64)
+                for (start, end), which in self._by_segment(staged):
+                    part = slice(start, end)
+                    device_codec.quantize_chunks(staged.buf[part], factors[which], block, staged._wide[part],
+                                                 staged._f64[part])
                 staged.host.copy_(staged._wide, non_blocking=self.cuda)
             for i in chunks or ():
-                part = slice(i * block, (i + 1) * block)
+                at, count = staged._chunks[i]
+                part = slice(at, at + count)
                 device_codec.quantize_chunks(staged.buf[part], factors[i:i + 1], block, staged._wide[part],
                                              staged._f64[part])
                 staged.host[part].copy_(staged._wide[part], non_blocking=self.cuda)
@@ -466,9 +496,11 @@ class Stager:
             elif staged.block is not None:
                 staged._wide.copy_(host, non_blocking=self.cuda)
                 if staged.agreed is not None:  # else an empty bucket
-                    factors = device_codec.dequantize_factors(staged.agreed, staged.world, staged.multiplier)
-                    device_codec.dequantize_chunks(staged._wide, torch.from_numpy(factors).to(self.device),
-                                                   staged.block, buf, staged._f64)
+                    factors = self._dequantize_factors(staged)
+                    for (start, end), which in self._by_segment(staged):
+                        part = slice(start, end)
+                        device_codec.dequantize_chunks(staged._wide[part], factors[which], staged.block, buf[part],
+                                                       staged._f64[part])
             elif staged._wide is not None:
                 staged._wide.copy_(host, non_blocking=self.cuda)
                 buf.copy_(staged._wide)
@@ -479,11 +511,22 @@ class Stager:
             self._wait_back(f"copying a result to {self.device}")
         self.release(staged)
 
+    def _dequantize_factors(self, staged: Staged) -> torch.Tensor:
+        return torch.from_numpy(device_codec.dequantize_factors(staged.agreed, staged.world,
+                                                                staged.multiplier)).to(self.device)
+
     def _unstage_part(self, staged: Staged, part: slice, out: torch.Tensor) -> None:
-        if staged.block is not None:
-            raise ValueError("a share of a buffer quantized on the device cannot come back alone: its chunks are "
-                             "the client's, not the share's; stage it with block=None")
         host = staged.host[part]
+        if staged.block is not None:
+            which = _chunks_of(staged, part)
+            with self._on_back_stream():
+                staged._wide[part].copy_(host, non_blocking=self.cuda)
+                if staged.agreed is not None:
+                    device_codec.dequantize_chunks(staged._wide[part], self._dequantize_factors(staged)[which],
+                                                   staged.block, out, staged._f64[part])
+                self._wait_back(f"copying a result to {self.device}")
+            self.release(staged)
+            return
         with self._on_back_stream():
             if staged._wide is not None:  # a half format: widened on the device
                 wide = staged._wide[part]
@@ -503,6 +546,34 @@ class Stager:
         """Allocations of the pinned and device pools: constant after the
         first step when buckets reuse their buffers."""
         return {"pinned": self.host_pool.stats, "device": self.device_pool.stats}
+
+
+def _segments(n: int, block: int, bounds: list[int] | None) -> list[tuple[int, int]]:
+    """The element ranges a buffer of ``n`` is chunked in, each on its own
+    from its start: a reduce-scatter's shares (``bounds``), else the whole
+    buffer. Shares that each start on a chunk boundary of the whole buffer
+    are chunked as the whole buffer is: one range then, and one pass of
+    the device's kernels instead of one per rank."""
+    if bounds is None or all(b % block == 0 for b in bounds[:-1]):
+        return [(0, n)] if n else []
+    return [(b, e) for b, e in zip(bounds, bounds[1:]) if e > b]
+
+
+def _chunks_of(staged: Staged, part: slice) -> slice:
+    """The chunks that make up elements ``part`` of a buffer quantized on
+    the device, which must start and end on chunk boundaries and lie in one
+    of its segments (a reduce-scatter's share does)."""
+    starts = [at for at, _ in staged._chunks]
+    first = bisect.bisect_left(starts, part.start)
+    last = bisect.bisect_left(starts, part.stop)  # the chunk after the part's last
+    inside = any(start <= part.start and part.stop <= end for start, end in staged.segments)
+    if part.start == part.stop:
+        return slice(first, first)
+    if first == len(starts) or starts[first] != part.start or not inside or \
+            staged._chunks[last - 1][0] + staged._chunks[last - 1][1] != part.stop:
+        raise ValueError(f"elements {part.start}..{part.stop} of a buffer quantized on the device come back alone "
+                         f"only as whole chunks of one of its segments {staged.segments}")
+    return slice(first, last)
 
 
 def _wait(event, what: str, limit: float = COPY_TIMEOUT) -> None:

@@ -119,18 +119,21 @@ def backend_collectives(rank: int, world: int, port: int, address: str, device: 
 @ends_process_group
 def backend_scatter_codec(rank: int, world: int, port: int, address: str, device: str, codec: str) -> list:
     """Reduce-scatters (sum, avg) of float32 under ``AGGNET_CODEC``: the
-    shares as NumPy."""
+    shares as NumPy, then what the staging did. The shares start inside a
+    chunk of the whole buffer, then on chunk boundaries (2 MiB shares)."""
     os.environ["AGGNET_ADDRESS"] = address
     os.environ["AGGNET_CODEC"] = codec
     torch.set_num_threads(1)
     device = _backend_on(device, port, rank, world)
     g = torch.Generator().manual_seed(20 + rank)
     out = []
-    for n, op in [(300_001, dist.ReduceOp.SUM), (4097, dist.ReduceOp.AVG)]:
+    for n, op in [(700_001, dist.ReduceOp.SUM), (4097, dist.ReduceOp.AVG), (1 << 19, dist.ReduceOp.AVG)]:
         share = torch.empty(n, device=device)
         dist.reduce_scatter_tensor(share, torch.randn(world * n, generator=g).to(device), op=op)
         out.append(_numpy(share))
-    return out
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return out + [_staging_counts()]
 
 
 def _numpy(t: torch.Tensor):

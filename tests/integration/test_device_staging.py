@@ -143,8 +143,33 @@ def test_the_backend_s_staged_reduce_scatter_sends_what_the_host_codec_sends(ser
                            timeout=180, start_method="spawn")
     staged, plain = shares(device), shares("cpu")
     for rank in range(2):
+        assert staged[rank].pop()["allocations"] > 0 and plain[rank].pop()["allocations"] == 0
         for a, b in zip(staged[rank], plain[rank]):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("device", [CPU_STAGED, CUDA])
+def test_a_reduce_scatter_quantized_on_the_device_is_read_and_received_in_place(device):
+    """int32 quantized where the tensor is, share by share as the client
+    chunks the shares: over shm:// the shards read the quantized bytes where
+    they were staged and write the share's sums there, and the shares are
+    the bits the host codec gives."""
+    svc = RunningService("shm", shards=2)
+    try:
+        def shares(where):
+            return run_workers("spawn://", 2, DW.backend_scatter_codec, 2, free_port(), svc.address, where, "int32",
+                               timeout=180, start_method="spawn")
+        staged, plain = shares(device), shares("cpu")
+    finally:
+        svc.stop()
+    for rank in range(2):
+        done, host = staged[rank].pop(), plain[rank].pop()
+        for a, b in zip(staged[rank], plain[rank]):
+            np.testing.assert_array_equal(a, b)
+        # quantized on the host, int32 goes through the rings: nothing shared
+        assert host["chunks_shared"] == 0 and host["results_in_place"] == 0
+        # 2 MiB chunks of int32: 2 + 2, 1 + 1 and 1 + 1 sent, one share's received
+        assert done["chunks_shared"] == 8 and done["results_in_place"] == 4, done
 
 
 @pytest.mark.parametrize("device", [CPU_STAGED, CUDA])

@@ -90,3 +90,44 @@ def test_chunks_agreed_non_finite_are_written_finite():
     Q.dequantize_chunks(q, torch.from_numpy(Q.dequantize_factors(agreed, 2)), 4, out,
                         torch.empty(8, dtype=torch.float64))
     assert torch.isfinite(out).all() and out[4:].tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("bounds", [[0, 10_001, 10_001, 25_013], [0, 8192, 16384, 25_013]],
+                         ids=["shares-inside-chunks", "shares-on-chunk-boundaries"])
+def test_a_reduce_scatter_s_shares_are_quantized_each_from_its_start_as_the_client_chunks_them(bounds):
+    """The stager quantizes a reduce-scatter's buffer share by share (an
+    empty one among them), each chunked from its own start as
+    ``chunking.plan_owned`` cuts it, and one share's sums come back alone."""
+    from aggnet.client import chunking
+    from aggnet.torch.staging import Stager
+
+    n, block, world = 25_013, 4096, 2
+    x = values(n, seed=5)
+    stager = Stager(torch.device("cpu"), through_host=True)
+    staged = stager.stage(torch.from_numpy(x.copy()), codec="int32", op="avg", world=world, block=block,
+                          bounds=bounds)
+    chunks = chunking.plan_owned(bounds, block, 1)
+    want_exps = np.array([block_exponents(x[c.offset:c.offset + c.count], block)[0] for c in chunks], np.int16)
+    np.testing.assert_array_equal(Q.exponents_of_bits(staged._best.numpy()), want_exps)
+    agreed = want_exps + 1
+    stager._quantize(staged, agreed)
+    want_q = np.empty(n, np.int32)
+    for c, e in zip(chunks, agreed):
+        part = slice(c.offset, c.offset + c.count)
+        CPU.quantize(x[part], kernels.quant_shift(int(e), world), want_q[part], False)
+    np.testing.assert_array_equal(staged.host.numpy(), want_q)
+
+    # the sums of the last share come back alone, into the output
+    staged.host.numpy()[...] = want_q * 2
+    last = slice(bounds[2], bounds[3])
+    out = torch.empty(last.stop - last.start)
+    with pytest.raises(ValueError, match="whole chunks"):
+        stager.unstage(staged, slice(last.start + 1, last.stop), out[1:])
+    stager.unstage(staged, last, out)
+    want = np.empty(last.stop - last.start, np.float32)
+    for c, e in zip(chunks, agreed):
+        if c.offset >= last.start:
+            at = c.offset - last.start
+            CPU.dequantize(want_q[c.offset:c.offset + c.count] * 2, kernels.quant_shift(int(e), world),
+                           want[at:at + c.count], False, 1 / world)
+    np.testing.assert_array_equal(out.numpy().view(np.uint32), want.view(np.uint32))
