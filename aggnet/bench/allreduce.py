@@ -70,10 +70,13 @@ def add_arguments(p) -> None:
                         "are over ucx (dev), staged by the client through pinned memory (staged) and through a "
                         "pinned host copy made by hand (copy); gloo all-reduces CUDA tensors (default %(default)s)")
     p.add_argument("--json", default=None, help="write the records to this file")
+    p.add_argument("--codec", choices=("float32", "int32"), default="float32",
+                   help="--collective reduce_scatter: how the aggnet backend's (and the client's) float32 travels, "
+                        "as AGGNET_CODEC says (default %(default)s)")
     p.add_argument("--collective", choices=("allreduce", "reduce_scatter"), default="allreduce",
                    help="reduce_scatter: the torch.distributed aggnet backend's reduce-scatter and all-reduce beside "
                         "gloo and the aggnet client, over shm (aggnet/bench/collectives.py; uses --workers, "
-                        "--sizes, --shards, --reps, --memory, --json)")
+                        "--sizes, --shards, --reps, --memory, --codec, --json)")
 
 
 def _system_info() -> dict:

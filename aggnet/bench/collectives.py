@@ -18,7 +18,11 @@ in turns (AB, BA, ...: drift on a shared machine then falls on both):
   host's share of a GPU's reduce-scatter, whose share the shards write
   where it was staged.
 
-``--memory cuda`` puts the tensors on the GPU: gloo's and aggnet's (the
+``--codec int32`` sends aggnet's float32 quantized (``AGGNET_CODEC``; on
+the GPU, quantized there), gloo's as it is. With host memory its staged
+form runs the device's quantizer (torch operations) on the CPU, one
+thread: that times this code on a CPU, not what a GPU does. ``--memory cuda`` puts the
+tensors on the GPU: gloo's and aggnet's (the
 backend stages them) reduce-scatters and all-reduces of CUDA tensors, each
 timed until its result is on the device; the client's all-reduce stays on
 host memory.
@@ -72,8 +76,8 @@ def systems(memory: str) -> tuple:
     return SYSTEMS + ((STAGED,) if memory == "host" else ())
 
 
-def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, memory: str, port: int,
-            barrier) -> list:
+def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, memory: str, codec: str,
+            port: int, barrier) -> list:
     import datetime
 
     import torch
@@ -85,7 +89,7 @@ def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, me
 
     torch.set_num_threads(1)
     device = torch.device("cuda" if memory == "cuda" else "cpu")
-    config = ClientConfig(address=address, timeout=300.0)
+    config = ClientConfig(address=address, timeout=300.0, codec=codec)
     dist.init_process_group("aggnet", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             pg_options=config, timeout=datetime.timedelta(seconds=600))
     gloo = dist.new_group(backend="gloo")
@@ -128,7 +132,8 @@ def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, me
             buf = torch.ones(n, device=device)
             arr = np.ones(n, np.float32)
             times["aggnet all_reduce"], times["client all_reduce"] = _timed_pair(
-                barrier, done(lambda: dist.all_reduce(buf)), lambda: client.allreduce(arr).result(600), reps)
+                barrier, done(lambda: dist.all_reduce(buf)),
+                lambda: client.allreduce(arr, codec=None if codec == "float32" else codec).result(600), reps)
             if float(buf[0]) != float(arr[0]) or float(buf[-1]) != float(arr[-1]):
                 raise AssertionError(f"rank {rank}: backend all_reduce gave {buf[-1]}, client {arr[-1]}")
             buf = torch.ones(n, device=device)
@@ -149,6 +154,7 @@ def main(args) -> int:
         print("aggnet bench --collective reduce_scatter needs torch (pip install aggnet[torch])", file=sys.stderr)
         return 2
     memory = getattr(args, "memory", "host")
+    codec = getattr(args, "codec", "float32")
     if memory == "cuda":
         import torch
 
@@ -165,7 +171,7 @@ def main(args) -> int:
         with tempfile.TemporaryDirectory(prefix="aggnet-bench-") as run_dir:
             service = ServiceProcess(f"shm://{run_dir}/shm.sock", args.shards)
             try:
-                per_rank = spawn_workers(_worker, world, (sizes, args.reps, service.address, memory), 3600,
+                per_rank = spawn_workers(_worker, world, (sizes, args.reps, service.address, memory, codec), 3600,
                                          "aggnet bench --collective reduce_scatter")
             finally:
                 service.stop()
@@ -173,7 +179,7 @@ def main(args) -> int:
             for system in systems(memory):
                 slowest = [max(per_rank[r][i][system][k] for r in range(world)) for k in range(args.reps)]
                 records.append({"system": system, "workers": world, "bytes": nbytes, "transport": "shm",
-                                "dtype": "float32", "memory": memory, "median_s": statistics.median(slowest),
+                                "dtype": "float32", "codec": codec, "memory": memory, "median_s": statistics.median(slowest),
                                 "min_s": min(slowest), "max_s": max(slowest), "reps": args.reps})
     ratios = _print(records)
     if args.json:
