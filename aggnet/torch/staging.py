@@ -511,9 +511,10 @@ class Stager:
             self._wait_back(f"copying a result to {self.device}")
         self.release(staged)
 
-    def _dequantize_factors(self, staged: Staged) -> torch.Tensor:
-        return torch.from_numpy(device_codec.dequantize_factors(staged.agreed, staged.world,
-                                                                staged.multiplier)).to(self.device)
+    def _dequantize_factors(self, staged: Staged, which: slice = slice(None)) -> torch.Tensor:
+        """Chunks ``which``'s factors, on the device."""
+        factors = device_codec.dequantize_factors(staged.agreed, staged.world, staged.multiplier)
+        return torch.from_numpy(np.ascontiguousarray(factors[which])).to(self.device)
 
     def _unstage_part(self, staged: Staged, part: slice, out: torch.Tensor) -> None:
         host = staged.host[part]
@@ -522,7 +523,7 @@ class Stager:
             with self._on_back_stream():
                 staged._wide[part].copy_(host, non_blocking=self.cuda)
                 if staged.agreed is not None:
-                    device_codec.dequantize_chunks(staged._wide[part], self._dequantize_factors(staged)[which],
+                    device_codec.dequantize_chunks(staged._wide[part], self._dequantize_factors(staged, which),
                                                    staged.block, out, staged._f64[part])
                 self._wait_back(f"copying a result to {self.device}")
             self.release(staged)
