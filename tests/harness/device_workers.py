@@ -136,6 +136,39 @@ def backend_scatter_codec(rank: int, world: int, port: int, address: str, device
     return out + [_staging_counts()]
 
 
+@ends_process_group
+def staged_scatter_alone(rank: int, world: int, port: int, address: str, device: str) -> dict:
+    """Rank 0 reduce-scatters through the staging in a group whose other
+    ranks never do, twice: each fails within the aggnet timeout naming the
+    missing rank, and the second reuses the buffers the first gave back."""
+    import datetime
+    import time
+
+    from aggnet.client.config import ClientConfig
+
+    torch.set_num_threads(1)
+    device = _backend_on(device, port, rank, world)
+    group = dist.new_group(backend="aggnet", pg_options=ClientConfig(address=address, timeout=2.0),
+                           timeout=datetime.timedelta(seconds=30))
+    group.stage_cpu_tensors = dist.group.WORLD.stage_cpu_tensors
+    gloo = dist.new_group(backend="gloo")
+    out = {"errors": [], "seconds": [], "pools": []}
+    if rank == 0:
+        for _ in range(2):
+            t0 = time.monotonic()
+            try:
+                dist.reduce_scatter_tensor(torch.empty(5000, device=device), torch.ones(5000 * world, device=device),
+                                           group=group)
+                out["errors"].append("no error")
+            except Exception as exc:
+                out["errors"].append(f"{type(exc).__name__}: {exc}")
+            out["seconds"].append(time.monotonic() - t0)
+            stats = next(iter(group._stagers.values())).stats()
+            out["pools"].append({k: (v.allocations, v.reuses) for k, v in stats.items()})
+    dist.barrier(group=gloo)
+    return out
+
+
 def _numpy(t: torch.Tensor):
     t = t.detach().cpu()
     return (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t).numpy()

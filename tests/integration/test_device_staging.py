@@ -173,6 +173,20 @@ def test_a_reduce_scatter_quantized_on_the_device_is_read_and_received_in_place(
 
 
 @pytest.mark.parametrize("device", [CPU_STAGED, CUDA])
+def test_a_staged_reduce_scatter_a_rank_never_joins_fails_naming_it_and_gives_its_buffers_back(service, device):
+    out = run_workers("spawn://", 2, DW.staged_scatter_alone, 2, free_port(), service.address, device, timeout=180,
+                      start_method="spawn")[0]
+    for text, seconds in zip(out["errors"], out["seconds"]):
+        assert "rank 1" in text and "reduce_scatter" in text, text
+        assert seconds < 10, out
+    first, second = out["pools"]
+    assert first["pinned"][0] > 0, out["pools"]
+    for pool in ("pinned", "device"):
+        # nothing allocated again: the failed one's buffers were reused
+        assert second[pool][0] == first[pool][0] and second[pool][1] - first[pool][1] == first[pool][0], out["pools"]
+
+
+@pytest.mark.parametrize("device", [CPU_STAGED, CUDA])
 def test_the_backend_s_staged_reduce_scatter_takes_its_share_in_place_from_a_service_on_the_host(device):
     """Over shm:// a staged tensor's reduce-scatter is read where it was
     staged, and the shards write this rank's share there: the worker copies
