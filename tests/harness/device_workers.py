@@ -98,9 +98,10 @@ def backend_collectives(rank: int, world: int, port: int, address: str, device: 
         out[name] = (_numpy(mine), _numpy(ref))
     g = torch.Generator().manual_seed(10 + rank)
     before = dist.group.WORLD.client.stats.results_in_place
-    # one chunk a share, then several (a float16 share's last one short)
+    # one chunk a share, then several (a float16 share's last one short);
+    # bfloat16 travels as its bits with a hint
     for n, dtype, op in [(1000, torch.float32, "SUM"), (700_001, torch.float32, "AVG"),
-                         (700_001, torch.float16, "SUM")]:
+                         (700_001, torch.float16, "SUM"), (3001, torch.bfloat16, "SUM")]:
         whole = torch.randn(world * n, generator=g).to(dtype)
         share = torch.empty(2 * n, dtype=dtype, device=device)[::2]  # strided: received in a contiguous copy
         dist.reduce_scatter_tensor(share, whole.clone().to(device), op=getattr(dist.ReduceOp, op))

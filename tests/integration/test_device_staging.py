@@ -202,8 +202,8 @@ def test_the_backend_s_staged_reduce_scatter_takes_its_share_in_place_from_a_ser
         for name, (mine, gloo) in r.items():
             np.testing.assert_array_equal(mine, gloo, err_msg=name)
         # 2 MiB chunks: the 1000-element share in one, the 700_001-element
-        # float32 one in two, the float16 one in one
-        assert staging["scattered_in_place"] == 1 + 2 + 1, staging
+        # float32 one in two, the float16 one in one, the bfloat16 one in one
+        assert staging["scattered_in_place"] == 1 + 2 + 1 + 1, staging
         assert staging["chunks_shared"] > 0
 
 
