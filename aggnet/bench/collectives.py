@@ -21,15 +21,17 @@ in turns (AB, BA, ...: drift on a shared machine then falls on both):
 ``--codec int32`` sends aggnet's float32 quantized (``AGGNET_CODEC``; on
 the GPU, quantized there), gloo's as it is. With host memory its staged
 form runs the device's quantizer (torch operations) on the CPU, one
-thread: that times this code on a CPU, not what a GPU does. ``--memory cuda`` puts the
-tensors on the GPU: gloo's and aggnet's (the
-backend stages them) reduce-scatters and all-reduces of CUDA tensors, each
-timed until its result is on the device; the client's all-reduce stays on
-host memory.
+thread: that times this code on a CPU, not what a GPU does.
+``--memory cuda`` puts the tensors on the GPU: gloo's and aggnet's (the
+backend stages them) reduce-scatters and all-reduces of CUDA tensors,
+each timed until its result is on the device; the client's all-reduce
+stays on host memory.
 
-A repetition's time is the slowest rank's; the table shows medians and the
-two ratios the backend answers to: aggnet reduce-scatter / gloo
-reduce-scatter and backend all-reduce / client all-reduce.
+A repetition's time is the slowest rank's; the table shows medians, a
+worker's CPU-seconds per GB (its mean over ranks, every thread) and the
+aggregator's (read by rank 0 around each call), and the two ratios the
+backend answers to: aggnet reduce-scatter / gloo reduce-scatter and
+backend all-reduce / client all-reduce.
 """
 
 from __future__ import annotations
@@ -45,22 +47,32 @@ import numpy as np
 
 from aggnet.client.config import format_size, parse_size
 
-from aggnet.bench.allreduce import _system_info, _timed, spawn_workers
+from aggnet.bench.allreduce import _system_info, spawn_workers
+from aggnet.bench.cpu import CpuReading, descendants, own_cpu_seconds, per_gb
 
 
-def _timed_pair(barrier, fa, fb, reps: int) -> tuple[list[float], list[float]]:
-    """Times of ``fa`` and ``fb`` taken in turns (AB, BA, AB, ...) after a
-    warm-up of each, so that drift on a shared machine falls on both alike."""
-    fa()
-    fb()
-    times: dict = {fa: [], fb: []}
+def _turns(barrier, fns: dict, reps: int, aggregator: list | None = None) -> dict:
+    """Each of ``fns`` (name -> call) ``reps`` times, in turns (AB, BA,
+    AB, ...: drift on a shared machine then falls on all alike) after a
+    warm-up of each: {name: {"times", "cpu_s", "aggregator_cpu_s"}}, the
+    CPU-seconds of this process (every thread) and, where ``aggregator``
+    names the service's processes, theirs, over that name's calls."""
+    for f in fns.values():
+        f()
+    out = {name: {"times": [], "cpu_s": 0.0, "aggregator_cpu_s": 0.0 if aggregator else None} for name in fns}
+    names = list(fns)
     for i in range(reps):
-        for f in (fa, fb) if i % 2 == 0 else (fb, fa):
+        for name in names if i % 2 == 0 else names[::-1]:
             barrier.wait(120)
+            agg0 = CpuReading(aggregator) if aggregator else None
+            cpu0 = own_cpu_seconds()
             t0 = time.perf_counter()
-            f()
-            times[f].append(time.perf_counter() - t0)
-    return times[fa], times[fb]
+            fns[name]()
+            out[name]["times"].append(time.perf_counter() - t0)
+            out[name]["cpu_s"] += own_cpu_seconds() - cpu0
+            if agg0 is not None:
+                out[name]["aggregator_cpu_s"] += CpuReading(aggregator) - agg0
+    return out
 
 
 #: what each worker times, in this order
@@ -77,7 +89,7 @@ def systems(memory: str) -> tuple:
 
 
 def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, memory: str, codec: str,
-            port: int, barrier) -> list:
+            service_pid: int, port: int, barrier) -> list:
     import datetime
 
     import torch
@@ -108,6 +120,9 @@ def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, me
                 torch.cuda.synchronize(device)
         return run
 
+    # rank 0 reads the service's CPU time around each call: its supervisor
+    # and shards, found once
+    aggregator = [service_pid, *descendants(service_pid)] if rank == 0 else None
     results = []
     try:
         for nbytes in sizes:
@@ -115,29 +130,31 @@ def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, me
             inp = torch.full((n,), float(rank + 1), device=device)
             share = torch.empty(n // world, device=device)
             want = world * (world + 1) / 2
-            times = {}
-            times["gloo reduce_scatter"], times["aggnet reduce_scatter"] = _timed_pair(
-                barrier, done(lambda: dist.reduce_scatter_single(share, inp, group=gloo)),
-                done(lambda: dist.reduce_scatter_single(share, inp)), reps)
+            times = _turns(barrier, {"gloo reduce_scatter": done(lambda: dist.reduce_scatter_single(share, inp,
+                                                                                                   group=gloo)),
+                                     "aggnet reduce_scatter": done(lambda: dist.reduce_scatter_single(share, inp))},
+                           reps, aggregator)
             if float(share[0]) != want or float(share[-1]) != want:
                 raise AssertionError(f"rank {rank}: aggnet reduce_scatter gave {share[0]} .. {share[-1]}, want {want}")
             if staged is not None:
                 share.zero_()
-                times[STAGED] = _timed(barrier, lambda: dist.reduce_scatter_single(share, inp, group=staged),
-                                       reps)["times"]
+                times.update(_turns(barrier, {STAGED: lambda: dist.reduce_scatter_single(share, inp, group=staged)},
+                                    reps, aggregator))
                 if float(share[0]) != want or float(share[-1]) != want:
                     raise AssertionError(f"rank {rank}: staged reduce_scatter gave {share[0]} .. {share[-1]}")
             # all-reduces of ones: every repetition multiplies by N, exactly
             # (the client's buffer is host memory either way)
             buf = torch.ones(n, device=device)
             arr = np.ones(n, np.float32)
-            times["aggnet all_reduce"], times["client all_reduce"] = _timed_pair(
-                barrier, done(lambda: dist.all_reduce(buf)),
-                lambda: client.allreduce(arr, codec=None if codec == "float32" else codec).result(600), reps)
+            times.update(_turns(barrier, {
+                "aggnet all_reduce": done(lambda: dist.all_reduce(buf)),
+                "client all_reduce": lambda: client.allreduce(arr, codec=None if codec == "float32" else codec)
+                .result(600)}, reps, aggregator))
             if float(buf[0]) != float(arr[0]) or float(buf[-1]) != float(arr[-1]):
                 raise AssertionError(f"rank {rank}: backend all_reduce gave {buf[-1]}, client {arr[-1]}")
             buf = torch.ones(n, device=device)
-            times["gloo all_reduce"] = _timed(barrier, done(lambda: dist.all_reduce(buf, group=gloo)), reps)["times"]
+            times.update(_turns(barrier, {"gloo all_reduce": done(lambda: dist.all_reduce(buf, group=gloo))}, reps,
+                                aggregator))
             results.append(times)
     finally:
         client.close()
@@ -171,16 +188,22 @@ def main(args) -> int:
         with tempfile.TemporaryDirectory(prefix="aggnet-bench-") as run_dir:
             service = ServiceProcess(f"shm://{run_dir}/shm.sock", args.shards)
             try:
-                per_rank = spawn_workers(_worker, world, (sizes, args.reps, service.address, memory, codec), 3600,
+                per_rank = spawn_workers(_worker, world, (sizes, args.reps, service.address, memory, codec, service.pid),
+                                         3600,
                                          "aggnet bench --collective reduce_scatter")
             finally:
                 service.stop()
         for i, nbytes in enumerate(sizes):
             for system in systems(memory):
-                slowest = [max(per_rank[r][i][system][k] for r in range(world)) for k in range(args.reps)]
-                records.append({"system": system, "workers": world, "bytes": nbytes, "transport": "shm",
-                                "dtype": "float32", "codec": codec, "memory": memory, "median_s": statistics.median(slowest),
-                                "min_s": min(slowest), "max_s": max(slowest), "reps": args.reps})
+                got = [per_rank[r][i][system] for r in range(world)]
+                slowest = [max(g["times"][k] for g in got) for k in range(args.reps)]
+                record = {"system": system, "workers": world, "bytes": nbytes, "transport": "shm",
+                          "dtype": "float32", "codec": codec, "memory": memory, "median_s": statistics.median(slowest),
+                          "min_s": min(slowest), "max_s": max(slowest), "reps": args.reps,
+                          # a worker's mean, and the aggregator's (0 for gloo's: its shards idle)
+                          "worker_cpu_s_per_gb": per_gb(statistics.mean(g["cpu_s"] for g in got), nbytes, args.reps),
+                          "aggregator_cpu_s_per_gb": per_gb(got[0]["aggregator_cpu_s"], nbytes, args.reps)}
+                records.append(record)
     ratios = _print(records)
     if args.json:
         with open(args.json, "w") as f:
@@ -191,10 +214,12 @@ def main(args) -> int:
 
 
 def _print(records: list[dict]) -> list[dict]:
-    print(f"{'N':>2} {'size':>7} {'system':>22} {'median ms':>10} {'min ms':>8} {'max ms':>8}")
+    print(f"{'N':>2} {'size':>7} {'system':>28} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'cpu s/GB':>9} "
+          f"{'agg s/GB':>9}")
     for r in records:
-        print(f"{r['workers']:>2} {format_size(r['bytes']):>7} {r['system']:>22} {r['median_s'] * 1e3:10.1f} "
-              f"{r['min_s'] * 1e3:8.1f} {r['max_s'] * 1e3:8.1f}")
+        print(f"{r['workers']:>2} {format_size(r['bytes']):>7} {r['system']:>28} {r['median_s'] * 1e3:10.1f} "
+              f"{r['min_s'] * 1e3:8.1f} {r['max_s'] * 1e3:8.1f} {r['worker_cpu_s_per_gb']:9.2f} "
+              f"{r['aggregator_cpu_s_per_gb']:9.2f}")
     median = {(r["workers"], r["bytes"], r["system"]): r["median_s"] for r in records}
     ratios = []
     for world, nbytes in sorted({(r["workers"], r["bytes"]) for r in records}):

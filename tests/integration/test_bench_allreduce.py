@@ -118,6 +118,12 @@ def test_bench_of_the_backend_s_reduce_scatter_times_its_staged_form_beside_gloo
         "gloo reduce_scatter", "aggnet reduce_scatter", "aggnet reduce_scatter staged", "aggnet all_reduce",
         "client all_reduce", "gloo all_reduce"}
     assert all(x["median_s"] > 0 and x["memory"] == "host" for x in data["records"])
+    # every system costs its workers CPU, and aggnet's its aggregator too
+    for x in data["records"]:
+        assert 0 < x["worker_cpu_s_per_gb"] < 100, x
+        if not x["system"].startswith("gloo"):
+            assert 0 < x["aggregator_cpu_s_per_gb"] < 100, x
+    assert "cpu s/GB" in r.stdout and "agg s/GB" in r.stdout
     assert data["ratios"][0]["staged_reduce_scatter_over_gloo"] > 0
     assert "staged reduce_scatter/gloo" in r.stdout
     if not torch.cuda.is_available():
