@@ -37,10 +37,23 @@ def _sum_of_two(address: str) -> list:
         return list(pool.map(run, range(2)))
 
 
+def _started(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks after boot), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _wait_gone(pids, timeout: float = 30.0) -> bool:
+    """Whether every one of ``pids`` ends within ``timeout``. A pid taken
+    again meanwhile (by a process or thread started later: pid_max may be
+    32768 on a busy machine) counts as gone."""
+    born = {p: _started(p) for p in pids}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all(process_gone(p) for p in pids):
+        if all(process_gone(p) or _started(p) != born[p] for p in pids):
             return True
         time.sleep(0.05)
     return False
@@ -58,7 +71,8 @@ def _states(pids) -> dict:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
             with open(f"/proc/{pid}/wchan") as f:
                 wchan = f.read()
-            out[pid] = {"state": fields[0], "ppid": int(fields[1]), "wchan": wchan, "cmd": cmd[:200]}
+            out[pid] = {"state": fields[0], "ppid": int(fields[1]), "started": int(fields[19]), "wchan": wchan,
+                        "cmd": cmd[:200]}
         except OSError:
             out[pid] = "gone"
     return out
