@@ -24,9 +24,14 @@ bucket. A :class:`Stager` instead, per bucket:
    stream it runs on.
 
 The caller's stream never waits, so several buckets overlap their
-copies, the network and the backward pass. Pinned and device buffers come
-from :class:`BufferPool` s and go back when a bucket is done: after the
-first step no bucket allocates (``Stager.stats()`` counts it). For an
+copies, the network and the backward pass. Pinned buffers come from a
+:class:`BufferPool` and go back when a bucket is done: after the first
+step no bucket allocates (``Stager.stats()`` counts it). What the device
+computes into (a half format, int32 and its float64 product) is a
+slice of a bucket at a time (``SLICE`` elements) in scratch each stream
+keeps: a stager holds tens of megabytes of device memory whatever the
+model's size, where a scratch of each bucket's size, kept per bucket,
+held up to 4 bytes of device memory per byte of gradient (int32). For an
 aggregator on this host (``shm://``) the pinned buffers are shared memory
 page-locked for the GPU: the shards read the chunks there and write the
 results back, and the host copies no byte of the bucket.
@@ -52,6 +57,7 @@ test suite runs those functions without a GPU.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import queue
 import threading
 import time
@@ -80,6 +86,11 @@ _CPU_KERNELS = kernels.load("cpu")
 PINNED_LIMIT = 2 << 30
 #: seconds a copy between the device and pinned memory may take
 COPY_TIMEOUT = 60.0
+#: elements of a bucket its device passes take at once (a whole number of
+#: chunks where it is quantized): the device scratch a stager keeps is a
+#: few bytes per element of this, whatever the model's size, instead of
+#: up to 12 per element of every bucket (int32's int32 and float64)
+SLICE = 1 << 22
 
 
 def quantize_block(client, codec: str | None, dtype: torch.dtype) -> int | None:
@@ -216,11 +227,11 @@ class Staged:
     _raw: list = field(default_factory=list)  #: (pool, buffer, key) to give back
     key: object = None  #: the caller's name for the buffer (a DDP bucket index): its buffers are its own
     _nonfinite: torch.Tensor | None = None
-    _wide: torch.Tensor | None = None  #: device scratch of the wire dtype (half codecs, int32)
+    narrowed: bool = False  #: encoded on the device into a narrower wire dtype (a half codec)
     _ready: object = None  #: event: the host copy is complete
     #: int32 quantized on the device: elements per chunk, each chunk's
-    #: largest magnitude (host memory, once ``_ready``), the exponents the
-    #: workers agreed, and float64 device scratch
+    #: largest magnitude (host memory, once ``_ready``), and the exponents
+    #: the workers agreed
     block: int | None = None
     #: element ranges each chunked on its own from its start (a
     #: reduce-scatter's shares, where they do not fall on chunk
@@ -231,7 +242,6 @@ class Staged:
     world: int = 1
     _best: torch.Tensor | None = None
     agreed: np.ndarray | None = None
-    _f64: torch.Tensor | None = None
 
     def local_nonfinite(self) -> int:
         """NaN/Inf in this rank's buffer (read once the host copy is ready)."""
@@ -261,6 +271,14 @@ class Stager:
         #: from are allocated there, so no chunk is copied on its way in
         self.host_pool = BufferPool(torch.device("cpu"), pin=self.cuda, limit=pinned_limit, shared=shared)
         self.device_pool = BufferPool(self.device)
+        #: each stream's device scratch, a slice of a bucket at a time; a
+        #: lock holds a bucket's whole pass on a stream, so that no other
+        #: bucket's pass queues between its slices and reuses the scratch
+        #: before the copies queued from it have run
+        self._side_scratch = _Scratch(self.device_pool)
+        self._back_scratch = _Scratch(self.device_pool)
+        self._side_lock = threading.Lock()
+        self._back_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -295,7 +313,8 @@ class Stager:
         narrowed = wire != buf.dtype
         # halves narrowed here were divided here (avg): the client sums them
         staged = Staged(buf, wire, None, (1.0 / world if op == "avg" else 1.0) if narrowed else 1.0,
-                        codec="int32" if codec == "int32" else None, op="sum" if narrowed else op, key=key)
+                        codec="int32" if codec == "int32" else None, op="sum" if narrowed else op, key=key,
+                        narrowed=narrowed)
         staged.host = self._host(wire, n, staged, "host")
         with self._on_side_stream():
             if check_finite:
@@ -303,9 +322,8 @@ class Stager:
             if not narrowed:
                 staged.host.copy_(buf, non_blocking=True)
             else:
-                staged._wide = self._scratch(wire, n, staged, "wide")
-                self._narrow(buf, staged._wide, staged)
-                staged.host.copy_(staged._wide, non_blocking=True)
+                for part in _slices(0, n, SLICE):
+                    self._narrow(buf[part], staged.host[part], staged)
             self._mark_ready(staged)
         return staged
 
@@ -332,24 +350,11 @@ class Stager:
         staged._best = self._host(torch.int32, len(staged._chunks), staged, "best")
         with self._on_side_stream():
             staged._nonfinite = _count_nonfinite(buf)  # named if the agreement refuses the bucket
-            staged._wide = self._scratch(torch.int32, n, staged, "wide")
-            staged._f64 = self._scratch(torch.float64, n, staged, "float64")
-            for (start, end), chunks in self._by_segment(staged):
-                staged._best[chunks].copy_(device_codec.chunk_max_bits(buf[start:end], block, staged._wide[start:end]),
-                                           non_blocking=self.cuda)
+            for part, which in _passes(staged):
+                bits, = self._side_scratch.views(part.stop - part.start, torch.int32)
+                staged._best[which].copy_(device_codec.chunk_max_bits(buf[part], block, bits), non_blocking=self.cuda)
             self._mark_ready(staged)
         return staged
-
-    @staticmethod
-    def _by_segment(staged: Staged):
-        """((start, end), the slice of chunk indices) of each segment that
-        holds elements."""
-        first = 0
-        for start, end in staged.segments:
-            count = -(-(end - start) // staged.block)
-            if count:
-                yield (start, end), slice(first, first + count)
-            first += count
 
     def _quantize(self, staged: Staged, agreed: np.ndarray, chunks: list | None = None) -> None:
         """The second half, called by the client once every exponent is
@@ -360,25 +365,16 @@ class Stager:
         pinned buffer may hold sums already)."""
         staged.agreed = agreed
         factors = torch.from_numpy(device_codec.quantize_factors(agreed, staged.world)).to(self.device)
-        block = staged.block
+        if chunks is None:
+            passes = list(_passes(staged))
+        else:
+            passes = [(slice(at, at + count), slice(i, i + 1)) for i in chunks for at, count in [staged._chunks[i]]]
         with self._on_back_stream():
-            if chunks is None:
-                for (start, end), which in self._by_segment(staged):
-                    part = slice(start, end)
-                    device_codec.quantize_chunks(staged.buf[part], factors[which], block, staged._wide[part],
-                                                 staged._f64[part])
-                staged.host.copy_(staged._wide, non_blocking=self.cuda)
-            for i in chunks or ():
-                at, count = staged._chunks[i]
-                part = slice(at, at + count)
-                device_codec.quantize_chunks(staged.buf[part], factors[i:i + 1], block, staged._wide[part],
-                                             staged._f64[part])
-                staged.host[part].copy_(staged._wide[part], non_blocking=self.cuda)
+            for part, which in passes:
+                q, wide = self._back_scratch.views(part.stop - part.start, torch.int32, torch.float64)
+                device_codec.quantize_chunks(staged.buf[part], factors[which], staged.block, q, wide)
+                staged.host[part].copy_(q, non_blocking=self.cuda)
             self._wait_back(f"quantizing a bucket on {self.device}")
-
-    def _scratch(self, dtype: torch.dtype, n: int, staged: Staged, role: str) -> torch.Tensor:
-        """Device memory for ``n`` values of ``dtype``, ``staged``'s until released."""
-        return self._taken(self.device_pool, dtype, n, staged, role)
 
     def _host(self, dtype: torch.dtype, n: int, staged: Staged, role: str) -> torch.Tensor:
         """Pinned host memory for ``n`` values of ``dtype``, ``staged``'s until released."""
@@ -391,29 +387,45 @@ class Stager:
         staged._raw.append((pool, raw, key))
         return _view(raw, dtype, n)
 
-    def _narrow(self, buf: torch.Tensor, out: torch.Tensor, staged: Staged) -> None:
-        """``buf`` (float32) into the half format of ``out``; scaled first
-        in float32 (avg), one rounding, as the host codec does."""
+    def _narrow(self, part: torch.Tensor, host: torch.Tensor, staged: Staged) -> None:
+        """A slice of ``buf`` (float32) into the half format of ``host``
+        (pinned), through device scratch; scaled first in float32 (avg), one
+        rounding, as the host codec does."""
+        n = part.numel()
         if staged.multiplier != 1.0:
-            scaled = self._scratch(torch.float32, buf.numel(), staged, "scaled")
-            torch.mul(buf, staged.multiplier, out=scaled)
-            out.copy_(scaled)
+            half, scaled = self._side_scratch.views(n, host.dtype, torch.float32)
+            torch.mul(part, staged.multiplier, out=scaled)
+            half.copy_(scaled)
         else:
-            out.copy_(buf)
+            half, = self._side_scratch.views(n, host.dtype)
+            half.copy_(part)
+        host.copy_(half, non_blocking=self.cuda)
 
+    @contextlib.contextmanager
     def _on_side_stream(self):
         """The side stream as the current one, after the work queued so far
-        on the caller's stream (which writes the gradient)."""
-        if not self.cuda:
-            return _Nothing()
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self.stream)
+        on the caller's stream (which writes the gradient); one bucket's
+        pass at a time."""
+        with self._side_lock:
+            if not self.cuda:
+                yield
+                return
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                yield
 
+    @contextlib.contextmanager
     def _on_back_stream(self):
-        """The stream of what comes back as the current one. Whatever it
-        reads was written on the side stream before an event the host has
-        seen complete (the client sends only after that)."""
-        return torch.cuda.stream(self.back_stream) if self.cuda else _Nothing()
+        """The stream of what comes back as the current one, one bucket's
+        pass at a time. Whatever it reads was written on the side stream
+        before an event the host has seen complete (the client sends only
+        after that)."""
+        with self._back_lock:
+            if not self.cuda:
+                yield
+                return
+            with torch.cuda.stream(self.back_stream):
+                yield
 
     def _wait_back(self, what: str) -> None:
         """Wait for the work queued on the stream of what comes back."""
@@ -494,16 +506,10 @@ class Stager:
             if host is buf:
                 pass
             elif staged.block is not None:
-                staged._wide.copy_(host, non_blocking=self.cuda)
                 if staged.agreed is not None:  # else an empty bucket
-                    factors = self._dequantize_factors(staged)
-                    for (start, end), which in self._by_segment(staged):
-                        part = slice(start, end)
-                        device_codec.dequantize_chunks(staged._wide[part], factors[which], staged.block, buf[part],
-                                                       staged._f64[part])
-            elif staged._wide is not None:
-                staged._wide.copy_(host, non_blocking=self.cuda)
-                buf.copy_(staged._wide)
+                    self._dequantize(staged, list(_passes(staged)), buf, 0)
+            elif staged.narrowed:
+                self._widen(staged, slice(0, buf.numel()), buf)
             else:
                 buf.copy_(host, non_blocking=self.cuda)
             # the bucket is complete once the copy is; the pools hand the
@@ -511,30 +517,37 @@ class Stager:
             self._wait_back(f"copying a result to {self.device}")
         self.release(staged)
 
-    def _dequantize_factors(self, staged: Staged, which: slice = slice(None)) -> torch.Tensor:
-        """Chunks ``which``'s factors, on the device."""
-        factors = device_codec.dequantize_factors(staged.agreed, staged.world, staged.multiplier)
-        return torch.from_numpy(np.ascontiguousarray(factors[which])).to(self.device)
+    def _dequantize(self, staged: Staged, passes: list, out: torch.Tensor, origin: int) -> None:
+        """The int32 sums of ``passes`` ((elements, chunks), chunk-aligned)
+        as float32 into ``out``, whose first element is element ``origin``
+        of the buffer: through device scratch, a slice at a time."""
+        factors = torch.from_numpy(device_codec.dequantize_factors(staged.agreed, staged.world,
+                                                                   staged.multiplier)).to(self.device)
+        for part, which in passes:
+            q, wide = self._back_scratch.views(part.stop - part.start, torch.int32, torch.float64)
+            q.copy_(staged.host[part], non_blocking=self.cuda)
+            device_codec.dequantize_chunks(q, factors[which], staged.block,
+                                           out[part.start - origin:part.stop - origin], wide)
+
+    def _widen(self, staged: Staged, part: slice, out: torch.Tensor) -> None:
+        """Half-format results ``part`` into float32 ``out``, through device
+        scratch, a slice at a time."""
+        for sub in _slices(part.start, part.stop, SLICE):
+            half, = self._back_scratch.views(sub.stop - sub.start, staged.host.dtype)
+            half.copy_(staged.host[sub], non_blocking=self.cuda)
+            out[sub.start - part.start:sub.stop - part.start].copy_(half)
 
     def _unstage_part(self, staged: Staged, part: slice, out: torch.Tensor) -> None:
-        host = staged.host[part]
-        if staged.block is not None:
-            which = _chunks_of(staged, part)
-            with self._on_back_stream():
-                staged._wide[part].copy_(host, non_blocking=self.cuda)
-                if staged.agreed is not None:
-                    device_codec.dequantize_chunks(staged._wide[part], self._dequantize_factors(staged, which),
-                                                   staged.block, out, staged._f64[part])
-                self._wait_back(f"copying a result to {self.device}")
-            self.release(staged)
-            return
         with self._on_back_stream():
-            if staged._wide is not None:  # a half format: widened on the device
-                wide = staged._wide[part]
-                wide.copy_(host, non_blocking=self.cuda)
-                out.copy_(wide)
+            if staged.block is not None:
+                which = _chunks_of(staged, part)
+                if staged.agreed is not None:
+                    self._dequantize(staged, list(_passes_of(staged, part.start, part.stop, which.start)), out,
+                                     part.start)
+            elif staged.narrowed:
+                self._widen(staged, part, out)
             else:
-                out.copy_(host, non_blocking=self.cuda)
+                out.copy_(staged.host[part], non_blocking=self.cuda)
             self._wait_back(f"copying a result to {self.device}")
         self.release(staged)
 
@@ -558,6 +571,53 @@ def _segments(n: int, block: int, bounds: list[int] | None) -> list[tuple[int, i
     if bounds is None or all(b % block == 0 for b in bounds[:-1]):
         return [(0, n)] if n else []
     return [(b, e) for b, e in zip(bounds, bounds[1:]) if e > b]
+
+
+def _slices(start: int, end: int, step: int):
+    for at in range(start, end, step):
+        yield slice(at, min(end, at + step))
+
+
+def _passes_of(staged: Staged, start: int, end: int, first: int):
+    """(elements, their chunks) of the device passes over elements
+    ``start..end``, which begin at chunk ``first`` and lie in one segment:
+    whole chunks, about SLICE elements a pass."""
+    block = staged.block
+    step = block * max(1, SLICE // block)
+    for part in _slices(start, end, step):
+        c0 = first + (part.start - start) // block
+        yield part, slice(c0, c0 + -(-(part.stop - part.start) // block))
+
+
+def _passes(staged: Staged):
+    """The device passes over every segment of a buffer quantized on the device."""
+    first = 0
+    for start, end in staged.segments:
+        yield from _passes_of(staged, start, end, first)
+        first += -(-(end - start) // staged.block)
+
+
+class _Scratch:
+    """Device memory for one stream's passes, a slice of a bucket at a
+    time, kept for the stager's life: it grows to the largest pass asked
+    for. Taken while its stream is the current one, so the memory of a
+    smaller one it lets go is handed out again by torch's allocator only
+    to work queued on that stream after what still reads it."""
+
+    def __init__(self, pool: BufferPool):
+        self.pool = pool
+        self.raw: torch.Tensor | None = None
+
+    def views(self, n: int, *dtypes: torch.dtype) -> list[torch.Tensor]:
+        """One view of ``n`` elements per dtype, one after another."""
+        sizes = [-(-n * d.itemsize // 8) * 8 for d in dtypes]  # each view 8-byte aligned
+        if self.raw is None or self.raw.numel() < sum(sizes):
+            self.raw = self.pool.take(sum(sizes))
+        out, at = [], 0
+        for d, size in zip(dtypes, sizes):
+            out.append(self.raw[at:at + n * d.itemsize].view(d))
+            at += size
+        return out
 
 
 def _chunks_of(staged: Staged, part: slice) -> slice:
@@ -613,9 +673,3 @@ def result_nonfinite(staged: Staged) -> int:
     return int(np.count_nonzero((bits & mask) == mask))
 
 
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

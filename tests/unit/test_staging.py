@@ -136,3 +136,51 @@ def test_waiting_for_a_copy_has_a_limit_and_says_what_to_check():
     assert done_later.asked == 6
     with pytest.raises(AggnetError, match=r"copying a bucket did not finish within 0.05s; is the GPU still working"):
         _wait(_Event(after=None), "copying a bucket", limit=0.05)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "int32"])
+def test_buckets_go_through_a_slice_of_device_scratch_at_a_time_to_the_bits_of_one_pass(monkeypatch, codec):
+    """Buckets many slices long, under their keys (one a reduce-scatter's,
+    its shares inside chunks, whose last share comes back alone), are
+    encoded and decoded through the same slice of device scratch, to the
+    bits of one pass over each; the scratch is bounded by the slice, not by
+    the buckets."""
+    from aggnet.torch import staging
+
+    n, block, bounds = 50_003, 1000, [0, 20_001, 50_003]
+    x = values(n)
+    x[x.size // 2:] *= 1e-3  # chunks of other scales
+
+    def run(slice_elements: int):
+        monkeypatch.setattr(staging, "SLICE", slice_elements)
+        stager = Stager(torch.device("cpu"), through_host=True)
+        out = []
+        for step in range(2):
+            for key in range(3):
+                buf = torch.from_numpy(x.copy())
+                shares = bounds if key == 2 else None
+                staged = stager.stage(buf, codec=codec, op="avg", world=2, check_finite=False,
+                                      block=block if codec == "int32" else None, key=key, bounds=shares)
+                if codec == "int32":
+                    mine = staging.device_codec.exponents_of_bits(staged._best.numpy())
+                    stager._quantize(staged, mine + 1)
+                sent = staged.host.clone()
+                staged.host.mul_(2)  # what two equal workers sum to
+                if shares is None:
+                    stager.unstage(staged)
+                    got = buf
+                else:
+                    got = torch.empty(n - bounds[1])
+                    stager.unstage(staged, slice(bounds[1], n), got)
+                out.append((sent.view(torch.uint8).numpy().copy(), got.numpy().copy()))
+        return out, stager.stats()["device"]
+
+    one_pass, _ = run(1 << 22)
+    sliced, device = run(4096)
+    for (sent, got), (want_sent, want) in zip(sliced, one_pass):
+        np.testing.assert_array_equal(sent, want_sent)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    # (one pass equals the host codec bit for bit: the tests above and
+    # tests/unit/test_device_quantize.py)
+    # two streams' scratch, a slice each (int32: an int32 and a float64 view)
+    assert device.allocations <= 2 and device.allocated_bytes <= 2 * 16 * 4096 < n * 4, device
