@@ -364,12 +364,14 @@ class Stager:
         these, again, with their exponents in ``agreed`` (the rest of the
         pinned buffer may hold sums already)."""
         staged.agreed = agreed
-        factors = torch.from_numpy(device_codec.quantize_factors(agreed, staged.world)).to(self.device)
         if chunks is None:
             passes = list(_passes(staged))
         else:
             passes = [(slice(at, at + count), slice(i, i + 1)) for i in chunks for at, count in [staged._chunks[i]]]
         with self._on_back_stream():
+            # copied on this stream: on the calling thread's own (the
+            # default one) the copy would wait for the training's kernels
+            factors = torch.from_numpy(device_codec.quantize_factors(agreed, staged.world)).to(self.device)
             for part, which in passes:
                 q, wide = self._back_scratch.views(part.stop - part.start, torch.int32, torch.float64)
                 device_codec.quantize_chunks(staged.buf[part], factors[which], staged.block, q, wide)
