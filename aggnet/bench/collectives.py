@@ -188,8 +188,8 @@ def main(args) -> int:
         with tempfile.TemporaryDirectory(prefix="aggnet-bench-") as run_dir:
             service = ServiceProcess(f"shm://{run_dir}/shm.sock", args.shards)
             try:
-                per_rank = spawn_workers(_worker, world, (sizes, args.reps, service.address, memory, codec, service.pid),
-                                         3600,
+                per_rank = spawn_workers(_worker, world,
+                                         (sizes, args.reps, service.address, memory, codec, service.pid), 3600,
                                          "aggnet bench --collective reduce_scatter")
             finally:
                 service.stop()

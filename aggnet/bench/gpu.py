@@ -14,7 +14,9 @@ installed (int32 quantize and dequantize, native and big-endian for the
 switch; fp16/bf16 narrowing and widening; the block-exponent pass), and
 the torch operations the DDP hook's staging runs on the device
 (:mod:`aggnet.torch.staging`: narrowing, with and without the average's
-multiply, and the NaN/Inf count).
+multiply, the NaN/Inf count, and the int32 codec's exponent pass,
+quantization and dequantization, a slice at a time as the stager runs
+them).
 """
 
 from __future__ import annotations
@@ -141,8 +143,58 @@ def _torch_kernels(torch, n: int, reps: int) -> list[dict]:
         ("torch to bf16 with avg (staging)", narrow_avg, 6 + 8),
         ("torch from bf16 (staging)", lambda: wide.copy_(half), 6),
         ("torch NaN/Inf count (staging)", lambda: torch.count_nonzero(~torch.isfinite(x)), 4),
+        *int32_staging_rows(torch, x)[0],
     ]
     return [{"kernel": name, "bytes": n * per, "seconds": _time(torch, fn, reps)} for name, fn, per in rows]
+
+
+#: elements per chunk the int32 rows cut a buffer into (1 MiB chunks)
+INT32_BLOCK = 1 << 18
+
+
+def int32_staging_rows(torch, x, world: int = 2) -> tuple[list, dict]:
+    """(name, call, bytes per element read and written) of the int32
+    codec as the stager runs it on a device (:mod:`aggnet.torch.quantize`
+    over slices of ``SLICE`` elements through scratch of that size): each
+    chunk's largest magnitude, the quantization with agreed exponents, the
+    dequantization of sums; and the tensors the calls write, for a check
+    against the CPU kernels."""
+    from aggnet.torch import quantize as Q
+    from aggnet.torch.staging import SLICE
+
+    n, block = x.numel(), INT32_BLOCK
+    step = block * max(1, SLICE // block)
+    chunks = -(-n // block)
+    best = torch.empty(chunks, dtype=torch.int32, device=x.device)
+    agreed = np.full(chunks, 3, np.int16)  # randn's largest values are below 2**3
+    up = torch.from_numpy(Q.quantize_factors(agreed, world)).to(x.device)
+    down = torch.from_numpy(Q.dequantize_factors(agreed, world, 1.0 / world)).to(x.device)
+    q = torch.empty(n, dtype=torch.int32, device=x.device)
+    back = torch.empty(n, device=x.device)
+    bits = torch.empty(min(step, n), dtype=torch.int32, device=x.device)
+    wide = torch.empty(min(step, n), dtype=torch.float64, device=x.device)
+
+    def passes():
+        for at in range(0, n, step):
+            k = min(step, n - at)
+            yield slice(at, at + k), slice(at // block, at // block + -(-k // block)), k
+
+    def exponents():
+        for part, which, k in passes():
+            best[which] = Q.chunk_max_bits(x[part], block, bits[:k])
+
+    def quantize():
+        for part, which, k in passes():
+            Q.quantize_chunks(x[part], up[which], block, q[part], wide[:k])
+
+    def dequantize():
+        for part, which, k in passes():
+            Q.dequantize_chunks(q[part], down[which], block, back[part], wide[:k])
+
+    rows = [("torch int32 chunk exponents (staging)", exponents, 4),
+            ("torch quantize to int32 (staging)", quantize, 8),
+            ("torch dequantize int32 (staging)", dequantize, 8)]
+    return rows, {"best": best, "quantized": q, "dequantized": back, "agreed": agreed}
 
 
 def main(args) -> int:

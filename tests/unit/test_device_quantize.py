@@ -131,3 +131,29 @@ def test_a_reduce_scatter_s_shares_are_quantized_each_from_its_start_as_the_clie
             CPU.dequantize(want_q[c.offset:c.offset + c.count] * 2, kernels.quant_shift(int(e), world),
                            want[at:at + c.count], False, 1 / world)
     np.testing.assert_array_equal(out.numpy().view(np.uint32), want.view(np.uint32))
+
+
+def test_the_int32_rows_bench_gpu_times_compute_what_the_kernels_do(monkeypatch):
+    """``aggnet bench-gpu`` times the stager's int32 passes on the GPU; the
+    same calls, run here on CPU tensors over several slices, write the
+    kernels' exponents, quantization and dequantization bit for bit."""
+    from aggnet.bench import gpu as bench
+    from aggnet.torch import staging
+
+    monkeypatch.setattr(staging, "SLICE", 2 * bench.INT32_BLOCK)
+    n, world = 5 * bench.INT32_BLOCK + 1234, 2
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    rows, out = bench.int32_staging_rows(torch, x, world)
+    for _, call, _ in rows:
+        call()
+    xs = x.numpy()
+    np.testing.assert_array_equal(Q.exponents_of_bits(out["best"].numpy()),
+                                  block_exponents(xs, bench.INT32_BLOCK))
+    want_q = np.empty(n, np.int32)
+    want = np.empty(n, np.float32)
+    for i, e in enumerate(out["agreed"]):
+        part = slice(i * bench.INT32_BLOCK, (i + 1) * bench.INT32_BLOCK)
+        CPU.quantize(xs[part], kernels.quant_shift(int(e), world), want_q[part], False)
+        CPU.dequantize(want_q[part], kernels.quant_shift(int(e), world), want[part], False, 1 / world)
+    np.testing.assert_array_equal(out["quantized"].numpy(), want_q)
+    np.testing.assert_array_equal(out["dequantized"].numpy().view(np.uint32), want.view(np.uint32))
