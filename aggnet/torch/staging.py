@@ -496,10 +496,11 @@ class Stager:
     # -- back: pinned host -> device ---------------------------------------------------
 
     def unstage(self, staged: Staged, part: slice | None = None, out: torch.Tensor | None = None) -> None:
-        """Copy the result back into ``staged.buf`` on the side stream and
-        wait for it; then the buffers go back to their pools. ``part``: only
-        those elements come back, into ``out`` (flat, on the device) where
-        given: a reduce-scatter's share, which is all the rank received."""
+        """Copy the result back into ``staged.buf`` on the stream of what
+        comes back and wait for it; then the buffers go back to their
+        pools. ``part``: only those elements come back, into ``out`` (flat,
+        on the device) where given: a reduce-scatter's share, which is all
+        the rank received."""
         if part is not None:
             self._unstage_part(staged, part, staged.buf[part] if out is None else out)
             return
