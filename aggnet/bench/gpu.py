@@ -11,12 +11,13 @@ one.
 
 Kernels: the CuPy ones of :mod:`aggnet.kernels.gpu` where CuPy is
 installed (int32 quantize and dequantize, native and big-endian for the
-switch; fp16/bf16 narrowing and widening; the block-exponent pass), and
-the torch operations the DDP hook's staging runs on the device
-(:mod:`aggnet.torch.staging`: narrowing, with and without the average's
-multiply, the NaN/Inf count, and the int32 codec's exponent pass,
-quantization and dequantization, a slice at a time as the stager runs
-them).
+switch; fp16/bf16 narrowing and widening; the block-exponent pass; and
+the int32 codec chunk by chunk as the DDP hook's staging runs it there:
+each chunk's largest magnitude, quantization and dequantization with a
+factor per chunk), and the torch operations the staging runs on the
+device (:mod:`aggnet.torch.staging`: narrowing, with and without the
+average's multiply, the NaN/Inf count, and the same int32 passes where
+CuPy is not installed), a slice at a time as the stager runs them.
 """
 
 from __future__ import annotations
@@ -124,11 +125,20 @@ def _cupy_kernels(torch, n: int, reps: int) -> tuple[list[dict], list[str]]:
         ("cupy from bf16", lambda: g.from_half(h, y, "bf16"), 6),
         ("cupy block exponents (256)", lambda: g.block_exponents(x, 256, e), 4),
     ]
-    out = [{"kernel": name, "bytes": n * per, "seconds": _time(torch, fn, reps)} for name, fn, per in rows]
-    return out, _check_against_cpu(cp, g, cpu)
+    # the stager's int32 passes as aggnet's kernels run them on torch's
+    # tensors (a float32 buffer of whole and partial chunks)
+    from aggnet.torch import quantize as Q
+
+    t = torch.randn(n, device="cuda")
+    chunked, written = int32_staging_rows(torch, t, ops=Q.CupyOps(g))
+    out = [{"kernel": name, "bytes": n * per, "seconds": _time(torch, fn, reps)}
+           for name, fn, per in rows + chunked]
+    wrong = _check_against_cpu(cp, g, cpu)
+    wrong += [f"cupy {name}" for name in int32_staging_mismatches(torch, t, written)]
+    return out, wrong
 
 
-def _torch_kernels(torch, n: int, reps: int) -> list[dict]:
+def _torch_kernels(torch, n: int, reps: int) -> tuple[list[dict], list[str]]:
     x = torch.randn(n, device="cuda")
     half = torch.empty(n, dtype=torch.bfloat16, device="cuda")
     scaled = torch.empty(n, device="cuda")
@@ -143,24 +153,28 @@ def _torch_kernels(torch, n: int, reps: int) -> list[dict]:
         ("torch to bf16 with avg (staging)", narrow_avg, 6 + 8),
         ("torch from bf16 (staging)", lambda: wide.copy_(half), 6),
         ("torch NaN/Inf count (staging)", lambda: torch.count_nonzero(~torch.isfinite(x)), 4),
-        *int32_staging_rows(torch, x)[0],
     ]
-    return [{"kernel": name, "bytes": n * per, "seconds": _time(torch, fn, reps)} for name, fn, per in rows]
+    chunked, written = int32_staging_rows(torch, x)
+    out = [{"kernel": name, "bytes": n * per, "seconds": _time(torch, fn, reps)} for name, fn, per in rows + chunked]
+    return out, [f"torch {name}" for name in int32_staging_mismatches(torch, x, written)]
 
 
 #: elements per chunk the int32 rows cut a buffer into (1 MiB chunks)
 INT32_BLOCK = 1 << 18
 
 
-def int32_staging_rows(torch, x, world: int = 2) -> tuple[list, dict]:
+def int32_staging_rows(torch, x, world: int = 2, ops=None) -> tuple[list, dict]:
     """(name, call, bytes per element read and written) of the int32
-    codec as the stager runs it on a device (:mod:`aggnet.torch.quantize`
-    over slices of ``SLICE`` elements through scratch of that size): each
+    codec as the stager runs it on a device (:mod:`aggnet.torch.quantize`'s
+    ``ops``, torch's operations by default, over slices of ``SLICE``
+    elements through scratch of that size where they need it): each
     chunk's largest magnitude, the quantization with agreed exponents, the
     dequantization of sums; and the tensors the calls write, for a check
     against the CPU kernels."""
     from aggnet.torch import quantize as Q
     from aggnet.torch.staging import SLICE
+
+    ops = ops or Q.TorchOps()
 
     n, block = x.numel(), INT32_BLOCK
     step = block * max(1, SLICE // block)
@@ -171,8 +185,11 @@ def int32_staging_rows(torch, x, world: int = 2) -> tuple[list, dict]:
     down = torch.from_numpy(Q.dequantize_factors(agreed, world, 1.0 / world)).to(x.device)
     q = torch.empty(n, dtype=torch.int32, device=x.device)
     back = torch.empty(n, device=x.device)
-    bits = torch.empty(min(step, n), dtype=torch.int32, device=x.device)
-    wide = torch.empty(min(step, n), dtype=torch.float64, device=x.device)
+    bits = torch.empty(min(step, n), dtype=torch.int32, device=x.device) if ops.needs_scratch else None
+    wide = torch.empty(min(step, n), dtype=torch.float64, device=x.device) if ops.needs_scratch else None
+
+    def cut(scratch, k):
+        return None if scratch is None else scratch[:k]
 
     def passes():
         for at in range(0, n, step):
@@ -181,20 +198,45 @@ def int32_staging_rows(torch, x, world: int = 2) -> tuple[list, dict]:
 
     def exponents():
         for part, which, k in passes():
-            best[which] = Q.chunk_max_bits(x[part], block, bits[:k])
+            best[which] = ops.chunk_max_bits(x[part], block, cut(bits, k))
 
     def quantize():
         for part, which, k in passes():
-            Q.quantize_chunks(x[part], up[which], block, q[part], wide[:k])
+            ops.quantize_chunks(x[part], up[which], block, q[part], cut(wide, k))
 
     def dequantize():
         for part, which, k in passes():
-            Q.dequantize_chunks(q[part], down[which], block, back[part], wide[:k])
+            ops.dequantize_chunks(q[part], down[which], block, back[part], cut(wide, k))
 
-    rows = [("torch int32 chunk exponents (staging)", exponents, 4),
-            ("torch quantize to int32 (staging)", quantize, 8),
-            ("torch dequantize int32 (staging)", dequantize, 8)]
+    rows = [(f"{ops.name} int32 chunk exponents (staging)", exponents, 4),
+            (f"{ops.name} quantize to int32 (staging)", quantize, 8),
+            (f"{ops.name} dequantize int32 (staging)", dequantize, 8)]
     return rows, {"best": best, "quantized": q, "dequantized": back, "agreed": agreed}
+
+
+def int32_staging_mismatches(torch, x, out: dict, world: int = 2) -> list[str]:
+    """Which of :func:`int32_staging_rows`' outputs (after their calls ran)
+    differ from aggnet's CPU kernels on the same values."""
+    from aggnet import kernels
+    from aggnet.torch import quantize as Q
+
+    cpu = kernels.load("cpu")
+    xs, block, bad = x.cpu().numpy(), INT32_BLOCK, []
+    exps = np.empty(-(-xs.size // block), np.int16)
+    cpu.block_exponents(xs, block, exps)
+    if not np.array_equal(Q.exponents_of_bits(out["best"].cpu().numpy()), exps):
+        bad.append("int32 chunk exponents")
+    want_q, want = np.empty(xs.size, np.int32), np.empty(xs.size, np.float32)
+    for i, e in enumerate(out["agreed"]):
+        part = slice(i * block, (i + 1) * block)
+        shift = kernels.quant_shift(int(e), world)
+        cpu.quantize(xs[part], shift, want_q[part], False)
+        cpu.dequantize(want_q[part], shift, want[part], False, 1 / world)
+    if not np.array_equal(out["quantized"].cpu().numpy(), want_q):
+        bad.append("quantize to int32 per chunk")
+    if not np.array_equal(out["dequantized"].cpu().numpy().view(np.uint32), want.view(np.uint32)):
+        bad.append("dequantize int32 per chunk")
+    return bad
 
 
 def main(args) -> int:
@@ -214,7 +256,8 @@ def main(args) -> int:
     copy_s = _time(torch, lambda: dst.copy_(src), args.reps)
     copy_bw = 2 * n * 4 / copy_s
     records, wrong = _cupy_kernels(torch, n, args.reps)
-    records += _torch_kernels(torch, n, args.reps)
+    more, wrong_torch = _torch_kernels(torch, n, args.reps)
+    records, wrong = records + more, wrong + wrong_torch
     name = torch.cuda.get_device_name()
     print(f"{name}: {n * 4 / 2**20:.0f} MiB of float32, {args.reps} repetitions each")
     print(f"{'kernel':>36} {'ms':>8} {'GB/s (read+written)':>20} {'/copy':>6}")

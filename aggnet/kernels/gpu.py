@@ -2,12 +2,16 @@
 
 Imported lazily (only when a CuPy array reaches the library), so aggnet runs
 without CuPy; the import error names the extra to install. Each kernel is
-one fused element-wise pass; reductions use CuPy's own.
+one fused pass over memory (the largest magnitudes a warp reduction per
+block); ``block_stats`` uses CuPy's own reductions. The CUDA source is
+:mod:`aggnet.kernels.cuda_source`.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from aggnet.kernels.cuda_source import VECTOR_SOURCE
 
 try:
     import cupy as cp
@@ -69,127 +73,8 @@ _acc_f16 = cp.ElementwiseKernel(
 )
 
 
-# -- vectorized kernels: four values per thread and 16-byte loads ---------------
-# One element per thread (an ElementwiseKernel) reached about 56% of a
-# device-to-device copy's bandwidth on an H100; wide loads and stores over
-# a grid-stride loop reach the copy's. Compiled without flushing float32
-# subnormals, so every result equals the CPU kernels' bit for bit.
 
-_VECTOR_SOURCE = r"""
-#include <cuda_fp16.h>
-/* float32 <-> float64 by the bits: exact, subnormals kept. CuPy's kernels
-   run with float32 subnormals flushed to zero (seen on an H100), where the
-   CPU kernels keep them; every float32 value a kernel reads or writes goes
-   through these, so its results equal the CPU's bit for bit. */
-__device__ __forceinline__ double f2d(unsigned int u) {
-    unsigned int e = (u >> 23) & 0xFFu, m = u & 0x7FFFFFu;
-    unsigned long long sign = (unsigned long long)(u >> 31) << 63;
-    if (e == 0) return __longlong_as_double(sign | __double_as_longlong((double)m * 0x1p-149));
-    unsigned long long de = e == 255u ? 2047ull : (unsigned long long)(e - 127u + 1023u);
-    return __longlong_as_double(sign | (de << 52) | ((unsigned long long)m << 29));
-}
-__device__ __forceinline__ unsigned int d2f(double d) {
-    unsigned int sign = (__double_as_longlong(d) < 0) ? 0x80000000u : 0u;
-    double a = fabs(d);
-    /* below the smallest normal float, the float's bits are the value in
-       units of 2**-149, rounded to nearest even (2**23 units: the smallest
-       normal's bits) */
-    if (a < 0x1p-126) return sign | (unsigned int)__double2ll_rn(a * 0x1p149);
-    return __float_as_uint(__double2float_rn(d));
-}
-__device__ __forceinline__ unsigned int bswap32(unsigned int v) {
-    return (v << 24) | ((v & 0xFF00u) << 8) | ((v >> 8) & 0xFF00u) | (v >> 24);
-}
-__device__ __forceinline__ unsigned int quant1(unsigned int x, double scale, bool be) {
-    double v = rint(f2d(x) * scale);
-    v = fmin(fmax(v, -2147483647.0), 2147483647.0);
-    unsigned int u = (unsigned int)(int)v;
-    return be ? bswap32(u) : u;
-}
-__device__ __forceinline__ unsigned int dequant1(unsigned int b, double factor, bool be) {
-    b = be ? bswap32(b) : b;
-    return d2f((double)(int)b * factor);
-}
-__device__ __forceinline__ unsigned int scaled(unsigned int x, double m, bool scale) {
-    return scale ? d2f(f2d(x) * m) : x;  /* the float product, rounded once */
-}
-__device__ __forceinline__ unsigned short bf16_1(unsigned int x, double m, bool scale) {
-    unsigned int u = scaled(x, m, scale);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (unsigned short)((u >> 16) | 0x40u);
-    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-__device__ __forceinline__ unsigned short f16_1(unsigned int x, double m, bool scale) {
-    /* a float32 subnormal is below half's range: it rounds to a signed zero
-       whether or not the conversion flushes it */
-    return __half_as_ushort(__float2half_rn(__uint_as_float(scaled(x, m, scale))));
-}
-#define GRID_LOOP(k, n) for (long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x; k < (n); \
-                             k += (long long)gridDim.x * blockDim.x)
-
-extern "C" __global__ void aggnet_quantize4(const unsigned int* x, unsigned int* out, long long n, double scale,
-                                            bool be) {
-    long long n4 = n / 4;
-    GRID_LOOP(k, n4) {
-        uint4 v = reinterpret_cast<const uint4*>(x)[k];
-        reinterpret_cast<uint4*>(out)[k] = make_uint4(quant1(v.x, scale, be), quant1(v.y, scale, be),
-                                                      quant1(v.z, scale, be), quant1(v.w, scale, be));
-    }
-    GRID_LOOP(k, n - n4 * 4) out[n4 * 4 + k] = quant1(x[n4 * 4 + k], scale, be);
-}
-
-extern "C" __global__ void aggnet_dequantize4(const unsigned int* q, unsigned int* out, long long n, double factor,
-                                              bool be) {
-    long long n4 = n / 4;
-    GRID_LOOP(k, n4) {
-        uint4 v = reinterpret_cast<const uint4*>(q)[k];
-        reinterpret_cast<uint4*>(out)[k] = make_uint4(dequant1(v.x, factor, be), dequant1(v.y, factor, be),
-                                                      dequant1(v.z, factor, be), dequant1(v.w, factor, be));
-    }
-    GRID_LOOP(k, n - n4 * 4) out[n4 * 4 + k] = dequant1(q[n4 * 4 + k], factor, be);
-}
-
-extern "C" __global__ void aggnet_to_half4(const unsigned int* x, unsigned short* out, long long n, double m,
-                                           bool scale, bool f16) {
-    long long n4 = n / 4;
-    GRID_LOOP(k, n4) {
-        uint4 v = reinterpret_cast<const uint4*>(x)[k];
-        unsigned short a, b, c, d;
-        if (f16) { a = f16_1(v.x, m, scale); b = f16_1(v.y, m, scale); c = f16_1(v.z, m, scale); d = f16_1(v.w, m, scale); }
-        else { a = bf16_1(v.x, m, scale); b = bf16_1(v.y, m, scale); c = bf16_1(v.z, m, scale); d = bf16_1(v.w, m, scale); }
-        reinterpret_cast<uint2*>(out)[k] = make_uint2(a | ((unsigned int)b << 16), c | ((unsigned int)d << 16));
-    }
-    GRID_LOOP(k, n - n4 * 4) {
-        unsigned int v = x[n4 * 4 + k];
-        out[n4 * 4 + k] = f16 ? f16_1(v, m, scale) : bf16_1(v, m, scale);
-    }
-}
-
-__device__ __forceinline__ unsigned int widen1(unsigned short h, bool f16) {
-    /* a half subnormal is a normal float32: nothing to flush */
-    return f16 ? __float_as_uint(__half2float(__ushort_as_half(h))) : (unsigned int)h << 16;
-}
-
-extern "C" __global__ void aggnet_from_half4(const unsigned short* h, unsigned int* out, long long n, bool f16) {
-    long long n4 = n / 4;
-    GRID_LOOP(k, n4) {
-        uint2 v = reinterpret_cast<const uint2*>(h)[k];
-        reinterpret_cast<uint4*>(out)[k] = make_uint4(widen1(v.x & 0xFFFFu, f16), widen1(v.x >> 16, f16),
-                                                      widen1(v.y & 0xFFFFu, f16), widen1(v.y >> 16, f16));
-    }
-    GRID_LOOP(k, n - n4 * 4) out[n4 * 4 + k] = widen1(h[n4 * 4 + k], f16);
-}
-
-extern "C" __global__ void aggnet_add_f32(unsigned int* acc, const unsigned int* src, long long n) {
-    /* exact in double, rounded once (innocuous double rounding for a sum) */
-    GRID_LOOP(k, n) acc[k] = d2f(f2d(acc[k]) + f2d(src[k]));
-}
-
-extern "C" __global__ void aggnet_add_half(unsigned int* acc, const unsigned short* src, long long n, bool f16) {
-    GRID_LOOP(k, n) acc[k] = d2f(f2d(acc[k]) + f2d(widen1(src[k], f16)));
-}
-"""
-
-_vector = cp.RawModule(code=_VECTOR_SOURCE)
+_vector = cp.RawModule(code=VECTOR_SOURCE)
 _THREADS = 256
 
 
@@ -289,17 +174,63 @@ def accumulate_half(acc, src, fmt: str) -> None:
 
 
 def block_exponents(x, block: int, out) -> None:
+    best = cp.empty(out.size, cp.uint32)
+    chunk_max_bits(x, block, best)
+    _launch("aggnet_exponents_of_bits", 4 * best.size, best, out.view(cp.int16), cp.int64(best.size))
+
+
+# -- the int32 codec chunk by chunk (aggnet.torch.staging's passes) -------------
+# Beyond KERNEL_API: a bucket staged from a GPU is quantized with one agreed
+# exponent per chunk of ``block`` elements, so these take one float64
+# factor per chunk (``2**shift``; ``2**-shift * multiplier`` back) where the
+# kernels above take one for the whole call. Each is one pass over memory.
+
+def _contiguous(out) -> None:
+    if not out.flags.c_contiguous:
+        raise ValueError("aggnet: a chunked int32 kernel writes a contiguous output; pass a contiguous array")
+
+
+#: elements one warp reads of a chunk when finding its largest magnitude
+_TILE = 1024
+
+
+def chunk_max_bits(x, block: int, best) -> None:
+    """``best`` (one 32-bit value per chunk of ``block`` elements of
+    float32 ``x``) = the bits of each chunk's largest magnitude, NaN and
+    Inf above every finite value."""
     n = x.size
-    blocks = out.size
-    padded = cp.zeros(blocks * block, cp.uint32)
-    padded[:n] = x.view(cp.uint32) & cp.uint32(0x7FFFFFFF)
-    rows = padded.reshape(blocks, block)
-    bad = (rows >= cp.uint32(0x7F800000)).any(axis=1)
-    best = cp.where(rows >= cp.uint32(0x7F800000), cp.uint32(0), rows).max(axis=1)
-    # the exponent from the bits, in float64: a float32 subnormal read as
-    # float32 would be flushed to zero here
-    subnormal = best < cp.uint32(0x00800000)
-    value = cp.where(subnormal, best.astype(cp.float64) * 2.0 ** -149, best.view(cp.float32).astype(cp.float64))
-    _, e = cp.frexp(value)
-    e = cp.where(best == 0, -150, e)
-    out[...] = cp.where(bad, 32767, e).astype(cp.int16)
+    _contiguous(best)
+    if n == 0:
+        return
+    x = cp.ascontiguousarray(x)
+    tile = min(block, _TILE)
+    per = -(-block // tile)
+    if per > 1:
+        best.fill(0)  # tiles of a chunk meet by atomicMax
+    vec = block % 4 == 0 and tile % 4 == 0 and _aligned(x)
+    warps = -(-n // block) * per
+    blocks = min(max(1, -(-warps // (_THREADS // 32))), 65535 * 8)
+    _vector.get_function("aggnet_chunk_max_bits")(
+        (blocks,), (_THREADS,),
+        (x.view(cp.uint32), best.view(cp.uint32), cp.int64(n), cp.int64(block), cp.int64(per), cp.int64(tile),
+         cp.bool_(vec)))
+
+
+def quantize_chunks(x, factors, block: int, out) -> None:
+    """``out`` (int32) = ``rint(x * factor)`` clamped to +-(2**31 - 1),
+    each chunk of float32 ``x`` with its float64 ``factors`` entry."""
+    _contiguous(out)
+    x = cp.ascontiguousarray(x)
+    vec = block % 4 == 0 and _aligned(x, out)
+    _launch("aggnet_quantize_chunks", x.size, x.view(cp.uint32), out.view(cp.uint32), cp.int64(x.size),
+            cp.int64(block), cp.ascontiguousarray(factors, cp.float64), cp.bool_(vec))
+
+
+def dequantize_chunks(q, factors, block: int, out) -> None:
+    """``out`` (float32) = each chunk of int32 ``q`` times its float64
+    factor, the product rounded once."""
+    _contiguous(out)
+    q = cp.ascontiguousarray(q)
+    vec = block % 4 == 0 and _aligned(q, out)
+    _launch("aggnet_dequantize_chunks", q.size, q.view(cp.uint32), out.view(cp.uint32), cp.int64(q.size),
+            cp.int64(block), cp.ascontiguousarray(factors, cp.float64), cp.bool_(vec))

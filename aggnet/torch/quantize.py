@@ -13,24 +13,38 @@ the send. The codec's rules are those of :mod:`aggnet.kernels`, to the bit:
   clamped to +-(2**31 - 1);
 * a sum ``q`` becomes ``float32(q * (2**-shift * multiplier))``.
 
-These run as a few whole-bucket operations (torch's elementwise kernels on
-a GPU, at its memory bandwidth; a 25 MB bucket is a fraction of a
-millisecond there against milliseconds over PCIe). The same functions run
-on CPU tensors, which is how the test suite checks them against the
-kernels bit for bit without a GPU. The scratch they write to is the
-caller's, so a bucket allocates nothing after its first step.
+Two implementations, one chosen by the tensor's device (:func:`ops_for`):
+
+* aggnet's own CUDA kernels (:mod:`aggnet.kernels.gpu`, CuPy), one pass
+  over memory each and no scratch, on a CUDA device where CuPy is
+  installed;
+* torch's operations on the tensor's device otherwise: a few whole-slice
+  passes through scratch of the caller's (a float64 product), at the
+  device's memory bandwidth on a GPU. The same functions run on CPU
+  tensors, which is how the test suite checks them against the CPU
+  kernels bit for bit without a GPU; on a GPU, ``./dev gpu-check`` checks
+  the CuPy ones against them.
+
+Either way a 25 MB bucket takes a fraction of a millisecond on a GPU
+against milliseconds over PCIe. ``AGGNET_DEVICE_KERNELS=torch`` (or
+``cupy``, which then must load) chooses instead of ``auto``.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+import os
 
 import numpy as np
 import torch
 
 from aggnet import kernels
+from aggnet.errors import AggnetError
 from aggnet.protocol.wire import EXPONENT_NONFINITE
 
 __all__ = ["chunk_max_bits", "exponents_of_bits", "quantize_factors", "dequantize_factors", "quantize_chunks",
-           "dequantize_chunks"]
+           "dequantize_chunks", "ops_for", "TorchOps", "CupyOps"]
 
 _ABS_MASK = 0x7FFFFFFF
 _CPU = kernels.load("cpu")
@@ -114,3 +128,84 @@ def _paired(src: torch.Tensor, scratch: torch.Tensor, factors: torch.Tensor, blo
     yield sw, dw, factors[:whole].view(whole, 1)
     if st.numel():
         yield st, dt, factors[whole]
+
+
+class TorchOps:
+    """The passes as torch operations on the tensor's own device (any
+    device), through the caller's scratch."""
+
+    name = "torch"
+    #: the caller hands each pass device scratch (``bits``, ``scratch``)
+    needs_scratch = True
+    chunk_max_bits = staticmethod(chunk_max_bits)
+    quantize_chunks = staticmethod(quantize_chunks)
+    dequantize_chunks = staticmethod(dequantize_chunks)
+
+
+class CupyOps:
+    """The passes as aggnet's CUDA kernels, launched on the calling
+    thread's current torch stream (the stager's side or back stream), on
+    the tensors' memory as it is: one pass each and no scratch."""
+
+    name = "cupy"
+    needs_scratch = False
+
+    def __init__(self, gpu):
+        import cupy
+
+        self.gpu, self.cupy = gpu, cupy
+
+    @contextlib.contextmanager
+    def _on_current_stream(self, device: torch.device):
+        stream = torch.cuda.current_stream(device)
+        with self.cupy.cuda.Device(device.index), self.cupy.cuda.ExternalStream(stream.cuda_stream, device.index):
+            yield self.cupy.asarray
+
+    def chunk_max_bits(self, x: torch.Tensor, block: int, bits: torch.Tensor | None = None) -> torch.Tensor:
+        best = torch.empty(-(-x.numel() // block), dtype=torch.int32, device=x.device)
+        if x.numel():
+            with self._on_current_stream(x.device) as view:
+                self.gpu.chunk_max_bits(view(x), block, view(best))
+        return best
+
+    def quantize_chunks(self, x: torch.Tensor, factors: torch.Tensor, block: int, out: torch.Tensor,
+                        scratch: torch.Tensor | None = None) -> None:
+        if x.numel():
+            with self._on_current_stream(x.device) as view:
+                self.gpu.quantize_chunks(view(x), view(factors), block, view(out))
+
+    def dequantize_chunks(self, q: torch.Tensor, factors: torch.Tensor, block: int, out: torch.Tensor,
+                          scratch: torch.Tensor | None = None) -> None:
+        if q.numel():
+            with self._on_current_stream(q.device) as view:
+                self.gpu.dequantize_chunks(view(q), view(factors), block, view(out))
+
+
+_CHOICES = ("auto", "cupy", "torch")
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_kernels():
+    """aggnet's CuPy kernel module, or the ImportError that says why not."""
+    try:
+        return kernels.load("gpu")
+    except ImportError as exc:
+        return exc
+
+
+def ops_for(device: torch.device | str) -> TorchOps | CupyOps:
+    """The implementation the int32 passes of tensors on ``device`` run:
+    aggnet's CUDA kernels on a CUDA device where CuPy is installed, torch's
+    operations otherwise; ``AGGNET_DEVICE_KERNELS=torch`` takes torch's on
+    CUDA too, ``cupy`` fails with one line where CuPy cannot load."""
+    choice = os.environ.get("AGGNET_DEVICE_KERNELS", "auto").strip().lower() or "auto"
+    if choice not in _CHOICES:
+        raise AggnetError(f"aggnet: AGGNET_DEVICE_KERNELS must be one of {', '.join(_CHOICES)}, not {choice!r}")
+    if torch.device(device).type != "cuda" or choice == "torch":
+        return TorchOps()  # the CPU's tensors take torch's operations whatever the choice
+    gpu = _gpu_kernels()
+    if isinstance(gpu, ImportError):
+        if choice == "cupy":
+            raise AggnetError(f"aggnet: AGGNET_DEVICE_KERNELS=cupy, but {gpu}; install CuPy or use auto")
+        return TorchOps()
+    return CupyOps(gpu)

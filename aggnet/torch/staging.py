@@ -279,6 +279,9 @@ class Stager:
         self._back_scratch = _Scratch(self.device_pool)
         self._side_lock = threading.Lock()
         self._back_lock = threading.Lock()
+        #: what the int32 codec's passes run on this device: aggnet's CUDA
+        #: kernels (CuPy) or torch's operations (``.name`` says which)
+        self.kernels = device_codec.ops_for(self.device)
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -350,9 +353,10 @@ class Stager:
         staged._best = self._host(torch.int32, len(staged._chunks), staged, "best")
         with self._on_side_stream():
             staged._nonfinite = _count_nonfinite(buf)  # named if the agreement refuses the bucket
+            ops = self.kernels
             for part, which in _passes(staged):
-                bits, = self._side_scratch.views(part.stop - part.start, torch.int32)
-                staged._best[which].copy_(device_codec.chunk_max_bits(buf[part], block, bits), non_blocking=self.cuda)
+                bits, = self._side_scratch.views(part.stop - part.start, torch.int32) if ops.needs_scratch else [None]
+                staged._best[which].copy_(ops.chunk_max_bits(buf[part], block, bits), non_blocking=self.cuda)
             self._mark_ready(staged)
         return staged
 
@@ -373,8 +377,8 @@ class Stager:
             # default one) the copy would wait for the training's kernels
             factors = torch.from_numpy(device_codec.quantize_factors(agreed, staged.world)).to(self.device)
             for part, which in passes:
-                q, wide = self._back_scratch.views(part.stop - part.start, torch.int32, torch.float64)
-                device_codec.quantize_chunks(staged.buf[part], factors[which], staged.block, q, wide)
+                q, wide = self._quantize_scratch(part.stop - part.start)
+                self.kernels.quantize_chunks(staged.buf[part], factors[which], staged.block, q, wide)
                 staged.host[part].copy_(q, non_blocking=self.cuda)
             self._wait_back(f"quantizing a bucket on {self.device}")
 
@@ -527,10 +531,19 @@ class Stager:
         factors = torch.from_numpy(device_codec.dequantize_factors(staged.agreed, staged.world,
                                                                    staged.multiplier)).to(self.device)
         for part, which in passes:
-            q, wide = self._back_scratch.views(part.stop - part.start, torch.int32, torch.float64)
+            q, wide = self._quantize_scratch(part.stop - part.start)
             q.copy_(staged.host[part], non_blocking=self.cuda)
-            device_codec.dequantize_chunks(q, factors[which], staged.block,
-                                           out[part.start - origin:part.stop - origin], wide)
+            self.kernels.dequantize_chunks(q, factors[which], staged.block, out[part.start - origin:part.stop - origin],
+                                           wide)
+
+    def _quantize_scratch(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The back stream's scratch for ``n`` int32 values, and for their
+        float64 product where torch's operations compute one."""
+        if self.kernels.needs_scratch:
+            q, wide = self._back_scratch.views(n, torch.int32, torch.float64)
+            return q, wide
+        q, = self._back_scratch.views(n, torch.int32)
+        return q, None
 
     def _widen(self, staged: Staged, part: slice, out: torch.Tensor) -> None:
         """Half-format results ``part`` into float32 ``out``, through device

@@ -1,0 +1,219 @@
+"""The CUDA C source of aggnet's device kernels, as plain text.
+
+Kept apart from :mod:`aggnet.kernels.gpu` (which compiles it with CuPy) so
+that it can be compiled without CuPy or a GPU: the test suite compiles it
+with NVRTC alone where NVRTC is installed, so a kernel that does not build
+fails on any machine, not first on a GPU's.
+"""
+
+# Four values per thread and 16-byte loads: one element per thread (an
+# ElementwiseKernel) reached about 56% of a device-to-device copy's
+# bandwidth on an H100; wide loads and stores over a grid-stride loop reach
+# the copy's. Compiled without flushing float32 subnormals, so every result
+# equals the CPU kernels' bit for bit.
+VECTOR_SOURCE = r"""
+#include <cuda_fp16.h>
+/* float32 <-> float64 by the bits: exact, subnormals kept. CuPy's kernels
+   run with float32 subnormals flushed to zero (seen on an H100), where the
+   CPU kernels keep them; every float32 value a kernel reads or writes goes
+   through these, so its results equal the CPU's bit for bit. */
+__device__ __forceinline__ double f2d(unsigned int u) {
+    unsigned int e = (u >> 23) & 0xFFu, m = u & 0x7FFFFFu;
+    unsigned long long sign = (unsigned long long)(u >> 31) << 63;
+    if (e == 0) return __longlong_as_double(sign | __double_as_longlong((double)m * 0x1p-149));
+    unsigned long long de = e == 255u ? 2047ull : (unsigned long long)(e - 127u + 1023u);
+    return __longlong_as_double(sign | (de << 52) | ((unsigned long long)m << 29));
+}
+__device__ __forceinline__ unsigned int d2f(double d) {
+    unsigned int sign = (__double_as_longlong(d) < 0) ? 0x80000000u : 0u;
+    double a = fabs(d);
+    /* below the smallest normal float, the float's bits are the value in
+       units of 2**-149, rounded to nearest even (2**23 units: the smallest
+       normal's bits) */
+    if (a < 0x1p-126) return sign | (unsigned int)__double2ll_rn(a * 0x1p149);
+    return __float_as_uint(__double2float_rn(d));
+}
+__device__ __forceinline__ unsigned int bswap32(unsigned int v) {
+    return (v << 24) | ((v & 0xFF00u) << 8) | ((v >> 8) & 0xFF00u) | (v >> 24);
+}
+__device__ __forceinline__ unsigned int quant1(unsigned int x, double scale, bool be) {
+    double v = rint(f2d(x) * scale);
+    v = fmin(fmax(v, -2147483647.0), 2147483647.0);
+    unsigned int u = (unsigned int)(int)v;
+    return be ? bswap32(u) : u;
+}
+__device__ __forceinline__ unsigned int dequant1(unsigned int b, double factor, bool be) {
+    b = be ? bswap32(b) : b;
+    return d2f((double)(int)b * factor);
+}
+__device__ __forceinline__ unsigned int scaled(unsigned int x, double m, bool scale) {
+    return scale ? d2f(f2d(x) * m) : x;  /* the float product, rounded once */
+}
+__device__ __forceinline__ unsigned short bf16_1(unsigned int x, double m, bool scale) {
+    unsigned int u = scaled(x, m, scale);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (unsigned short)((u >> 16) | 0x40u);
+    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ unsigned short f16_1(unsigned int x, double m, bool scale) {
+    /* a float32 subnormal is below half's range: it rounds to a signed zero
+       whether or not the conversion flushes it */
+    return __half_as_ushort(__float2half_rn(__uint_as_float(scaled(x, m, scale))));
+}
+#define GRID_LOOP(k, n) for (long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x; k < (n); \
+                             k += (long long)gridDim.x * blockDim.x)
+
+extern "C" __global__ void aggnet_quantize4(const unsigned int* x, unsigned int* out, long long n, double scale,
+                                            bool be) {
+    long long n4 = n / 4;
+    GRID_LOOP(k, n4) {
+        uint4 v = reinterpret_cast<const uint4*>(x)[k];
+        reinterpret_cast<uint4*>(out)[k] = make_uint4(quant1(v.x, scale, be), quant1(v.y, scale, be),
+                                                      quant1(v.z, scale, be), quant1(v.w, scale, be));
+    }
+    GRID_LOOP(k, n - n4 * 4) out[n4 * 4 + k] = quant1(x[n4 * 4 + k], scale, be);
+}
+
+extern "C" __global__ void aggnet_dequantize4(const unsigned int* q, unsigned int* out, long long n, double factor,
+                                              bool be) {
+    long long n4 = n / 4;
+    GRID_LOOP(k, n4) {
+        uint4 v = reinterpret_cast<const uint4*>(q)[k];
+        reinterpret_cast<uint4*>(out)[k] = make_uint4(dequant1(v.x, factor, be), dequant1(v.y, factor, be),
+                                                      dequant1(v.z, factor, be), dequant1(v.w, factor, be));
+    }
+    GRID_LOOP(k, n - n4 * 4) out[n4 * 4 + k] = dequant1(q[n4 * 4 + k], factor, be);
+}
+
+extern "C" __global__ void aggnet_to_half4(const unsigned int* x, unsigned short* out, long long n, double m,
+                                           bool scale, bool f16) {
+    long long n4 = n / 4;
+    GRID_LOOP(k, n4) {
+        uint4 v = reinterpret_cast<const uint4*>(x)[k];
+        unsigned short a, b, c, d;
+        if (f16) {
+            a = f16_1(v.x, m, scale); b = f16_1(v.y, m, scale); c = f16_1(v.z, m, scale); d = f16_1(v.w, m, scale);
+        } else {
+            a = bf16_1(v.x, m, scale); b = bf16_1(v.y, m, scale); c = bf16_1(v.z, m, scale); d = bf16_1(v.w, m, scale);
+        }
+        reinterpret_cast<uint2*>(out)[k] = make_uint2(a | ((unsigned int)b << 16), c | ((unsigned int)d << 16));
+    }
+    GRID_LOOP(k, n - n4 * 4) {
+        unsigned int v = x[n4 * 4 + k];
+        out[n4 * 4 + k] = f16 ? f16_1(v, m, scale) : bf16_1(v, m, scale);
+    }
+}
+
+__device__ __forceinline__ unsigned int widen1(unsigned short h, bool f16) {
+    /* a half subnormal is a normal float32: nothing to flush */
+    return f16 ? __float_as_uint(__half2float(__ushort_as_half(h))) : (unsigned int)h << 16;
+}
+
+extern "C" __global__ void aggnet_from_half4(const unsigned short* h, unsigned int* out, long long n, bool f16) {
+    long long n4 = n / 4;
+    GRID_LOOP(k, n4) {
+        uint2 v = reinterpret_cast<const uint2*>(h)[k];
+        reinterpret_cast<uint4*>(out)[k] = make_uint4(widen1(v.x & 0xFFFFu, f16), widen1(v.x >> 16, f16),
+                                                      widen1(v.y & 0xFFFFu, f16), widen1(v.y >> 16, f16));
+    }
+    GRID_LOOP(k, n - n4 * 4) out[n4 * 4 + k] = widen1(h[n4 * 4 + k], f16);
+}
+
+extern "C" __global__ void aggnet_add_f32(unsigned int* acc, const unsigned int* src, long long n) {
+    /* exact in double, rounded once (innocuous double rounding for a sum) */
+    GRID_LOOP(k, n) acc[k] = d2f(f2d(acc[k]) + f2d(src[k]));
+}
+
+extern "C" __global__ void aggnet_add_half(unsigned int* acc, const unsigned short* src, long long n, bool f16) {
+    GRID_LOOP(k, n) acc[k] = d2f(f2d(acc[k]) + f2d(widen1(src[k], f16)));
+}
+
+/* ---- the int32 codec chunk by chunk, as the DDP stager runs it: chunk c
+   holds elements c * block .. (c + 1) * block - 1 of the pass, each with
+   its own factor (aggnet.torch.quantize) ---- */
+__device__ __forceinline__ unsigned int umax(unsigned int a, unsigned int b) { return a > b ? a : b; }
+__device__ __forceinline__ long long llmin2(long long a, long long b) { return a < b ? a : b; }
+#define ABS_BITS 0x7FFFFFFFu
+
+/* Each chunk's largest magnitude as bits (NaN and Inf have the largest
+   patterns once the sign is cleared): a warp reads a tile of at most
+   `tile` elements of one chunk; `per` tiles make a chunk, combined with
+   atomicMax into `best` (zeroed by the caller) when there are several.
+   `vec`: block and tile are multiples of 4 and x is 16-byte aligned. */
+extern "C" __global__ void aggnet_chunk_max_bits(const unsigned int* x, unsigned int* best, long long n,
+                                                 long long block, long long per, long long tile, bool vec) {
+    const int lane = threadIdx.x & 31;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    const long long tiles = (n + block - 1) / block * per;
+    for (long long w = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); w < tiles; w += warps) {
+        const long long c = w / per;
+        const long long start = c * block + (w - c * per) * tile;
+        const long long end = llmin2(llmin2(start + tile, (c + 1) * block), n);
+        if (start >= end) continue;  /* a tile past the short last chunk (the whole warp skips it) */
+        unsigned int m = 0;
+        long long whole = start;
+        if (vec) {
+            whole = start + ((end - start) & ~3LL);
+            for (long long k = start + 4 * lane; k < whole; k += 128) {
+                uint4 v = *reinterpret_cast<const uint4*>(x + k);
+                m = umax(m, umax(umax(v.x & ABS_BITS, v.y & ABS_BITS), umax(v.z & ABS_BITS, v.w & ABS_BITS)));
+            }
+        }
+        for (long long k = whole + lane; k < end; k += 32) m = umax(m, x[k] & ABS_BITS);
+        for (int s = 16; s > 0; s >>= 1) m = umax(m, __shfl_down_sync(0xFFFFFFFFu, m, s));
+        if (lane == 0) {
+            if (per == 1) best[c] = m;
+            else atomicMax(best + c, m);
+        }
+    }
+}
+
+/* The block exponent of each largest magnitude's bits, as frexp gives it:
+   -150 for zero, 32767 for NaN/Inf. */
+extern "C" __global__ void aggnet_exponents_of_bits(const unsigned int* best, short* out, long long count) {
+    GRID_LOOP(k, count) {
+        const unsigned int b = best[k];
+        int e;
+        if (b >= 0x7F800000u) e = 32767;
+        else if (b == 0u) e = -150;
+        else if (b < 0x00800000u) e = (32 - __clz(b)) - 149;  /* a subnormal: b units of 2**-149 */
+        else e = (int)(b >> 23) - 126;
+        out[k] = (short)e;
+    }
+}
+
+/* rint(x * factor) in float64, clamped to +-(2**31 - 1), with each
+   chunk's factor; `vec`: block a multiple of 4, both 16-byte aligned. */
+extern "C" __global__ void aggnet_quantize_chunks(const unsigned int* x, unsigned int* out, long long n,
+                                                  long long block, const double* factors, bool vec) {
+    long long n4 = vec ? n / 4 : 0;
+    GRID_LOOP(k, n4) {
+        const double f = factors[(4 * k) / block];
+        uint4 v = reinterpret_cast<const uint4*>(x)[k];
+        reinterpret_cast<uint4*>(out)[k] = make_uint4(quant1(v.x, f, false), quant1(v.y, f, false),
+                                                      quant1(v.z, f, false), quant1(v.w, f, false));
+    }
+    GRID_LOOP(k, n - n4 * 4) {
+        const long long i = n4 * 4 + k;
+        out[i] = quant1(x[i], factors[i / block], false);
+    }
+}
+
+/* float32(q * factor), the product in float64 rounded once, with each
+   chunk's factor. */
+extern "C" __global__ void aggnet_dequantize_chunks(const unsigned int* q, unsigned int* out, long long n,
+                                                    long long block, const double* factors, bool vec) {
+    long long n4 = vec ? n / 4 : 0;
+    GRID_LOOP(k, n4) {
+        const double f = factors[(4 * k) / block];
+        uint4 v = reinterpret_cast<const uint4*>(q)[k];
+        reinterpret_cast<uint4*>(out)[k] = make_uint4(dequant1(v.x, f, false), dequant1(v.y, f, false),
+                                                      dequant1(v.z, f, false), dequant1(v.w, f, false));
+    }
+    GRID_LOOP(k, n - n4 * 4) {
+        const long long i = n4 * 4 + k;
+        out[i] = dequant1(q[i], factors[i / block], false);
+    }
+}
+"""
+
+__all__ = ["VECTOR_SOURCE"]
