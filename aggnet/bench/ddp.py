@@ -7,7 +7,9 @@ batches, so a step is dominated by gradient aggregation. The same worker
 processes time every system in turn on the same model and data; a step's
 time is the slowest worker's.
 
-Systems: ``gloo``; ``aggnet-CODEC`` (the hook); ``aggnet-CODEC-staleS``
+Systems: ``gloo``; ``aggnet-CODEC`` (the hook; ``aggnet-CODEC-staged``
+with CPU buckets taken through the GPU path's staging, to weigh its host
+side without a GPU); ``aggnet-CODEC-staleS``
 and ``aggnet-CODEC-staleS-predict`` (stale-gradient data parallelism,
 :mod:`aggnet.torch.stale`: the all-reduce hides behind the next S steps);
 and the two halves of a step alone, to weigh them against: ``compute``
@@ -39,7 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("--systems", default="gloo,aggnet-float32,aggnet-int32",
                    help="what to time, comma-separated: gloo, aggnet-CODEC[-staleS[-predict]], compute, "
                         "comm-CODEC[-buckets|-pipelined]; aggnet-CODEC-rings stages GPU buckets through private "
-                        "pinned memory copied through the shm rings (share_buffers=False) (default %(default)s)")
+                        "pinned memory copied through the shm rings (share_buffers=False); aggnet-CODEC-staged takes "
+                        "CPU buckets through everything a GPU bucket goes through (staging='always'), to weigh "
+                        "the staging's host side without a GPU (default %(default)s)")
     p.add_argument("--address", default=None, help="aggregator (default: embedded local aggregator)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where the model trains (cuda: every worker on GPU 0 unless CUDA_VISIBLE_DEVICES "
@@ -55,13 +59,14 @@ def check_system(name: str) -> str:
     parts = name.split("-")
     ok = (name in ("gloo", "compute")
           or (parts[0] == "aggnet" and len(parts) >= 2 and parts[1] in _CODEC_NAMES
-              and (len(parts) == 2 or parts[2:] in (["sync"], ["rings"]) or (parts[2].startswith("stale") and parts[2][5:].isdigit() and int(parts[2][5:]) > 0
+              and (len(parts) == 2 or parts[2:] in (["sync"], ["rings"], ["staged"])
+                   or (parts[2].startswith("stale") and parts[2][5:].isdigit() and int(parts[2][5:]) > 0
                                        and parts[3:] in ([], ["predict"]))))
           or (parts[0] == "comm" and len(parts) in (2, 3) and parts[1] in _CODEC_NAMES
               and parts[2:] in ([], ["buckets"], ["pipelined"])))
     if not ok:
         raise SystemExit(f"aggnet bench-ddp: unknown system {name!r}; use gloo, compute, aggnet-CODEC, "
-                         f"aggnet-CODEC-sync, aggnet-CODEC-rings, aggnet-CODEC-staleS[-predict], "
+                         f"aggnet-CODEC-sync, aggnet-CODEC-rings, aggnet-CODEC-staged, aggnet-CODEC-staleS[-predict], "
                          f"comm-CODEC[-buckets|-pipelined] with CODEC one of {', '.join(_CODEC_NAMES)}")
     return name
 
@@ -125,7 +130,7 @@ def _time_system(system: str, model, x, y, args, rank: int, world: int, port) ->
 
         staleness = int(parts[2][len("stale"):]) if len(parts) > 2 and parts[2].startswith("stale") else 0
         state = AggnetState(args.address, codec=parts[1], staleness=staleness, predict="predict" in parts,
-                            staging="sync" not in parts,
+                            staging="always" if "staged" in parts else "sync" not in parts,
                             config=ClientConfig.from_env(share_buffers=False) if "rings" in parts else None)
         ddp.register_comm_hook(state, allreduce_hook)
     opt = torch.optim.SGD((ddp or model).parameters(), lr=1e-4, momentum=0.9)

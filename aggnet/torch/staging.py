@@ -17,11 +17,12 @@ bucket. A :class:`Stager` instead, per bucket:
    and writes the result back into it;
 3. once the client is done, copies the result to the device on a second
    side stream (on the first it would queue behind later buckets' waits
-   for the training stream) and widens it into the bucket; the client's
-   thread waits for that copy (about a millisecond for a 25 MB bucket)
-   before the bucket's future completes, so whoever waits on the future
-   (DDP's reducer, the optimizer) finds the result in place whatever
-   stream it runs on.
+   for the training stream) and widens it into the bucket; a thread of
+   the stager's waits for that copy (about a millisecond for a 25 MB
+   bucket) before the bucket's future completes, so whoever waits on the
+   future (DDP's reducer, the optimizer) finds the result in place
+   whatever stream it runs on, while the client's I/O thread goes on
+   with the next bucket's chunks.
 
 The caller's stream never waits, so several buckets overlap their
 copies, the network and the backward pass. Pinned buffers come from a
@@ -284,6 +285,12 @@ class Stager:
         self.kernels = device_codec.ops_for(self.device)
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        #: completed all-reduces, whose futures complete on a thread of the
+        #: stager's: whoever waits on one copies the result back to the
+        #: device (:meth:`unstage`), which would hold the client's I/O
+        #: thread from the next bucket's chunks for as long
+        self._completions: queue.Queue = queue.Queue()
+        self._completer: threading.Thread | None = None
         self._lock = threading.Lock()
 
     # -- out: device -> pinned host ---------------------------------------------------
@@ -489,13 +496,22 @@ class Stager:
             return
 
         def done(f: Future) -> None:
-            exc = f.exception()
-            if exc is not None:
-                out.set_exception(exc)
-            else:
-                out.set_result(f.result())
+            if not self.through_host:  # nothing comes back: the result is in the caller's buffer
+                _settle(out, f)
+                return
+            self._completions.put((out, f))
+            with self._lock:
+                if self._completer is None:
+                    self._completer = threading.Thread(target=self._complete_in_order, name="aggnet-unstaging",
+                                                       daemon=True)
+                    self._completer.start()
 
         inner.add_done_callback(done)
+
+    def _complete_in_order(self) -> None:
+        while True:
+            out, inner = self._completions.get()
+            _settle(out, inner)  # its callbacks (the caller's unstage) run here; concurrent.futures logs theirs
 
     # -- back: pinned host -> device ---------------------------------------------------
 
@@ -576,6 +592,15 @@ class Stager:
         """Allocations of the pinned and device pools: constant after the
         first step when buckets reuse their buffers."""
         return {"pinned": self.host_pool.stats, "device": self.device_pool.stats}
+
+
+def _settle(out: Future, inner: Future) -> None:
+    """``out`` completes as ``inner`` did."""
+    exc = inner.exception()
+    if exc is not None:
+        out.set_exception(exc)
+    else:
+        out.set_result(inner.result())
 
 
 def _segments(n: int, block: int, bounds: list[int] | None) -> list[tuple[int, int]]:

@@ -1,5 +1,5 @@
-"""``aggnet bench-spectrain`` and the stale systems of ``aggnet bench-ddp``
-run tiny in real processes: each prints its table, writes its JSON and
+"""``aggnet bench-spectrain`` and the stale and staged systems of ``aggnet
+bench-ddp`` run tiny in real processes: each prints its table, writes its JSON and
 draws its plot, and the figures in the JSON are the ones the experiments'
 targets are read from."""
 
@@ -67,3 +67,18 @@ def test_an_unknown_ddp_system_is_refused_with_the_list(tmp_path):
     assert run.returncode != 0
     assert "unknown system 'aggnet-int32-stale0'" in run.stderr and "aggnet-CODEC-staleS" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_ddp_bench_takes_cpu_buckets_through_the_device_staging_and_refuses_unknown_systems(tmp_path):
+    """``aggnet-CODEC-staged`` times the GPU path's host side on a CPU
+    (``staging="always"``); a system it does not know fails in one line
+    naming the ones it does."""
+    systems = "aggnet-float32-staged,aggnet-int32-staged"
+    _run(tmp_path, "bench-ddp", "--workers", "2", "--width", "64", "--batch", "4", "--steps", "2",
+         "--systems", systems, "--json", "ddp.json")
+    records = json.loads((tmp_path / "ddp.json").read_text())
+    assert [r["system"] for r in records] == systems.split(",") and all(r["median_s"] > 0 for r in records)
+    run = subprocess.run([sys.executable, "-m", "aggnet", "bench-ddp", "--systems", "aggnet-float32-staging"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert "unknown system 'aggnet-float32-staging'" in run.stderr and "aggnet-CODEC-staged" in run.stderr

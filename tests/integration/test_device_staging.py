@@ -40,6 +40,39 @@ def service():
     svc.stop()
 
 
+@pytest.mark.parametrize("device", [CPU_STAGED, CUDA])
+def test_a_staged_result_goes_back_to_the_device_off_the_client_s_io_thread(service, device):
+    """Whoever waits on a staged all-reduce (the DDP hook, which copies the
+    result back to the device and waits for that copy) runs on the stager's
+    thread, not on the client's I/O thread, which goes on with the next
+    buckets' chunks meanwhile."""
+    import threading
+    import uuid
+
+    from aggnet.client.base import Client
+    from aggnet.torch.staging import Stager
+
+    dev = torch.device("cpu" if device == CPU_STAGED else "cuda")
+    stager = Stager(dev, through_host=True)
+    ran_on, done = [], threading.Event()
+    bufs = [torch.arange(1000, dtype=torch.float32, device=dev) * (k + 1) for k in range(3)]
+    with Client(service.address, job=f"unstage-{uuid.uuid4().hex[:8]}", rank=0, world_size=1) as client:
+        for k, buf in enumerate(bufs):
+            staged = stager.stage(buf, codec=None, op="sum", world=1, key=k)
+
+            def back(f, staged=staged, k=k):
+                stager.unstage(staged)
+                ran_on.append((k, threading.current_thread().name))
+                if len(ran_on) == len(bufs):
+                    done.set()
+
+            stager.submit(staged, lambda arr, **o: client.allreduce(arr, **o)).add_done_callback(back)
+        assert done.wait(60), "the staged all-reduces did not complete within 60 s"
+    assert sorted(ran_on) == [(k, "aggnet-unstaging") for k in range(3)]
+    for k, buf in enumerate(bufs):
+        assert torch.equal(buf.cpu(), torch.arange(1000, dtype=torch.float32) * (k + 1))
+
+
 def ddp(world: int, mode: str, **options):
     return run_workers("spawn://", world, W.ddp_run, world, free_port(), mode, options, timeout=180,
                        start_method="spawn")
