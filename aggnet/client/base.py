@@ -415,20 +415,40 @@ class Client(ABC):
         own share of ``buf`` (``buf[bounds[r]:bounds[r + 1]]``, the same
         memory: a buffer in shared memory then receives its share where it
         lies over ``shm://``). The future resolves to ``out``. Neither may be
-        touched until it is done. Options as for :meth:`allreduce`.
+        touched until it is done. Options as for :meth:`allreduce`. Device
+        buffers (CuPy arrays, CUDA tensors; both of them) go through pinned
+        host memory as :meth:`allreduce` stages them, and only this rank's
+        share comes back to the device.
         """
         if not self.owner_results:
             raise NotImplementedError(
                 f"{self._context()}: this aggregator path cannot send one rank its share alone (a switch, or "
                 f"a worker in a rack of a hierarchy); all-reduce the buffer and keep your share instead")
+        on_device = [hasattr(a, "__cuda_array_interface__") for a in (buf, out)]
+        if any(on_device):
+            if not all(on_device):
+                where = ["device" if d else "host" for d in on_device]
+                raise TypeError(f"reduce_scatter takes buf and out both in device memory or both in host memory, "
+                                f"got buf in {where[0]} memory and out in {where[1]} memory")
+            return self._reduce_scatter_staged(buf, out, bounds, op, codec, dtype, key)
         if dtype is not None:
             codec = _codec_for_dtype(buf, dtype, codec)
         for name, a in (("buf", buf), ("out", out)):
             if not isinstance(a, np.ndarray):
                 raise TypeError(f"reduce_scatter takes NumPy arrays, got {type(a).__name__} for {name}")
+        bounds = self._check_share(buf, out, bounds)
+        if _quantized is not None:
+            return self._submit_quantized(buf, codec, op, key, _quantized, _scratch, bounds=bounds, out=out)
+        enc = self._encoding(buf, codec, op, _wire_hint)
+        return self._submit(buf.reshape(-1), out, enc, key, bounds=bounds, out=out.reshape(-1), scratch=_scratch)
+
+    def _check_share(self, buf, out, bounds: list[int] | None) -> list[int]:
+        """The shares' bounds (equal shares by default), once ``buf`` and
+        ``out`` (NumPy or CuPy arrays) can take a reduce-scatter into them."""
+        for name, a in (("buf", buf), ("out", out)):
             if not a.flags.c_contiguous:
                 raise ValueError(f"reduce_scatter needs a C-contiguous {name}")
-        if not out.flags.writeable or out.dtype != buf.dtype:
+        if not getattr(out.flags, "writeable", True) or out.dtype != buf.dtype:
             raise ValueError(f"reduce_scatter writes its result into out: it must be writable and of buf's dtype "
                              f"({buf.dtype}), got {out.dtype}")
         n = self.world_size
@@ -444,10 +464,24 @@ class Client(ABC):
         share = bounds[self.rank + 1] - bounds[self.rank]
         if out.size != share:
             raise ValueError(f"rank {self.rank}'s share is {share} elements (bounds {bounds}), out holds {out.size}")
-        if _quantized is not None:
-            return self._submit_quantized(buf, codec, op, key, _quantized, _scratch, bounds=bounds, out=out)
-        enc = self._encoding(buf, codec, op, _wire_hint)
-        return self._submit(buf.reshape(-1), out, enc, key, bounds=bounds, out=out.reshape(-1), scratch=_scratch)
+        return bounds
+
+    def _reduce_scatter_staged(self, buf, out, bounds, op, codec, dtype, key) -> Future:
+        """A reduce-scatter of device buffers (CuPy arrays, CUDA tensors)
+        through pinned host memory, as :meth:`allreduce` stages them: all
+        of ``buf`` goes to the host, the reduce-scatter receives this
+        rank's share there in place, and only that share comes back, into
+        ``out``. Over ``shm://`` the host memory is shared: the shards read
+        the chunks and write the share where they lie."""
+        view, into = device.device_view(buf), device.device_view(out)
+        bounds = self._check_share(view, into, bounds)
+        mine = slice(bounds[self.rank], bounds[self.rank + 1])
+
+        def reduce_scatter_host(host):
+            flat = host.reshape(-1)
+            return self.reduce_scatter(flat, flat[mine], bounds, op, codec, dtype=dtype, key=key, _scratch=True)
+
+        return device.staged(view, out, self._pinned, reduce_scatter_host, share=mine, into=into)
 
     def _submit(self, flat, caller_buf, enc: Encoding, key, **extra) -> Future:
         with self._lock:

@@ -116,11 +116,13 @@ def _register(raw: np.ndarray) -> bool:
     return True
 
 
-def staged(view, caller, pool: PinnedPool, allreduce_host) -> Future:
+def staged(view, caller, pool: PinnedPool, allreduce_host, share: slice | None = None, into=None) -> Future:
     """All-reduce device buffer ``view`` through pinned host memory:
     ``allreduce_host(host_array)`` is the client's own all-reduce of a
     host buffer. The returned future resolves to ``caller`` once the result
-    is back in device memory; a failed all-reduce leaves it untouched."""
+    is back in device memory; a failed all-reduce leaves it untouched.
+    ``share`` and ``into``: only those elements of the flat result come
+    back, into device array ``into`` (a reduce-scatter's share)."""
     raw = pool.take(view.nbytes)
     host = raw.view(view.dtype).reshape(view.shape)
     view.get(out=host)  # waits for the copy: the host all-reduce reads it next
@@ -136,7 +138,10 @@ def staged(view, caller, pool: PinnedPool, allreduce_host) -> Future:
             exc = f.exception()
             if exc is None:
                 with view.device:
-                    view.set(host)
+                    if share is None:
+                        view.set(host)
+                    else:
+                        into.set(host.reshape(-1)[share].reshape(into.shape))
                     view.device.synchronize()  # the caller finds the result in place
         except BaseException as copy_error:  # noqa: BLE001 - a CUDA error fails this all-reduce only
             exc = copy_error

@@ -216,6 +216,17 @@ def _device_worker(rank, address, world, job, device_path=None):
             c.allreduce(host).result(30)
             assert c.allreduce(t).result(30) is t  # the caller's own CUDA tensor holds the result
             out.append(("torch", "sum", host, t.cpu().numpy()))
+        # a reduce-scatter of device buffers: this rank's share of the sum,
+        # equal to the same share received in host memory
+        for codec in (None, "int32"):
+            bounds = [0, 100_001, x.size]
+            mine = slice(bounds[rank], bounds[rank + 1])
+            host_out = np.empty(mine.stop - mine.start, np.float32)
+            c.reduce_scatter(x.copy(), host_out, bounds, op="avg", codec=codec).result(30)
+            dev, dev_out = cupy.asarray(x), cupy.empty(host_out.size, cupy.float32)
+            assert c.reduce_scatter(dev, dev_out, bounds, op="avg", codec=codec).result(30) is dev_out
+            assert (dev.get() == x).all()  # the input is left as it was
+            out.append((f"reduce_scatter {codec}", "avg", host_out, dev_out.get()))
         # staged: one pinned buffer, reused by every all-reduce of that size
         # (over shm://, in shared memory, where the shards read the chunks)
         # and, the staging copy being the client's own, the results written there
@@ -239,14 +250,16 @@ def test_device_buffers_all_reduce_to_the_same_bits_as_host_buffers(service_fact
                           device_path, timeout=120, start_method="spawn")  # CUDA does not survive fork
     direct = device_path == "direct" or (device_path is None and transport == "ucx" and gpudirect_rdma())
     for rank_out in results:
-        assert rank_out.pop() == ("pinned", direct, 0 if direct else 1, transport == "shm", transport == "shm")
+        # (the reduce-scatters are staged on every path, in a buffer of the same size)
+        assert rank_out.pop() == ("pinned", direct, 1, transport == "shm", transport == "shm")
     for rank_out in results:
-        assert len(rank_out) >= 8
+        assert len(rank_out) >= 10
         for codec, op, host, dev in rank_out:
             np.testing.assert_array_equal(dev.view(np.uint32), host.view(np.uint32), err_msg=f"{codec} {op}")
-    # and the ranks agree
+    # and the ranks agree (each on its own share of a reduce-scatter)
     for a, b in zip(results[0], results[1]):
-        np.testing.assert_array_equal(a[3].view(np.uint32), b[3].view(np.uint32))
+        if not a[0].startswith("reduce_scatter"):
+            np.testing.assert_array_equal(a[3].view(np.uint32), b[3].view(np.uint32))
 
 
 class _DeviceStandIn:
@@ -278,6 +291,20 @@ def test_a_device_buffer_without_cupy_names_the_install(shared_service):
     with Client(svc.address, job="no-cupy", rank=0, world_size=1, timeout=10) as c:
         with pytest.raises(TypeError, match=r"needs CuPy to reach it: pip install 'aggnet\[gpu\]'"):
             c.allreduce(_DeviceStandIn())
+        with pytest.raises(TypeError, match=r"needs CuPy to reach it: pip install 'aggnet\[gpu\]'"):
+            c.reduce_scatter(_DeviceStandIn(), _DeviceStandIn())
+
+
+def test_a_reduce_scatter_between_host_and_device_memory_is_refused_naming_both(shared_service):
+    from aggnet import Client
+
+    svc = shared_service("zmq+ipc", 1)
+    with Client(svc.address, job="mixed-memory", rank=0, world_size=1, timeout=10) as c:
+        with pytest.raises(TypeError, match="both in device memory or both in host memory, got buf in device "
+                                            "memory and out in host memory"):
+            c.reduce_scatter(_DeviceStandIn(), np.zeros(4, np.float32))
+        out = np.zeros(4, np.float32)  # and the client goes on
+        assert c.reduce_scatter(np.ones(4, np.float32), out).result(10) is out and out.tolist() == [1.0] * 4
 
 
 def test_a_ucx_transfer_prints_no_warning_a_user_cannot_act_on():
