@@ -62,26 +62,49 @@ __device__ __forceinline__ unsigned short f16_1(unsigned int x, double m, bool s
 #define GRID_LOOP(k, n) for (long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x; k < (n); \
                              k += (long long)gridDim.x * blockDim.x)
 
+/* out[i] = op(in[i], i) over n 32-bit values: four a thread with 16-byte
+   loads and stores where `vec` (both 16-byte aligned), one otherwise */
+template <class Op>
+__device__ __forceinline__ void map32(const unsigned int* in, unsigned int* out, long long n, bool vec, Op op) {
+    long long n4 = vec ? n / 4 : 0;
+    GRID_LOOP(k, n4) {
+        uint4 v = reinterpret_cast<const uint4*>(in)[k];
+        long long i = 4 * k;
+        reinterpret_cast<uint4*>(out)[k] = make_uint4(op(v.x, i), op(v.y, i + 1), op(v.z, i + 2), op(v.w, i + 3));
+    }
+    GRID_LOOP(k, n - n4 * 4) out[n4 * 4 + k] = op(in[n4 * 4 + k], n4 * 4 + k);
+}
+
+/* one scale for every value, or one per chunk of `block` values */
+struct Quantize {
+    double scale; bool be;
+    __device__ unsigned int operator()(unsigned int v, long long) const { return quant1(v, scale, be); }
+};
+struct Dequantize {
+    double factor; bool be;
+    __device__ unsigned int operator()(unsigned int v, long long) const { return dequant1(v, factor, be); }
+};
+struct QuantizeChunks {
+    const double* factors; long long block;
+    __device__ unsigned int operator()(unsigned int v, long long i) const {
+        return quant1(v, factors[i / block], false);
+    }
+};
+struct DequantizeChunks {
+    const double* factors; long long block;
+    __device__ unsigned int operator()(unsigned int v, long long i) const {
+        return dequant1(v, factors[i / block], false);
+    }
+};
+
 extern "C" __global__ void aggnet_quantize4(const unsigned int* x, unsigned int* out, long long n, double scale,
                                             bool be) {
-    long long n4 = n / 4;
-    GRID_LOOP(k, n4) {
-        uint4 v = reinterpret_cast<const uint4*>(x)[k];
-        reinterpret_cast<uint4*>(out)[k] = make_uint4(quant1(v.x, scale, be), quant1(v.y, scale, be),
-                                                      quant1(v.z, scale, be), quant1(v.w, scale, be));
-    }
-    GRID_LOOP(k, n - n4 * 4) out[n4 * 4 + k] = quant1(x[n4 * 4 + k], scale, be);
+    map32(x, out, n, true, Quantize{scale, be});
 }
 
 extern "C" __global__ void aggnet_dequantize4(const unsigned int* q, unsigned int* out, long long n, double factor,
                                               bool be) {
-    long long n4 = n / 4;
-    GRID_LOOP(k, n4) {
-        uint4 v = reinterpret_cast<const uint4*>(q)[k];
-        reinterpret_cast<uint4*>(out)[k] = make_uint4(dequant1(v.x, factor, be), dequant1(v.y, factor, be),
-                                                      dequant1(v.z, factor, be), dequant1(v.w, factor, be));
-    }
-    GRID_LOOP(k, n - n4 * 4) out[n4 * 4 + k] = dequant1(q[n4 * 4 + k], factor, be);
+    map32(q, out, n, true, Dequantize{factor, be});
 }
 
 extern "C" __global__ void aggnet_to_half4(const unsigned int* x, unsigned short* out, long long n, double m,
@@ -182,37 +205,17 @@ extern "C" __global__ void aggnet_exponents_of_bits(const unsigned int* best, sh
 }
 
 /* rint(x * factor) in float64, clamped to +-(2**31 - 1), with each
-   chunk's factor; `vec`: block a multiple of 4, both 16-byte aligned. */
+   chunk's factor; `vec`: both 16-byte aligned. */
 extern "C" __global__ void aggnet_quantize_chunks(const unsigned int* x, unsigned int* out, long long n,
                                                   long long block, const double* factors, bool vec) {
-    long long n4 = vec ? n / 4 : 0;
-    GRID_LOOP(k, n4) {
-        const double f = factors[(4 * k) / block];
-        uint4 v = reinterpret_cast<const uint4*>(x)[k];
-        reinterpret_cast<uint4*>(out)[k] = make_uint4(quant1(v.x, f, false), quant1(v.y, f, false),
-                                                      quant1(v.z, f, false), quant1(v.w, f, false));
-    }
-    GRID_LOOP(k, n - n4 * 4) {
-        const long long i = n4 * 4 + k;
-        out[i] = quant1(x[i], factors[i / block], false);
-    }
+    map32(x, out, n, vec, QuantizeChunks{factors, block});
 }
 
 /* float32(q * factor), the product in float64 rounded once, with each
    chunk's factor. */
 extern "C" __global__ void aggnet_dequantize_chunks(const unsigned int* q, unsigned int* out, long long n,
                                                     long long block, const double* factors, bool vec) {
-    long long n4 = vec ? n / 4 : 0;
-    GRID_LOOP(k, n4) {
-        const double f = factors[(4 * k) / block];
-        uint4 v = reinterpret_cast<const uint4*>(q)[k];
-        reinterpret_cast<uint4*>(out)[k] = make_uint4(dequant1(v.x, f, false), dequant1(v.y, f, false),
-                                                      dequant1(v.z, f, false), dequant1(v.w, f, false));
-    }
-    GRID_LOOP(k, n - n4 * 4) {
-        const long long i = n4 * 4 + k;
-        out[i] = dequant1(q[i], factors[i / block], false);
-    }
+    map32(q, out, n, vec, DequantizeChunks{factors, block});
 }
 """
 

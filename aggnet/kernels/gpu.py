@@ -221,7 +221,7 @@ def quantize_chunks(x, factors, block: int, out) -> None:
     each chunk of float32 ``x`` with its float64 ``factors`` entry."""
     _contiguous(out)
     x = cp.ascontiguousarray(x)
-    vec = block % 4 == 0 and _aligned(x, out)
+    vec = _aligned(x, out)
     _launch("aggnet_quantize_chunks", x.size, x.view(cp.uint32), out.view(cp.uint32), cp.int64(x.size),
             cp.int64(block), cp.ascontiguousarray(factors, cp.float64), cp.bool_(vec))
 
@@ -231,6 +231,6 @@ def dequantize_chunks(q, factors, block: int, out) -> None:
     factor, the product rounded once."""
     _contiguous(out)
     q = cp.ascontiguousarray(q)
-    vec = block % 4 == 0 and _aligned(q, out)
+    vec = _aligned(q, out)
     _launch("aggnet_dequantize_chunks", q.size, q.view(cp.uint32), out.view(cp.uint32), cp.int64(q.size),
             cp.int64(block), cp.ascontiguousarray(factors, cp.float64), cp.bool_(vec))

@@ -49,13 +49,14 @@ def _nvrtc():
 
 def compile_ptx(source: str, arch: str) -> tuple[bool, str, str]:
     """(built, NVRTC's log, the PTX) of ``source`` for ``arch``
-    (``compute_90``), with the options CuPy's RawModule leaves as they are:
-    no flushing of subnormals, no fast math."""
+    (``compute_90``), with what CuPy's RawModule leaves as NVRTC has it:
+    its default C++ standard (C++17), no flushing of subnormals, no fast
+    math."""
     lib, include = _nvrtc()
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"aggnet.cu", 0, None, None) == 0
     try:
-        opts = [f"--gpu-architecture={arch}".encode(), f"-I{include}".encode(), b"--std=c++17"]
+        opts = [f"--gpu-architecture={arch}".encode(), f"-I{include}".encode()]
         rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         size = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
