@@ -219,4 +219,29 @@ extern "C" __global__ void aggnet_dequantize_chunks(const unsigned int* q, unsig
 }
 """
 
-__all__ = ["VECTOR_SOURCE"]
+#: threads a block of every kernel above
+THREADS = 256
+#: elements one warp reads of a chunk when finding its largest magnitude
+TILE = 1024
+_MAX_BLOCKS = 65535 * 8
+
+
+def blocks_for(n: int) -> int:
+    """Blocks a grid-stride kernel over ``n`` values is launched with
+    (four values a thread)."""
+    return min(max(1, -(-n // (4 * THREADS))), _MAX_BLOCKS)
+
+
+def chunk_max_geometry(n: int, block: int, aligned: bool) -> tuple[int, int, int, bool]:
+    """(blocks, tiles a chunk, elements a tile, 16-byte loads) that
+    ``aggnet_chunk_max_bits`` runs with over ``n`` values in chunks of
+    ``block``: a warp a tile, so chunks of thousands of values are read by
+    several warps at once."""
+    tile = min(block, TILE)
+    per = -(-block // tile)
+    vec = block % 4 == 0 and tile % 4 == 0 and aligned
+    warps = -(-n // block) * per
+    return min(max(1, -(-warps // (THREADS // 32))), _MAX_BLOCKS), per, tile, vec
+
+
+__all__ = ["VECTOR_SOURCE", "THREADS", "TILE", "blocks_for", "chunk_max_geometry"]

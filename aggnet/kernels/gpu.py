@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from aggnet.kernels.cuda_source import VECTOR_SOURCE
+from aggnet.kernels.cuda_source import THREADS, VECTOR_SOURCE, blocks_for, chunk_max_geometry
 
 try:
     import cupy as cp
@@ -72,17 +72,13 @@ _acc_f16 = cp.ElementwiseKernel(
     "float16 h", "float32 acc", "acc += (float)h;", "aggnet_acc_f16"
 )
 
-
-
 _vector = cp.RawModule(code=VECTOR_SOURCE)
-_THREADS = 256
 
 
 def _launch(name: str, n: int, *args) -> None:
     if n == 0:
         return
-    blocks = min(max(1, -(-n // (4 * _THREADS))), 65535 * 8)
-    _vector.get_function(name)((blocks,), (_THREADS,), args)
+    _vector.get_function(name)((blocks_for(n),), (THREADS,), args)
 
 
 def _aligned(*arrays) -> bool:
@@ -190,10 +186,6 @@ def _contiguous(out) -> None:
         raise ValueError("aggnet: a chunked int32 kernel writes a contiguous output; pass a contiguous array")
 
 
-#: elements one warp reads of a chunk when finding its largest magnitude
-_TILE = 1024
-
-
 def chunk_max_bits(x, block: int, best) -> None:
     """``best`` (one 32-bit value per chunk of ``block`` elements of
     float32 ``x``) = the bits of each chunk's largest magnitude, NaN and
@@ -203,15 +195,11 @@ def chunk_max_bits(x, block: int, best) -> None:
     if n == 0:
         return
     x = cp.ascontiguousarray(x)
-    tile = min(block, _TILE)
-    per = -(-block // tile)
+    blocks, per, tile, vec = chunk_max_geometry(n, block, _aligned(x))
     if per > 1:
         best.fill(0)  # tiles of a chunk meet by atomicMax
-    vec = block % 4 == 0 and tile % 4 == 0 and _aligned(x)
-    warps = -(-n // block) * per
-    blocks = min(max(1, -(-warps // (_THREADS // 32))), 65535 * 8)
     _vector.get_function("aggnet_chunk_max_bits")(
-        (blocks,), (_THREADS,),
+        (blocks,), (THREADS,),
         (x.view(cp.uint32), best.view(cp.uint32), cp.int64(n), cp.int64(block), cp.int64(per), cp.int64(tile),
          cp.bool_(vec)))
 
