@@ -30,7 +30,7 @@ copies, the network and the backward pass. Pinned buffers come from a
 step no bucket allocates (``Stager.stats()`` counts it). What the device
 computes into (a half format, int32 and its float64 product) is a
 slice of a bucket at a time (``SLICE`` elements) in scratch each stream
-keeps: a stager holds tens of megabytes of device memory whatever the
+keeps: a stager holds tens to a few hundred megabytes of device memory whatever the
 model's size, where a scratch of each bucket's size, kept per bucket,
 held up to 4 bytes of device memory per byte of gradient (int32). For an
 aggregator on this host (``shm://``) the pinned buffers are shared memory
@@ -43,8 +43,9 @@ float32 staged as above on the host). Its scale is agreed among the
 workers per chunk before any value is quantized, so the side stream first
 finds each chunk's largest magnitude (a few bytes a chunk to the host);
 the client agrees the exponents and calls back, and the bucket is then
-quantized on the side stream (:mod:`aggnet.torch.quantize`) and copied to
-pinned memory, from which the client sends it as it is. The int32 sums
+quantized on a stream of its own (:mod:`aggnet.torch.quantize`; earlier
+buckets' results go back to the device meanwhile) and copied to pinned
+memory, from which the client sends it as it is. The int32 sums
 come back into the same memory and are dequantized on the device. The
 host then does for int32 what it does for float32: send and receive.
 
@@ -262,24 +263,23 @@ class Stager:
         #: whether buffers are staged in host buffers of the pools (a CPU
         #: buffer is sent from where it is unless told otherwise)
         self.through_host = self.device.type != "cpu" if through_host is None else through_host
-        self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
-        #: what comes back (quantizing once exponents are agreed, results
-        #: to the device) runs on a stream of its own: on the first, it
-        #: would queue behind later buckets' waits for the training stream
-        self.back_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         #: ``shared``: the client's aggregator reads shared memory in place
         #: (``client.takes_shared``): the pinned buffers the client sends
         #: from are allocated there, so no chunk is copied on its way in
         self.host_pool = BufferPool(torch.device("cpu"), pin=self.cuda, limit=pinned_limit, shared=shared)
         self.device_pool = BufferPool(self.device)
-        #: each stream's device scratch, a slice of a bucket at a time; a
-        #: lock holds a bucket's whole pass on a stream, so that no other
-        #: bucket's pass queues between its slices and reuses the scratch
-        #: before the copies queued from it have run
-        self._side_scratch = _Scratch(self.device_pool)
-        self._back_scratch = _Scratch(self.device_pool)
-        self._side_lock = threading.Lock()
-        self._back_lock = threading.Lock()
+        #: the way out: NaN/Inf counted, halves narrowed, each chunk's
+        #: largest magnitude found, copies to pinned memory; after the work
+        #: queued on the training stream
+        self._side = _Lane(self.device, self.device_pool, self.cuda)
+        #: int32 quantized once its exponents are agreed, on a stream of
+        #: its own: on the first it would queue behind later buckets' waits
+        #: for the training stream, on the last behind earlier buckets'
+        #: results going back (each way's copies then overlap)
+        self._quant = _Lane(self.device, self.device_pool, self.cuda)
+        #: the way back: results to the device, widened or dequantized
+        self._back = _Lane(self.device, self.device_pool, self.cuda)
+        self.stream, self.back_stream = self._side.stream, self._back.stream
         #: what the int32 codec's passes run on this device: aggnet's CUDA
         #: kernels (CuPy) or torch's operations (``.name`` says which)
         self.kernels = device_codec.ops_for(self.device)
@@ -362,7 +362,7 @@ class Stager:
             staged._nonfinite = _count_nonfinite(buf)  # named if the agreement refuses the bucket
             ops = self.kernels
             for part, which in _passes(staged):
-                bits, = self._side_scratch.views(part.stop - part.start, torch.int32) if ops.needs_scratch else [None]
+                bits, = self._side.scratch.views(part.stop - part.start, torch.int32) if ops.needs_scratch else [None]
                 staged._best[which].copy_(ops.chunk_max_bits(buf[part], block, bits), non_blocking=self.cuda)
             self._mark_ready(staged)
         return staged
@@ -370,8 +370,8 @@ class Stager:
     def _quantize(self, staged: Staged, agreed: np.ndarray, chunks: list | None = None) -> None:
         """The second half, called by the client once every exponent is
         agreed (or carried from the bucket's last step): quantize into
-        device scratch on the stream of what comes back, copy to the pinned
-        buffer the client sends, and wait for that copy. ``chunks``: only
+        device scratch on a stream of its own, copy to the pinned buffer
+        the client sends, and wait for that copy. ``chunks``: only
         these, again, with their exponents in ``agreed`` (the rest of the
         pinned buffer may hold sums already)."""
         staged.agreed = agreed
@@ -379,15 +379,15 @@ class Stager:
             passes = list(_passes(staged))
         else:
             passes = [(slice(at, at + count), slice(i, i + 1)) for i in chunks for at, count in [staged._chunks[i]]]
-        with self._on_back_stream():
+        with self._quant.current():
             # copied on this stream: on the calling thread's own (the
             # default one) the copy would wait for the training's kernels
             factors = torch.from_numpy(device_codec.quantize_factors(agreed, staged.world)).to(self.device)
             for part, which in passes:
-                q, wide = self._quantize_scratch(part.stop - part.start)
+                q, wide = self._int32_scratch(self._quant, part.stop - part.start)
                 self.kernels.quantize_chunks(staged.buf[part], factors[which], staged.block, q, wide)
                 staged.host[part].copy_(q, non_blocking=self.cuda)
-            self._wait_back(f"quantizing a bucket on {self.device}")
+            self._quant.wait(f"quantizing a bucket on {self.device}")
 
     def _host(self, dtype: torch.dtype, n: int, staged: Staged, role: str) -> torch.Tensor:
         """Pinned host memory for ``n`` values of ``dtype``, ``staged``'s until released."""
@@ -406,46 +406,26 @@ class Stager:
         rounding, as the host codec does."""
         n = part.numel()
         if staged.multiplier != 1.0:
-            half, scaled = self._side_scratch.views(n, host.dtype, torch.float32)
+            half, scaled = self._side.scratch.views(n, host.dtype, torch.float32)
             torch.mul(part, staged.multiplier, out=scaled)
             half.copy_(scaled)
         else:
-            half, = self._side_scratch.views(n, host.dtype)
+            half, = self._side.scratch.views(n, host.dtype)
             half.copy_(part)
         host.copy_(half, non_blocking=self.cuda)
 
-    @contextlib.contextmanager
     def _on_side_stream(self):
         """The side stream as the current one, after the work queued so far
         on the caller's stream (which writes the gradient); one bucket's
         pass at a time."""
-        with self._side_lock:
-            if not self.cuda:
-                yield
-                return
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                yield
+        return self._side.current(torch.cuda.current_stream(self.device) if self.cuda else None)
 
-    @contextlib.contextmanager
     def _on_back_stream(self):
         """The stream of what comes back as the current one, one bucket's
         pass at a time. Whatever it reads was written on the side stream
         before an event the host has seen complete (the client sends only
         after that)."""
-        with self._back_lock:
-            if not self.cuda:
-                yield
-                return
-            with torch.cuda.stream(self.back_stream):
-                yield
-
-    def _wait_back(self, what: str) -> None:
-        """Wait for the work queued on the stream of what comes back."""
-        if self.cuda:
-            done = torch.cuda.Event()
-            done.record(self.back_stream)
-            _wait(done, what)
+        return self._back.current()
 
     # -- the client, in submission order ------------------------------------------------
 
@@ -537,7 +517,7 @@ class Stager:
                 buf.copy_(host, non_blocking=self.cuda)
             # the bucket is complete once the copy is; the pools hand the
             # buffers out again only after it has read them
-            self._wait_back(f"copying a result to {self.device}")
+            self._back.wait(f"copying a result to {self.device}")
         self.release(staged)
 
     def _dequantize(self, staged: Staged, passes: list, out: torch.Tensor, origin: int) -> None:
@@ -547,25 +527,25 @@ class Stager:
         factors = torch.from_numpy(device_codec.dequantize_factors(staged.agreed, staged.world,
                                                                    staged.multiplier)).to(self.device)
         for part, which in passes:
-            q, wide = self._quantize_scratch(part.stop - part.start)
+            q, wide = self._int32_scratch(self._back, part.stop - part.start)
             q.copy_(staged.host[part], non_blocking=self.cuda)
             self.kernels.dequantize_chunks(q, factors[which], staged.block, out[part.start - origin:part.stop - origin],
                                            wide)
 
-    def _quantize_scratch(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The back stream's scratch for ``n`` int32 values, and for their
-        float64 product where torch's operations compute one."""
+    def _int32_scratch(self, lane: "_Lane", n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``lane``'s scratch for ``n`` int32 values, and for their float64
+        product where torch's operations compute one."""
         if self.kernels.needs_scratch:
-            q, wide = self._back_scratch.views(n, torch.int32, torch.float64)
+            q, wide = lane.scratch.views(n, torch.int32, torch.float64)
             return q, wide
-        q, = self._back_scratch.views(n, torch.int32)
+        q, = lane.scratch.views(n, torch.int32)
         return q, None
 
     def _widen(self, staged: Staged, part: slice, out: torch.Tensor) -> None:
         """Half-format results ``part`` into float32 ``out``, through device
         scratch, a slice at a time."""
         for sub in _slices(part.start, part.stop, SLICE):
-            half, = self._back_scratch.views(sub.stop - sub.start, staged.host.dtype)
+            half, = self._back.scratch.views(sub.stop - sub.start, staged.host.dtype)
             half.copy_(staged.host[sub], non_blocking=self.cuda)
             out[sub.start - part.start:sub.stop - part.start].copy_(half)
 
@@ -580,7 +560,7 @@ class Stager:
                 self._widen(staged, part, out)
             else:
                 out.copy_(staged.host[part], non_blocking=self.cuda)
-            self._wait_back(f"copying a result to {self.device}")
+            self._back.wait(f"copying a result to {self.device}")
         self.release(staged)
 
     def release(self, staged: Staged) -> None:
@@ -636,6 +616,39 @@ def _passes(staged: Staged):
     for start, end in staged.segments:
         yield from _passes_of(staged, start, end, first)
         first += -(-(end - start) // staged.block)
+
+
+class _Lane:
+    """One of a stager's CUDA streams (none on the CPU), the device scratch
+    its passes write (a slice of a bucket at a time) and a lock that holds
+    one bucket's whole pass on it, so that no other bucket's pass queues
+    between its slices and reuses the scratch before the copies queued from
+    it have run."""
+
+    def __init__(self, device: torch.device, pool: "BufferPool", cuda: bool):
+        self.stream = torch.cuda.Stream(device=device) if cuda else None
+        self.scratch = _Scratch(pool)
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def current(self, after=None):
+        """This lane's stream as the current one, after the work queued so
+        far on stream ``after`` where given."""
+        with self.lock:
+            if self.stream is None:
+                yield
+                return
+            if after is not None:
+                self.stream.wait_stream(after)
+            with torch.cuda.stream(self.stream):
+                yield
+
+    def wait(self, what: str) -> None:
+        """Wait for the work queued on this lane's stream."""
+        if self.stream is not None:
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            _wait(done, what)
 
 
 class _Scratch:

@@ -182,5 +182,6 @@ def test_buckets_go_through_a_slice_of_device_scratch_at_a_time_to_the_bits_of_o
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     # (one pass equals the host codec bit for bit: the tests above and
     # tests/unit/test_device_quantize.py)
-    # two streams' scratch, a slice each (int32: an int32 and a float64 view)
-    assert device.allocations <= 2 and device.allocated_bytes <= 2 * 16 * 4096 < n * 4, device
+    # three streams' scratch at most (out, quantizing, back), a slice each
+    # (int32 through torch's operations: an int32 and a float64 view)
+    assert device.allocations <= 3 and device.allocated_bytes <= 3 * 16 * 4096 < n * 4, device
