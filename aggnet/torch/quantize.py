@@ -144,7 +144,7 @@ class TorchOps:
 
 class CupyOps:
     """The passes as aggnet's CUDA kernels, launched on the calling
-    thread's current torch stream (the stager's side or back stream), on
+    thread's current torch stream (one of the stager's streams), on
     the tensors' memory as it is: one pass each and no scratch."""
 
     name = "cupy"
