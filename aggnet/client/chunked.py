@@ -30,6 +30,7 @@ import os
 import socket
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -108,6 +109,9 @@ class ChunkRequest(Request):
     #: whether the buffer holds what is to be sent: a prequantized one is
     #: written by its owner once every exponent is agreed
     payload_ready: bool = True
+    #: the owner's quantization under way on a thread of its own, when it
+    #: answered with a future (see ``Quantized``)
+    quantizing: Future | None = None
     local_nonfinite: int = 0
     #: shards whose chunks are not sent (their exponents held NaN/Inf): every
     #: worker sees the same agreed exponents, so all skip the same chunks
@@ -336,6 +340,8 @@ class ChunkClient(Client):
         self._scales: dict = {}
         #: key -> its latest int32 round admitted
         self._last_of_key: dict = {}
+        #: rounds whose owner quantizes them on a thread of its own
+        self._quantizing: list[ChunkRequest] = []
         while True:
             new, closing = self._take_submitted()
             if closing:
@@ -682,6 +688,8 @@ class ChunkClient(Client):
         shard's chunks leave strictly in admission order: every worker then
         numbers them alike, which the shared-memory rings rely on."""
         window = self.config.window
+        if self._quantizing:
+            self._check_quantized()
         progressed = True
         while progressed:
             progressed = False
@@ -925,14 +933,41 @@ class ChunkClient(Client):
 
     def _quantize_agreed(self, req: ChunkRequest) -> None:
         """Every exponent of a prequantized buffer is agreed: its owner
-        quantizes it (a skipped shard's chunks with them: they are not sent)."""
+        quantizes it (a skipped shard's chunks with them: they are not sent),
+        at once or, answering with a future, on a thread of its own while
+        this one goes on."""
         try:
-            req.quantized.quantize(req.exponents.copy(), None)
+            pending = req.quantized.quantize(req.exponents.copy(), None)
         except Exception as exc:  # noqa: BLE001 - the owner's failure (a CUDA error) fails this round only
-            self._fail_round(req, AggregationError(
-                f"{self._context()}: round {req.round}: quantizing the buffer failed: {exc}"))
+            self._quantize_failed(req, exc)
+            return
+        if isinstance(pending, Future):
+            req.quantizing = pending
+            self._quantizing.append(req)
+            pending.add_done_callback(lambda _: self._wakeup())
             return
         req.payload_ready = True
+
+    def _check_quantized(self) -> None:
+        """Rounds whose owner has finished quantizing may send (those that
+        failed meanwhile are dropped: the owner's future is over)."""
+        waiting = []
+        for req in self._quantizing:
+            if not req.quantizing.done():
+                waiting.append(req)
+                continue
+            exc = req.quantizing.exception()
+            if req.failed:
+                continue
+            if exc is not None:
+                self._quantize_failed(req, exc)
+            else:
+                req.payload_ready = True
+        self._quantizing = waiting
+
+    def _quantize_failed(self, req: ChunkRequest, exc: BaseException) -> None:
+        self._fail_round(req, AggregationError(
+            f"{self._context()}: round {req.round}: quantizing the buffer failed: {exc}"))
 
     def _on_error(self, shard: int, h: Header, code: str, text: str) -> None:
         where = f"aggregator shard {shard} at {self._conn.addresses[shard]}"

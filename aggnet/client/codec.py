@@ -31,6 +31,7 @@ own stream, and the caller's future must find the result in place.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,11 +61,16 @@ class Quantized:
     the owner dequantizes with the exponents it was given last.
     ``quantize(agreed, chunks)`` quantizes only the chunks listed again,
     with their new exponents in ``agreed``: chunks whose values outgrew a
-    carried exponent go again. ``quantize`` must return with the buffer
-    written."""
+    carried exponent go again. ``quantize`` returns with the buffer
+    written, or, for the whole buffer (``chunks`` None), may return a
+    :class:`concurrent.futures.Future` instead, done once it is written
+    (a device's copy to host memory, waited for on a thread of the
+    owner's): the client's I/O thread then goes on with other rounds
+    meanwhile (their results, their chunks) and sends this one's once
+    the future is done; one that fails fails this round only."""
 
     exponents: np.ndarray
-    quantize: Callable[[np.ndarray, list | None], None]
+    quantize: Callable[[np.ndarray, list | None], Future | None]
     #: NaN/Inf in the owner's values (named when the agreement refuses them)
     nonfinite: int = 0
 

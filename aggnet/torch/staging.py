@@ -65,7 +65,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -245,6 +245,9 @@ class Staged:
     world: int = 1
     _best: torch.Tensor | None = None
     agreed: np.ndarray | None = None
+    #: the whole bucket being quantized on the stager's thread: its
+    #: buffers go back to the pools only once that is over
+    _quantizing: Future | None = None
 
     def local_nonfinite(self) -> int:
         """NaN/Inf in this rank's buffer (read once the host copy is ready)."""
@@ -292,6 +295,11 @@ class Stager:
         #: thread from the next bucket's chunks for as long
         self._completions: queue.Queue = queue.Queue()
         self._completer: threading.Thread | None = None
+        #: int32 buckets to quantize once their exponents are agreed, on a
+        #: thread of the stager's: the client's I/O thread goes on with
+        #: other buckets' results and chunks while the device works
+        self._to_quantize: queue.Queue = queue.Queue()
+        self._quantizer: threading.Thread | None = None
         self._lock = threading.Lock()
 
     # -- out: device -> pinned host ---------------------------------------------------
@@ -390,6 +398,30 @@ class Stager:
                 staged.host[part].copy_(q, non_blocking=self.cuda)
             self._quant.wait(f"quantizing a bucket on {self.device}")
 
+    def _quantize_later(self, staged: Staged, agreed: np.ndarray) -> Future:
+        """:meth:`_quantize` of the whole bucket on the stager's quantizing
+        thread; the future is done once the pinned buffer holds it."""
+        staged.agreed = agreed  # (what comes back is dequantized with these, whenever this runs)
+        done: Future = Future()
+        staged._quantizing = done
+        self._to_quantize.put((staged, agreed, done))
+        with self._lock:
+            if self._quantizer is None:
+                self._quantizer = threading.Thread(target=self._quantize_in_order, name="aggnet-quantizing",
+                                                   daemon=True)
+                self._quantizer.start()
+        return done
+
+    def _quantize_in_order(self) -> None:
+        while True:
+            staged, agreed, done = self._to_quantize.get()
+            try:
+                self._quantize(staged, agreed)
+            except BaseException as exc:  # noqa: BLE001 - a CUDA error fails this bucket's round only
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+
     def _host(self, dtype: torch.dtype, n: int, staged: Staged, role: str) -> torch.Tensor:
         """Pinned host memory for ``n`` values of ``dtype``, ``staged``'s until released."""
         return self._taken(self.host_pool, dtype, n, staged, role)
@@ -469,7 +501,10 @@ class Stager:
                 exps = device_codec.exponents_of_bits(staged._best.numpy())
 
                 def quantize(agreed, chunks):
-                    self._quantize(staged, agreed, chunks)
+                    if chunks is None:  # the whole bucket: on a thread of the stager's
+                        return self._quantize_later(staged, agreed)
+                    self._quantize(staged, agreed, chunks)  # a few chunks again, at once
+                    return None
 
                 inner = send(arr, _quantized=Quantized(exps, quantize, staged.local_nonfinite()), **mine)
         except BaseException as exc:
@@ -565,6 +600,11 @@ class Stager:
         self.release(staged)
 
     def release(self, staged: Staged) -> None:
+        """``staged``'s buffers go back to their pools, once nothing of the
+        stager's writes them any more (a round can fail while its bucket is
+        being quantized)."""
+        if staged._quantizing is not None:
+            wait([staged._quantizing], COPY_TIMEOUT)
         for pool, raw, key in staged._raw:
             pool.give(raw, key)
         staged._raw.clear()

@@ -88,6 +88,59 @@ def test_a_quantizer_that_fails_fails_its_round_and_the_client_goes_on(service):
             client.allreduce(buf, codec="int32", _quantized=Quantized(np.zeros(2, np.int16), fill))
 
 
+def test_an_owner_that_quantizes_on_its_own_thread_leaves_the_client_free_meanwhile(service):
+    """An owner may answer with a future (a GPU's copy to host memory,
+    waited for on its own thread): the client's I/O thread goes on with
+    other rounds meanwhile. Here the first bucket is written only once the
+    second bucket's exponents are agreed and its owner called, which the
+    I/O thread does only if it is not waiting for the first: a client that
+    waited would never finish either. A future that fails fails its round
+    in one line, and the client goes on."""
+    import threading
+    from concurrent.futures import Future
+
+    with Client(service.address, job=f"q-{uuid.uuid4().hex[:8]}", chunk_bytes=4096) as client:
+        first, second = np.zeros(3000, np.int32), np.zeros(2000, np.int32)
+        second_called = threading.Event()
+
+        def quantize_first(agreed, chunks):
+            assert chunks is None
+            written: Future = Future()
+
+            def write():
+                if second_called.wait(30):
+                    first[:] = 5
+                    written.set_result(None)
+                else:
+                    written.set_exception(RuntimeError("the second bucket's owner was never called"))
+
+            threading.Thread(target=write, daemon=True).start()
+            return written
+
+        def quantize_second(agreed, chunks):
+            second[:] = 9
+            second_called.set()
+
+        a = client.allreduce(first, codec="int32", _quantized=Quantized(np.zeros(3, np.int16), quantize_first))
+        b = client.allreduce(second, codec="int32", _quantized=Quantized(np.zeros(2, np.int16), quantize_second))
+        assert a.result(30) is first and b.result(30) is second
+        assert (first == 5).all() and (second == 9).all()  # one worker: its own values, as sent
+
+        def fails_later(agreed, chunks):
+            failed: Future = Future()
+            threading.Timer(0.01, failed.set_exception, [RuntimeError("CUDA error: launch failure")]).start()
+            return failed
+
+        with pytest.raises(AggregationError, match="quantizing the buffer failed: CUDA error: launch failure"):
+            client.allreduce(first, codec="int32", _quantized=Quantized(np.zeros(3, np.int16), fails_later)).result(30)
+
+        def quantize_now(agreed, chunks):
+            first[:] = 3
+
+        client.allreduce(first, codec="int32", _quantized=Quantized(np.zeros(3, np.int16), quantize_now)).result(30)
+        assert (first == 3).all()
+
+
 def test_only_a_client_that_agrees_exponents_per_chunk_is_handed_a_bucket_to_quantize(service):
     with Client(service.address, job=f"q-{uuid.uuid4().hex[:8]}", chunk_bytes=8192) as client:
         assert quantize_block(client, "int32", torch.float32) == 2048

@@ -185,3 +185,31 @@ def test_buckets_go_through_a_slice_of_device_scratch_at_a_time_to_the_bits_of_o
     # three streams' scratch at most (out, quantizing, back), a slice each
     # (int32 through torch's operations: an int32 and a float64 view)
     assert device.allocations <= 3 and device.allocated_bytes <= 3 * 16 * 4096 < n * 4, device
+
+
+def test_a_bucket_s_buffers_go_back_only_once_its_quantization_is_over():
+    """The whole bucket is quantized on the stager's thread while the
+    client goes on; a round that fails meanwhile gives the bucket back,
+    and its pinned buffers must not reach the next bucket while the device
+    still writes them: release waits for the quantization."""
+    import threading
+
+    from aggnet.torch import quantize as Q
+
+    stager = Stager(torch.device("cpu"), through_host=True)
+    x = torch.from_numpy(values(8192))
+    staged = stager.stage(x, codec="int32", op="sum", world=2, block=1024, key=0)
+    agreed = Q.exponents_of_bits(staged._best.numpy())
+    with stager._quant.lock:  # the device is busy: the quantizing thread waits for its stream
+        done = stager._quantize_later(staged, agreed)
+        releasing = threading.Thread(target=stager.release, args=(staged,))
+        releasing.start()
+        releasing.join(0.2)
+        assert releasing.is_alive() and not done.done() and staged._raw  # still the bucket's
+    releasing.join(30)
+    assert not releasing.is_alive() and done.result(0) is None and staged._raw == []
+    want = np.empty(8192, np.int32)
+    for i, e in enumerate(agreed):
+        part = slice(i * 1024, (i + 1) * 1024)
+        CPU.quantize(x.numpy()[part], kernels.quant_shift(int(e), 2), want[part], False)
+    np.testing.assert_array_equal(staged.host.numpy(), want)  # written in full before it went back
