@@ -287,20 +287,17 @@ class Stager:
         #: what the int32 codec's passes run on this device: aggnet's CUDA
         #: kernels (CuPy) or torch's operations (``.name`` says which)
         self.kernels = device_codec.ops_for(self.device)
-        self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
+        #: buckets handed to the client once their copy to the host is done
+        self._handing = _InOrder("aggnet-staging", self._hand_over)
         #: completed all-reduces, whose futures complete on a thread of the
         #: stager's: whoever waits on one copies the result back to the
         #: device (:meth:`unstage`), which would hold the client's I/O
         #: thread from the next bucket's chunks for as long
-        self._completions: queue.Queue = queue.Queue()
-        self._completer: threading.Thread | None = None
+        self._completing = _InOrder("aggnet-unstaging", lambda item: _settle(*item))
         #: int32 buckets to quantize once their exponents are agreed, on a
         #: thread of the stager's: the client's I/O thread goes on with
         #: other buckets' results and chunks while the device works
-        self._to_quantize: queue.Queue = queue.Queue()
-        self._quantizer: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._quantizing = _InOrder("aggnet-quantizing", self._quantize_whole)
 
     # -- out: device -> pinned host ---------------------------------------------------
 
@@ -404,23 +401,17 @@ class Stager:
         staged.agreed = agreed  # (what comes back is dequantized with these, whenever this runs)
         done: Future = Future()
         staged._quantizing = done
-        self._to_quantize.put((staged, agreed, done))
-        with self._lock:
-            if self._quantizer is None:
-                self._quantizer = threading.Thread(target=self._quantize_in_order, name="aggnet-quantizing",
-                                                   daemon=True)
-                self._quantizer.start()
+        self._quantizing.put((staged, agreed, done))
         return done
 
-    def _quantize_in_order(self) -> None:
-        while True:
-            staged, agreed, done = self._to_quantize.get()
-            try:
-                self._quantize(staged, agreed)
-            except BaseException as exc:  # noqa: BLE001 - a CUDA error fails this bucket's round only
-                done.set_exception(exc)
-            else:
-                done.set_result(None)
+    def _quantize_whole(self, item) -> None:
+        staged, agreed, done = item
+        try:
+            self._quantize(staged, agreed)
+        except BaseException as exc:  # noqa: BLE001 - a CUDA error fails this bucket's round only
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
 
     def _host(self, dtype: torch.dtype, n: int, staged: Staged, role: str) -> torch.Tensor:
         """Pinned host memory for ``n`` values of ``dtype``, ``staged``'s until released."""
@@ -471,23 +462,18 @@ class Stager:
         if not self.cuda:
             self._send(staged, send, out)
             return out
-        self._queue.put((staged, send, out))
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="aggnet-staging", daemon=True)
-                self._thread.start()
+        self._handing.put((staged, send, out))
         return out
 
-    def _run(self) -> None:
-        while True:
-            staged, send, out = self._queue.get()
-            try:
-                _wait(staged._ready, f"copying a bucket from {self.device}")
-            except BaseException as exc:  # a CUDA error: the bucket fails, the thread goes on
-                out.set_exception(exc if isinstance(exc, AggnetError) else
-                                  AggnetError(f"aggnet: copying a bucket from {self.device} failed: {exc}"))
-                continue
-            self._send(staged, send, out)
+    def _hand_over(self, item) -> None:
+        staged, send, out = item
+        try:
+            _wait(staged._ready, f"copying a bucket from {self.device}")
+        except BaseException as exc:  # a CUDA error: the bucket fails, the thread goes on
+            out.set_exception(exc if isinstance(exc, AggnetError) else
+                              AggnetError(f"aggnet: copying a bucket from {self.device} failed: {exc}"))
+            return
+        self._send(staged, send, out)
 
     def _send(self, staged: Staged, send, out: Future) -> None:
         try:
@@ -515,19 +501,10 @@ class Stager:
             if not self.through_host:  # nothing comes back: the result is in the caller's buffer
                 _settle(out, f)
                 return
-            self._completions.put((out, f))
-            with self._lock:
-                if self._completer is None:
-                    self._completer = threading.Thread(target=self._complete_in_order, name="aggnet-unstaging",
-                                                       daemon=True)
-                    self._completer.start()
+            # its callbacks (the caller's unstage) run there; concurrent.futures logs theirs
+            self._completing.put((out, f))
 
         inner.add_done_callback(done)
-
-    def _complete_in_order(self) -> None:
-        while True:
-            out, inner = self._completions.get()
-            _settle(out, inner)  # its callbacks (the caller's unstage) run here; concurrent.futures logs theirs
 
     # -- back: pinned host -> device ---------------------------------------------------
 
@@ -613,6 +590,42 @@ class Stager:
         """Allocations of the pinned and device pools: constant after the
         first step when buckets reuse their buffers."""
         return {"pinned": self.host_pool.stats, "device": self.device_pool.stats}
+
+
+#: seconds a stager's thread waits for work before it ends (and a stager
+#: no one uses any more holds no thread, and is freed)
+IDLE = 5.0
+
+
+class _InOrder:
+    """Calls of ``run`` on items put here, one after another in the order
+    put, on a thread that starts with the first and ends after ``IDLE``
+    seconds without one."""
+
+    def __init__(self, name: str, run: Callable):
+        self.name, self.run = name, run
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def put(self, item) -> None:
+        self._queue.put(item)
+        with self._lock:  # after the put: a thread ending now has seen the queue empty, and is gone
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=IDLE)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            self.run(item)
 
 
 def _settle(out: Future, inner: Future) -> None:

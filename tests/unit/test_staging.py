@@ -213,3 +213,31 @@ def test_a_bucket_s_buffers_go_back_only_once_its_quantization_is_over():
         part = slice(i * 1024, (i + 1) * 1024)
         CPU.quantize(x.numpy()[part], kernels.quant_shift(int(e), 2), want[part], False)
     np.testing.assert_array_equal(staged.host.numpy(), want)  # written in full before it went back
+
+
+def test_a_stager_no_one_uses_holds_no_thread_and_is_freed(monkeypatch):
+    """Its threads end once idle, so a closed DDP state's stager (and its
+    pinned and shared buffers) goes instead of living as long as the
+    process; the next bucket starts a thread again."""
+    import gc
+    import weakref
+
+    from aggnet.torch import quantize as Q
+    from aggnet.torch import staging
+
+    monkeypatch.setattr(staging, "IDLE", 0.05)
+    stager = Stager(torch.device("cpu"), through_host=True)
+    for _ in range(2):  # a thread again after the first one ended
+        staged = stager.stage(torch.from_numpy(values(4096)), codec="int32", op="sum", world=2, block=1024)
+        with stager._quant.lock:  # the thread is busy with it until this lets go
+            done = stager._quantize_later(staged, Q.exponents_of_bits(staged._best.numpy()))
+            thread = stager._quantizing._thread
+        assert thread is not None and thread.name == "aggnet-quantizing"
+        done.result(30)
+        thread.join(30)
+        assert not thread.is_alive() and stager._quantizing._thread is None
+        stager.release(staged)
+    gone = weakref.ref(stager)
+    del stager, staged
+    gc.collect()
+    assert gone() is None
