@@ -626,6 +626,7 @@ class _InOrder:
                         return
                 continue
             self.run(item)
+            del item  # what it held (a bucket, a client's future) is not kept while this waits
 
 
 def _settle(out: Future, inner: Future) -> None:
