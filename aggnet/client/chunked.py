@@ -951,10 +951,12 @@ class ChunkClient(Client):
     def _check_quantized(self) -> None:
         """Rounds whose owner has finished quantizing may send (those that
         failed meanwhile are dropped: the owner's future is over)."""
-        waiting = []
-        for req in self._quantizing:
+        # (failing one may start the next round of its key, which may
+        # join the list: it goes to the new one)
+        checked, self._quantizing = self._quantizing, []
+        for req in checked:
             if not req.quantizing.done():
-                waiting.append(req)
+                self._quantizing.append(req)
                 continue
             exc = req.quantizing.exception()
             if req.failed:
@@ -963,7 +965,6 @@ class ChunkClient(Client):
                 self._quantize_failed(req, exc)
             else:
                 req.payload_ready = True
-        self._quantizing = waiting
 
     def _quantize_failed(self, req: ChunkRequest, exc: BaseException) -> None:
         self._fail_round(req, AggregationError(
