@@ -185,7 +185,7 @@ def int32_staging_rows(torch, x, world: int = 2, ops=None) -> tuple[list, dict]:
     down = torch.from_numpy(Q.dequantize_factors(agreed, world, 1.0 / world)).to(x.device)
     q = torch.empty(n, dtype=torch.int32, device=x.device)
     back = torch.empty(n, device=x.device)
-    bits = torch.empty(min(step, n), dtype=torch.int32, device=x.device) if ops.needs_scratch else None
+    bits = torch.empty(ops.bits_for(min(step, n), block), dtype=torch.int32, device=x.device)
     wide = torch.empty(min(step, n), dtype=torch.float64, device=x.device) if ops.needs_scratch else None
 
     def cut(scratch, k):
@@ -198,7 +198,7 @@ def int32_staging_rows(torch, x, world: int = 2, ops=None) -> tuple[list, dict]:
 
     def exponents():
         for part, which, k in passes():
-            best[which] = ops.chunk_max_bits(x[part], block, cut(bits, k))
+            best[which] = ops.chunk_max_bits(x[part], block, bits[:ops.bits_for(k, block)])
 
     def quantize():
         for part, which, k in passes():

@@ -109,9 +109,6 @@ class ChunkRequest(Request):
     #: whether the buffer holds what is to be sent: a prequantized one is
     #: written by its owner once every exponent is agreed
     payload_ready: bool = True
-    #: the owner's quantization under way on a thread of its own, when it
-    #: answered with a future (see ``Quantized``)
-    quantizing: Future | None = None
     local_nonfinite: int = 0
     #: shards whose chunks are not sent (their exponents held NaN/Inf): every
     #: worker sees the same agreed exponents, so all skip the same chunks
@@ -340,8 +337,9 @@ class ChunkClient(Client):
         self._scales: dict = {}
         #: key -> its latest int32 round admitted
         self._last_of_key: dict = {}
-        #: rounds whose owner quantizes them on a thread of its own
-        self._quantizing: list[ChunkRequest] = []
+        #: (round, the owner's future) of rounds their owner quantizes on
+        #: a thread of its own (see ``Quantized``)
+        self._quantizing: list[tuple[ChunkRequest, Future]] = []
         while True:
             new, closing = self._take_submitted()
             if closing:
@@ -942,8 +940,7 @@ class ChunkClient(Client):
             self._quantize_failed(req, exc)
             return
         if isinstance(pending, Future):
-            req.quantizing = pending
-            self._quantizing.append(req)
+            self._quantizing.append((req, pending))
             pending.add_done_callback(lambda _: self._wakeup())
             return
         req.payload_ready = True
@@ -954,11 +951,11 @@ class ChunkClient(Client):
         # (failing one may start the next round of its key, which may
         # join the list: it goes to the new one)
         checked, self._quantizing = self._quantizing, []
-        for req in checked:
-            if not req.quantizing.done():
-                self._quantizing.append(req)
+        for req, pending in checked:
+            if not pending.done():
+                self._quantizing.append((req, pending))
                 continue
-            exc = req.quantizing.exception()
+            exc = pending.exception()
             if req.failed:
                 continue
             if exc is not None:

@@ -239,7 +239,7 @@ def chunk_max_geometry(n: int, block: int, aligned: bool) -> tuple[int, int, int
     several warps at once."""
     tile = min(block, TILE)
     per = -(-block // tile)
-    vec = block % 4 == 0 and tile % 4 == 0 and aligned
+    vec = block % 4 == 0 and aligned  # (and so is the tile: 1024 or the block)
     warps = -(-n // block) * per
     return min(max(1, -(-warps // (THREADS // 32))), _MAX_BLOCKS), per, tile, vec
 

@@ -135,8 +135,13 @@ class TorchOps:
     device), through the caller's scratch."""
 
     name = "torch"
-    #: the caller hands each pass device scratch (``bits``, ``scratch``)
+    #: the caller hands each quantizing pass float64 scratch (``scratch``)
     needs_scratch = True
+
+    @staticmethod
+    def bits_for(n: int, block: int) -> int:
+        """int32 scratch the exponent pass over ``n`` values takes (``bits``)."""
+        return n
     chunk_max_bits = staticmethod(chunk_max_bits)
     quantize_chunks = staticmethod(quantize_chunks)
     dequantize_chunks = staticmethod(dequantize_chunks)
@@ -150,6 +155,12 @@ class CupyOps:
     name = "cupy"
     needs_scratch = False
 
+    @staticmethod
+    def bits_for(n: int, block: int) -> int:
+        """int32 scratch the exponent pass over ``n`` values takes: its
+        result, one value a chunk."""
+        return -(-n // block)
+
     def __init__(self, gpu):
         import cupy
 
@@ -161,8 +172,8 @@ class CupyOps:
         with self.cupy.cuda.Device(device.index), self.cupy.cuda.ExternalStream(stream.cuda_stream, device.index):
             yield self.cupy.asarray
 
-    def chunk_max_bits(self, x: torch.Tensor, block: int, bits: torch.Tensor | None = None) -> torch.Tensor:
-        best = torch.empty(-(-x.numel() // block), dtype=torch.int32, device=x.device)
+    def chunk_max_bits(self, x: torch.Tensor, block: int, bits: torch.Tensor) -> torch.Tensor:
+        best = bits[:self.bits_for(x.numel(), block)]
         if x.numel():
             with self._on_current_stream(x.device) as view:
                 self.gpu.chunk_max_bits(view(x), block, view(best))

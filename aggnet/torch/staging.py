@@ -283,7 +283,6 @@ class Stager:
         self._quant = _Lane(self.device, self.device_pool, self.cuda)
         #: the way back: results to the device, widened or dequantized
         self._back = _Lane(self.device, self.device_pool, self.cuda)
-        self.stream, self.back_stream = self._side.stream, self._back.stream
         #: what the int32 codec's passes run on this device: aggnet's CUDA
         #: kernels (CuPy) or torch's operations (``.name`` says which)
         self.kernels = device_codec.ops_for(self.device)
@@ -349,7 +348,7 @@ class Stager:
             staged._nonfinite = staged._nonfinite.to("cpu", non_blocking=self.cuda)
         if self.cuda:
             staged._ready = torch.cuda.Event()
-            staged._ready.record(self.stream)
+            staged._ready.record(self._side.stream)
 
     def _stage_for_quantizing(self, buf: torch.Tensor, op: str, world: int, block: int, key,
                               bounds: list[int] | None) -> Staged:
@@ -368,7 +367,7 @@ class Stager:
             staged._nonfinite = _count_nonfinite(buf)  # named if the agreement refuses the bucket
             ops = self.kernels
             for part, which in _passes(staged):
-                bits, = self._side.scratch.views(part.stop - part.start, torch.int32) if ops.needs_scratch else [None]
+                bits, = self._side.scratch.views(ops.bits_for(part.stop - part.start, block), torch.int32)
                 staged._best[which].copy_(ops.chunk_max_bits(buf[part], block, bits), non_blocking=self.cuda)
             self._mark_ready(staged)
         return staged
@@ -444,13 +443,6 @@ class Stager:
         pass at a time."""
         return self._side.current(torch.cuda.current_stream(self.device) if self.cuda else None)
 
-    def _on_back_stream(self):
-        """The stream of what comes back as the current one, one bucket's
-        pass at a time. Whatever it reads was written on the side stream
-        before an event the host has seen complete (the client sends only
-        after that)."""
-        return self._back.current()
-
     # -- the client, in submission order ------------------------------------------------
 
     def submit(self, staged: Staged, send: Callable[..., Future]) -> Future:
@@ -518,7 +510,7 @@ class Stager:
             self._unstage_part(staged, part, staged.buf[part] if out is None else out)
             return
         buf, host = staged.buf, staged.host
-        with self._on_back_stream():
+        with self._back.current():
             if host is buf:
                 pass
             elif staged.block is not None:
@@ -563,7 +555,7 @@ class Stager:
             out[sub.start - part.start:sub.stop - part.start].copy_(half)
 
     def _unstage_part(self, staged: Staged, part: slice, out: torch.Tensor) -> None:
-        with self._on_back_stream():
+        with self._back.current():
             if staged.block is not None:
                 which = _chunks_of(staged, part)
                 if staged.agreed is not None:

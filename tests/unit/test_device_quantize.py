@@ -80,7 +80,7 @@ def test_exponents_found_on_the_device_are_the_kernels(device_ops, n, block, ski
         x[5 * block + min(7, block - 1)] = np.nan
         x[6 * block] = -np.inf
     on_device = torch.from_numpy(full).to(device)[skip:]  # off alignment there too
-    best = ops.chunk_max_bits(on_device, block, _scratch(ops, n, torch.int32, device))
+    best = ops.chunk_max_bits(on_device, block, torch.empty(ops.bits_for(n, block), dtype=torch.int32, device=device))
     got = Q.exponents_of_bits(best.cpu().numpy())
     np.testing.assert_array_equal(got, block_exponents(x, block))
     if n > 6 * block:
