@@ -101,7 +101,7 @@ from aggnet.client.config import ClientConfig
 from aggnet.errors import AggnetError, AggregatorUnreachable
 from aggnet.torch.futures import torch_future, when_all
 from aggnet.torch.hook import _CODECS, _numpy_view
-from aggnet.torch.staging import Stager, quantize_block
+from aggnet.torch.staging import ClientQueue, Stager, quantize_block
 
 __all__ = ["BACKEND_NAME", "AggnetProcessGroup", "AggnetWork", "UnsupportedCollective", "monitored_barrier",
            "register"]
@@ -219,6 +219,10 @@ class AggnetProcessGroup(dist.ProcessGroup):
         for device in devices:
             self._gloo._register_backend(device, dist.ProcessGroup.BackendType.GLOO, gloo)
         self._stagers: dict = {}
+        #: the order collectives reach the client in: a device tensor's
+        #: waits on a thread for its copy to the host, and a CPU tensor's,
+        #: sent from where it is, queues behind it instead of overtaking it
+        self._order = ClientQueue()
         self._gloo._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         self.job = self._agree_job(store, group_name)
         self._client: Client | None = None
@@ -355,7 +359,7 @@ class AggnetProcessGroup(dist.ProcessGroup):
         with self._lock:
             stager = self._stagers.get(device)
             if stager is None:
-                stager = self._stagers[device] = Stager(device, shared=shared,
+                stager = self._stagers[device] = Stager(device, shared=shared, order=self._order,
                                                         through_host=True if self.stage_cpu_tensors else None)
             return stager
 
@@ -370,8 +374,8 @@ class AggnetProcessGroup(dist.ProcessGroup):
             return self._allreduce_staged(t, op)
         work = _contiguous(t.detach())
         arr, hint = _numpy_view(work)
-        fut = self.client.allreduce(arr, op=op, codec=self.codec if t.dtype == torch.float32 else None,
-                                    _wire_hint=hint)
+        client, codec = self.client, self.codec if t.dtype == torch.float32 else None
+        fut = self._order.call(lambda: client.allreduce(arr, op=op, codec=codec, _wire_hint=hint))
 
         def finish():
             if not t.is_contiguous():  # the result went to a contiguous copy
@@ -470,14 +474,14 @@ class AggnetProcessGroup(dist.ProcessGroup):
         codec = self.codec if input.dtype == torch.float32 else None
         mine = slice(bounds[self._rank], bounds[self._rank + 1])
         if client.owner_results:
-            fut = client.reduce_scatter(src_arr.reshape(-1), dst_arr.reshape(-1), bounds, op=op, codec=codec,
-                                        _wire_hint=hint)
+            fut = self._order.call(lambda: client.reduce_scatter(src_arr.reshape(-1), dst_arr.reshape(-1), bounds,
+                                                                 op=op, codec=codec, _wire_hint=hint))
             whole = None
         else:
             # a switch, or a rack of a hierarchy: all-reduce a copy, keep this rank's share
             whole = src.reshape(-1).clone()
             whole_arr, _ = _numpy_view(whole)
-            fut = client.allreduce(whole_arr, op=op, codec=codec, _wire_hint=hint)
+            fut = self._order.call(lambda: client.allreduce(whole_arr, op=op, codec=codec, _wire_hint=hint))
 
         def finish():
             if whole is not None:

@@ -36,7 +36,7 @@ from aggnet.client.config import ClientConfig
 from aggnet.errors import AggnetError, AggregatorUnreachable, NonFiniteError
 from aggnet.protocol.wire import DType
 from aggnet.torch.futures import torch_future
-from aggnet.torch.staging import Stager, quantize_block, result_nonfinite
+from aggnet.torch.staging import ClientQueue, Stager, quantize_block, result_nonfinite
 
 __all__ = ["AggnetState", "allreduce_hook"]
 
@@ -194,6 +194,10 @@ class AggnetState:
         self.buckets: dict[int, BucketStats] = {}
         self.staging = staging
         self._stagers: dict[torch.device, Stager] = {}
+        #: the order collectives reach the client in: staged buckets wait on
+        #: a thread for their copies, and what is called straight on the
+        #: client (the α agreements, a bucket's rest) queues behind them
+        self._order = ClientQueue()
         self._client: Client | None = None
         self._lock = threading.Lock()
         self._resolve_lock = threading.Lock()
@@ -255,7 +259,7 @@ class AggnetState:
             stager = self._stagers.get(device)
             if stager is None:
                 stager = self._stagers[device] = Stager(device, through_host=True if self.staging == "always" else None,
-                                                        shared=shared)
+                                                        shared=shared, order=self._order)
             return stager
 
     def staging_stats(self) -> dict:
@@ -437,7 +441,8 @@ def _synchronous_allreduce(state: "AggnetState", index: int, buf: torch.Tensor, 
     arr, hint = _numpy_view(host)
     local_bad = _count_nonfinite(host, arr) if state.check_finite else 0
     codec = state.codec if host.dtype == torch.float32 else None
-    fut = state.client.allreduce(arr, op=state.op, codec=codec, key=index, _wire_hint=hint)
+    client = state.client
+    fut = state._order.call(lambda: client.allreduce(arr, op=state.op, codec=codec, key=index, _wire_hint=hint))
 
     def value(f) -> torch.Tensor:
         try:

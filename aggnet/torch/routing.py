@@ -161,7 +161,9 @@ def _check_speed(state, index: int, rb: _Bucket, stats: RouteStats) -> None:
     world = state.world_size
     vec = np.zeros(world * 2, np.float32)
     vec[state.rank * 2:state.rank * 2 + 2] = [min(rb.dense_s, default=0.0), min(rb.rows_s)]
-    state.client.allreduce(vec, op="sum", codec=None, key=2 * _AGREE_KEY + index).result(state.config.timeout + 5)
+    client = state.client
+    state._order.call(lambda: client.allreduce(vec, op="sum", codec=None, key=2 * _AGREE_KEY + index)).result(
+        state.config.timeout + 5)
     dense, rows = (float(v) for v in vec.reshape(world, 2).max(axis=0))
     rb.checked = True
     stats.dense_ms, stats.rows_ms = dense * 1e3, rows * 1e3
@@ -183,7 +185,8 @@ def _agree(state, index: int, rb: _Bucket, views, stats: RouteStats) -> None:
     vec = np.zeros(world * n, np.float32)
     vec[state.rank * n:(state.rank + 1) * n] = rb.local / rb.seen
     timeout = state.config.timeout + 5
-    state.client.allreduce(vec, op="sum", codec=None, key=_AGREE_KEY + index).result(timeout)
+    client = state.client
+    state._order.call(lambda: client.allreduce(vec, op="sum", codec=None, key=_AGREE_KEY + index)).result(timeout)
     alphas = vec.reshape(world, n).max(axis=0)
     rows = [int(g.shape[0]) for _, g in views]
     rb.rows = [bool(a < state.alpha_threshold) for a in alphas]
@@ -243,7 +246,8 @@ def _rows_allreduce(state, index: int, buf: torch.Tensor, views, rb: _Bucket) ->
             idx, vals = np.empty(0, np.int64), np.empty((0, width), np.float32)
         sent += idx.size * (8 + 4 * width)
         futures.append(table.allreduce(idx, vals))
-    futures.append(state.client.allreduce(rest, op=state.op, codec=None, key=index))
+    client = state.client
+    futures.append(state._order.call(lambda: client.allreduce(rest, op=state.op, codec=None, key=index)))
     stats = state.buckets.setdefault(index, BucketStats())
 
     def value(_all) -> torch.Tensor:

@@ -14,7 +14,10 @@ bucket. A :class:`Stager` instead, per bucket:
    without blocking;
 2. on its own thread waits for that copy (a CUDA event) and hands the
    pinned memory to the client, which sends from it without another copy
-   and writes the result back into it;
+   and writes the result back into it; buckets reach the client in the
+   order submitted, and so does whatever is called straight on the client
+   after them (a CPU tensor's all-reduce: :class:`ClientQueue`), as every
+   worker must all-reduce in the same order however long its copies took;
 3. once the client is done, copies the result to the device on a second
    side stream (on the first it would queue behind later buckets' waits
    for the training stream) and widens it into the bucket; a thread of
@@ -78,7 +81,7 @@ from aggnet.protocol.wire import DType
 from aggnet.torch import quantize as device_codec
 from aggnet.transport import shm
 
-__all__ = ["BufferPool", "Stager", "Staged", "quantize_block", "result_nonfinite", "wire_dtype"]
+__all__ = ["BufferPool", "ClientQueue", "Stager", "Staged", "quantize_block", "result_nonfinite", "wire_dtype"]
 
 #: torch dtype a float32 buffer travels in, per codec (int32: quantized on the host)
 _CODEC_DTYPES = {None: torch.float32, "int32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -261,7 +264,7 @@ class Stager:
     order, as the aggregator requires."""
 
     def __init__(self, device: torch.device, *, pinned_limit: int = PINNED_LIMIT, through_host: bool | None = None,
-                 shared: bool = False):
+                 shared: bool = False, order: "ClientQueue | None" = None):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         #: whether buffers are staged in host buffers of the pools (a CPU
@@ -286,8 +289,11 @@ class Stager:
         #: what the int32 codec's passes run on this device: aggnet's CUDA
         #: kernels (CuPy) or torch's operations (``.name`` says which)
         self.kernels = device_codec.ops_for(self.device)
-        #: buckets handed to the client once their copy to the host is done
-        self._handing = _InOrder("aggnet-staging", self._hand_over)
+        #: the order buckets reach the client in: handed over once their
+        #: copy to the host is done, in the order submitted, after what the
+        #: client's other callers submitted before them (``order``: the
+        #: client's queue, shared with its other stagers and direct calls)
+        self.order = ClientQueue() if order is None else order
         #: completed all-reduces, whose futures complete on a thread of the
         #: stager's: whoever waits on one copies the result back to the
         #: device (:meth:`unstage`), which would hold the client's I/O
@@ -451,14 +457,15 @@ class Stager:
         quantized here, ``_quantized``, and ``_scratch`` for pinned memory of
         the stager's own); the returned future is the client's."""
         out: Future = Future()
-        if not self.cuda:
-            self._send(staged, send, out)
-            return out
-        self._handing.put((staged, send, out))
+        if not self.through_host:  # nothing to wait for: sent from where it is, once earlier buckets are
+            self.order.now_or_later(lambda: self._send(staged, send, out))
+        else:
+            # every staged bucket, a CPU one through host memory too, takes
+            # the GPU's way: no path here that the suite runs and a GPU skips
+            self.order.later(lambda: self._hand_over(staged, send, out))
         return out
 
-    def _hand_over(self, item) -> None:
-        staged, send, out = item
+    def _hand_over(self, staged: Staged, send, out: Future) -> None:
         try:
             _wait(staged._ready, f"copying a bucket from {self.device}")
         except BaseException as exc:  # a CUDA error: the bucket fails, the thread goes on
@@ -621,6 +628,69 @@ class _InOrder:
             del item  # what it held (a bucket, a client's future) is not kept while this waits
 
 
+class ClientQueue:
+    """The order one client's collectives reach it in. Every worker must
+    all-reduce its buffers in the same order, and a staged bucket reaches
+    the client from a thread once its copy to the host is done: a
+    collective that needs no copy (a CPU tensor sent from where it is, an
+    agreement of the DDP hook's), called straight on the client, would
+    overtake buckets submitted before it on some ranks and not on others.
+    The round then fails as a mismatch, or, for buffers of one size, sums
+    one rank's bucket with another's tensor. One queue per client, shared
+    by its stagers (one per device) and its callers' direct calls
+    (:meth:`call`): at once while no bucket waits, else after them."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._waiting = 0  #: calls put on the thread and not yet over
+        self._thread = _InOrder("aggnet-staging", self._run)
+
+    def later(self, fn: Callable[[], None]) -> None:
+        """``fn()`` on the queue's thread, after everything queued before
+        (``fn`` reports its own errors)."""
+        with self._lock:
+            self._waiting += 1
+        self._thread.put(fn)
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        finally:
+            with self._lock:
+                self._waiting -= 1
+
+    def now_or_later(self, fn: Callable[[], None]) -> None:
+        """``fn()`` here and now when nothing queued waits, else :meth:`later`."""
+        with self._lock:
+            idle = self._waiting == 0
+        if idle:
+            fn()
+        else:
+            self.later(fn)
+
+    def call(self, send: Callable[[], Future]) -> Future:
+        """The client's future of ``send()`` (a collective on the client),
+        called once every bucket queued before it has reached the client:
+        here and now when none waits (its errors raised here), else on the
+        queue's thread (its errors in the future)."""
+        with self._lock:
+            idle = self._waiting == 0
+        if idle:
+            return send()
+        out: Future = Future()
+
+        def run() -> None:
+            try:
+                inner = send()
+            except BaseException as exc:  # noqa: BLE001 - the caller's future reports it
+                out.set_exception(exc)
+                return
+            inner.add_done_callback(lambda f: _settle(out, f))
+
+        self.later(run)
+        return out
+
+
 def _settle(out: Future, inner: Future) -> None:
     """``out`` completes as ``inner`` did."""
     exc = inner.exception()
@@ -742,6 +812,8 @@ def _wait(event, what: str, limit: float = COPY_TIMEOUT) -> None:
     """Wait for a CUDA event, at most ``limit`` seconds (an event's own
     ``synchronize`` waits without one). Polled, from a few microseconds up
     to a fifth of a millisecond apart: a bucket's copy takes milliseconds."""
+    if event is None:  # a copy on the CPU, done when it was queued
+        return
     deadline = time.monotonic() + limit
     pause = 5e-6
     while not event.query():

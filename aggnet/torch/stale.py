@@ -117,8 +117,9 @@ def allreduce_stale(state, bucket) -> torch.futures.Future:
             # a round's exponents from the last round of its key, which is
             # then step t - s - 1's, awaited at the last step (with one key
             # for all it would wait for step t - 1's, and the pipeline with it)
-            future = state.client.allreduce(staging.numpy(), op=state.op, codec=state.codec,
-                                            key=t % (queue.staleness + 1))
+            client, key = state.client, t % (queue.staleness + 1)
+            future = state._order.call(lambda: client.allreduce(staging.numpy(), op=state.op, codec=state.codec,
+                                                                key=key))
             queue.sent[t] = [_Sent(future, staging, all_keys, all_sizes)]
             queue.step += 1
             queue.sent.pop(t - queue.staleness, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -112,9 +113,30 @@ def backend_collectives(rank: int, world: int, port: int, address: str, device: 
         out[f"reduce_scatter_tensor {n} {dtype} {op}"] = (_numpy(share), _numpy(ref[rank * n:(rank + 1) * n]))
     if device == "cuda":
         torch.cuda.synchronize()
+        out["a CPU tensor right after a CUDA one"] = _cpu_after_cuda(rank, world)
     out["staging"] = _staging_counts()
     out["staging"]["scattered_in_place"] = out["staging"]["results_in_place"] - before
     return out
+
+
+def _cpu_after_cuda(rank: int, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """A CPU tensor's all-reduce called right after a CUDA tensor's of the
+    same size, the CUDA one's copy to the host held back on rank 1 only
+    (its stream busy): both must reach the aggregator in the order called
+    on every rank, or each rank's sum mixes the two. (aggregated, expected)"""
+    n, got, want = 1 << 16, [], []
+    for i in range(3):
+        on_gpu = torch.full((n,), float(rank + 1 + 10 * i), device="cuda")
+        on_cpu = torch.full((n,), -float(rank + 1 + 10 * i))
+        if rank == 1:
+            torch.cuda._sleep(100_000_000)  # tens of milliseconds on the stream the copy waits for
+        works = [dist.all_reduce(on_gpu, async_op=True), dist.all_reduce(on_cpu, async_op=True)]
+        for w in works:
+            w.wait()
+        total = float(sum(r + 1 + 10 * i for r in range(world)))
+        got += [on_gpu.cpu().numpy(), on_cpu.numpy()]
+        want += [np.full(n, total, np.float32), np.full(n, -total, np.float32)]
+    return np.stack(got), np.stack(want)
 
 
 @ends_process_group

@@ -267,3 +267,72 @@ def test_a_stager_s_waiting_thread_holds_nothing_of_the_buckets_it_handled(monke
         time.sleep(0.01)
     assert gone() is None, "the waiting thread still holds the last bucket it quantized"
     assert stager._quantizing._thread is not None  # and it does wait
+
+
+def test_a_bucket_staged_through_host_memory_reaches_the_client_as_a_gpu_s_does():
+    """A CPU bucket staged through host memory goes the GPU's way to the
+    client: handed over on the stager's thread, in the order submitted,
+    and a bucket the client refuses fails alone, the next one going on."""
+    import threading
+    from concurrent.futures import Future
+
+    stager = Stager(torch.device("cpu"), through_host=True)
+    calls: list[tuple[int, str]] = []
+
+    def send_as(i):
+        def send(arr, **options):
+            calls.append((i, threading.current_thread().name))
+            if i == 2:
+                raise RuntimeError("refused")
+            done: Future = Future()
+            done.set_result(arr)
+            return done
+        return send
+
+    staged = [stager.stage(torch.full((1000,), float(i)), codec=None, op="sum", world=1) for i in range(5)]
+    futures = [stager.submit(s, send_as(i)) for i, s in enumerate(staged)]
+    for i, f in enumerate(futures):
+        if i == 2:
+            with pytest.raises(RuntimeError, match="refused"):
+                f.result(30)
+        else:
+            assert np.all(f.result(30) == i)
+    assert [i for i, _ in calls] == list(range(5))
+    assert {name for _, name in calls} == {"aggnet-staging"}
+
+
+def test_a_call_straight_on_the_client_waits_for_the_buckets_submitted_before_it():
+    """A staged bucket reaches the client once its copy to the host is
+    done; a collective called straight on the client after it (a CPU
+    tensor of the backend's, an α agreement of the hook's) must not
+    overtake it, or ranks whose copies took longer all-reduce in another
+    order. Nothing waiting, the call goes at once on the caller's thread."""
+    import threading
+    from concurrent.futures import Future
+
+    from aggnet.torch.staging import ClientQueue
+
+    order = ClientQueue()
+    cpu, other = (Stager(torch.device("cpu"), through_host=True, order=order) for _ in range(2))
+    reached: list[tuple[str, str]] = []
+
+    def client_call(name):
+        def send(*_args, **_options):
+            reached.append((name, threading.current_thread().name))
+            done: Future = Future()
+            done.set_result(name)
+            return done
+        return send
+
+    assert order.call(client_call("alone")).result(0) == "alone"
+    staged = cpu.stage(torch.ones(1000), codec=None, op="sum", world=1)
+    staged._ready = copying = _Event(after=None)  # a device's copy, still running
+    bucket = cpu.submit(staged, client_call("bucket"))
+    straight = order.call(client_call("straight"))
+    later = other.submit(other.stage(torch.ones(10), codec=None, op="sum", world=1), client_call("other stager"))
+    assert not straight.done() and [name for name, _ in reached] == ["alone"]
+    copying.after = 0  # the copy is done
+    assert [f.result(30) is not None for f in (bucket, straight, later)] == [True] * 3
+    assert reached == [("alone", "MainThread"), ("bucket", "aggnet-staging"), ("straight", "aggnet-staging"),
+                       ("other stager", "aggnet-staging")]
+    assert straight.result(0) == "straight"
