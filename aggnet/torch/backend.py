@@ -328,7 +328,10 @@ class AggnetProcessGroup(dist.ProcessGroup):
         def divide(f):
             f.value()  # the sum's error, if it failed
             for t in tensors:
-                t.div_(world, rounding_mode="trunc")
+                if self._staged(t):  # on the device, waited for as its sum was
+                    self._stager(t.device).after_result(lambda t=t: t.div_(world, rounding_mode="trunc"))
+                else:
+                    t.div_(world, rounding_mode="trunc")
             return list(tensors)
 
         return AggnetWork(work.get_future().then(divide), f"{what} (integer average) on rank {self._rank}",
@@ -399,7 +402,7 @@ class AggnetProcessGroup(dist.ProcessGroup):
         def finish():
             stager.unstage(staged)
             if not t.is_contiguous():  # the result went to a contiguous copy
-                t.detach().copy_(work)
+                stager.after_result(lambda: t.detach().copy_(work))
         return fut, finish
 
     # -- reduce-scatter ---------------------------------------------------------------
@@ -520,7 +523,7 @@ class AggnetProcessGroup(dist.ProcessGroup):
         def finish():
             stager.unstage(staged, mine, dst.view(-1))
             if not output.is_contiguous():  # the result went to a contiguous copy
-                output.detach().copy_(dst)
+                stager.after_result(lambda: output.detach().copy_(dst))
         return fut, finish
 
     def _gloo_reduce_scatter(self, what: str, shares, opts) -> AggnetWork:

@@ -575,6 +575,17 @@ class Stager:
             self._back.wait(f"copying a result to {self.device}")
         self.release(staged)
 
+    def after_result(self, fn: Callable[[], object]) -> None:
+        """``fn()``: device work on a result already back (copied on into
+        the caller's non-contiguous tensor, an integer average's division),
+        on the stream of what comes back, and waited for as the result was.
+        Queued on the calling thread's own stream it would be waited for by
+        nothing: a future completing meanwhile would let another stream
+        read the tensor before it holds the result."""
+        with self._back.current():
+            fn()
+            self._back.wait(f"finishing a result on {self.device}")
+
     def release(self, staged: Staged) -> None:
         """``staged``'s buffers go back to their pools, once nothing of the
         stager's writes them any more (a round can fail while its bucket is

@@ -114,9 +114,25 @@ def backend_collectives(rank: int, world: int, port: int, address: str, device: 
     if device == "cuda":
         torch.cuda.synchronize()
         out["a CPU tensor right after a CUDA one"] = _cpu_after_cuda(rank, world)
+        out["a strided result read on another stream"] = _strided_on_another_stream(rank, world)
     out["staging"] = _staging_counts()
     out["staging"]["scattered_in_place"] = out["staging"]["results_in_place"] - before
     return out
+
+
+def _strided_on_another_stream(rank: int, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """A non-contiguous CUDA tensor's all-reduce (its result copied on
+    from a contiguous copy), waited for while the default stream is busy,
+    then read on another stream: the copy must be over when ``wait``
+    returns, not queued behind the default stream's work."""
+    t = torch.full((256, 128), float(rank + 1), device="cuda").t()
+    work = dist.all_reduce(t, async_op=True)
+    torch.cuda._sleep(200_000_000)  # the default stream busy for a good while
+    work.wait()
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        got = t.to("cpu")
+    return got.numpy(), np.full((128, 256), float(sum(range(1, world + 1))), np.float32)
 
 
 def _cpu_after_cuda(rank: int, world: int) -> tuple[np.ndarray, np.ndarray]:
