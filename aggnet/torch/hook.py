@@ -402,7 +402,7 @@ def _dense_allreduce(state: "AggnetState", index: int, buf: torch.Tensor, bucket
                 # the int32 codec cannot carry NaN: mark the whole bucket so
                 # the optimizer (or GradScaler) sees it was not finite
                 stager.release(staged)
-                buf.fill_(float("nan"))
+                stager.after_result(lambda: buf.fill_(float("nan")))  # waited for, as a result would be
                 return buf
             stager.unstage(staged)
         except BaseException:
