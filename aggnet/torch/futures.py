@@ -33,6 +33,7 @@ def torch_future(
     context: Callable[[BaseException], BaseException] | None = None,
     *,
     errors: list[BaseException] | None = None,
+    devices: list[torch.device] | None = None,
 ) -> torch.futures.Future:
     """The torch future DDP (or a backend ``Work``) waits on for ``future``.
 
@@ -47,8 +48,14 @@ def torch_future(
     also appended to ``errors``, before the torch future completes: torch
     hands it to Python wrapped in its own RuntimeError, and a caller that
     raises it itself wants it as it is.
+
+    ``devices`` (CUDA devices): the value is device work still queued on
+    the current stream of the thread ``value`` runs on; torch's CUDA future
+    then makes whoever waits on it wait for that work on the device, as a
+    NCCL all-reduce's future does, where a CPU future would leave it to the
+    host.
     """
-    inner: torch.futures.Future = torch.futures.Future()
+    inner: torch.futures.Future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
     failure: list[BaseException] = []
 
     def unwrap(f: torch.futures.Future):

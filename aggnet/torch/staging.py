@@ -81,7 +81,8 @@ from aggnet.protocol.wire import DType
 from aggnet.torch import quantize as device_codec
 from aggnet.transport import shm
 
-__all__ = ["BufferPool", "ClientQueue", "Stager", "Staged", "quantize_block", "result_nonfinite", "wire_dtype"]
+__all__ = ["BufferPool", "ClientQueue", "Stager", "Staged", "quantize_block", "result_nonfinite", "wait_event",
+           "wire_dtype"]
 
 #: torch dtype a float32 buffer travels in, per codec (int32: quantized on the host)
 _CODEC_DTYPES = {None: torch.float32, "int32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -467,7 +468,7 @@ class Stager:
 
     def _hand_over(self, staged: Staged, send, out: Future) -> None:
         try:
-            _wait(staged._ready, f"copying a bucket from {self.device}")
+            wait_event(staged._ready, f"copying a bucket from {self.device}")
         except BaseException as exc:  # a CUDA error: the bucket fails, the thread goes on
             out.set_exception(exc if isinstance(exc, AggnetError) else
                               AggnetError(f"aggnet: copying a bucket from {self.device} failed: {exc}"))
@@ -688,6 +689,11 @@ class ClientQueue:
             idle = self._waiting == 0
         if idle:
             return send()
+        return self.call_later(send)
+
+    def call_later(self, send: Callable[[], Future]) -> Future:
+        """:meth:`call` on the queue's thread whatever waits: ``send`` may
+        wait for the device (a copy to the host) before it calls the client."""
         out: Future = Future()
 
         def run() -> None:
@@ -776,7 +782,7 @@ class _Lane:
         if self.stream is not None:
             done = torch.cuda.Event()
             done.record(self.stream)
-            _wait(done, what)
+            wait_event(done, what)
 
 
 class _Scratch:
@@ -819,7 +825,7 @@ def _chunks_of(staged: Staged, part: slice) -> slice:
     return slice(first, last)
 
 
-def _wait(event, what: str, limit: float = COPY_TIMEOUT) -> None:
+def wait_event(event, what: str, limit: float = COPY_TIMEOUT) -> None:
     """Wait for a CUDA event, at most ``limit`` seconds (an event's own
     ``synchronize`` waits without one). Polled, from a few microseconds up
     to a fifth of a millisecond apart: a bucket's copy takes milliseconds."""

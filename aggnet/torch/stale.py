@@ -45,6 +45,7 @@ from aggnet.errors import AggnetError
 from aggnet.pipeline.emulator import average
 from aggnet.pipeline.predict import WeightPredictor
 from aggnet.torch.futures import torch_future, when_all
+from aggnet.torch.staging import wait_event
 
 
 class _Sent:
@@ -70,9 +71,21 @@ class StaleQueue:
         self.staleness = staleness
         self.step = 0  #: steps whose last bucket the hook has seen
         self.sent: dict[int, list[_Sent]] = {}
-        #: this step's buckets so far: (copy, parameter keys, sizes)
+        #: this step's buckets so far: (copy in host memory, the event that
+        #: says it is complete or None, parameter keys, sizes)
         self.parts: list = []
         self.lock = threading.Lock()
+        #: per CUDA device, the stream the stale results go back on
+        self._back: dict = {}
+
+    def back_stream(self, device: torch.device):
+        """The stream results go back to ``device`` on (None off CUDA)."""
+        if device.type != "cuda":
+            return None
+        stream = self._back.get(device)
+        if stream is None:
+            stream = self._back[device] = torch.cuda.Stream(device=device)
+        return stream
 
     @property
     def applies(self) -> bool:
@@ -103,23 +116,32 @@ def allreduce_stale(state, bucket) -> torch.futures.Future:
                           f"{buf.dtype}; train in float32 (AMP keeps float32 gradients) or use staleness=0")
     with queue.lock:
         t = queue.step
-        queue.parts.append((buf.detach().to("cpu", copy=True), keys, sizes))
+        copy, copied = _copy_out(buf.detach())
+        queue.parts.append((copy, copied, keys, sizes))
         old = queue.sent.get(t - queue.staleness, [])
         if bucket.is_last():
             # the whole step in one all-reduce: nothing waits for it before
             # the next step's end, and one large all-reduce moves faster than
             # a queue of DDP's buckets on every aggregator path
-            staging = torch.cat([p[0] for p in queue.parts])
-            all_keys = [k for p in queue.parts for k in p[1]]
-            all_sizes = [n for p in queue.parts for n in p[2]]
-            queue.parts = []
+            parts, queue.parts = queue.parts, []
+            all_keys = [k for p in parts for k in p[2]]
+            all_sizes = [n for p in parts for n in p[3]]
+            staging = torch.empty(sum(all_sizes), dtype=torch.float32, pin_memory=buf.is_cuda)
             # keyed by the step modulo staleness + 1: the int32 codec carries
             # a round's exponents from the last round of its key, which is
             # then step t - s - 1's, awaited at the last step (with one key
             # for all it would wait for step t - 1's, and the pipeline with it)
             client, key = state.client, t % (queue.staleness + 1)
-            future = state._order.call(lambda: client.allreduce(staging.numpy(), op=state.op, codec=state.codec,
-                                                                key=key))
+
+            def send():
+                # on the client's queue thread: the copies of a device's
+                # buckets are waited for there, not on the training thread
+                for _, copied_, _, _ in parts:
+                    wait_event(copied_, f"copying a bucket from {buf.device}")
+                torch.cat([p[0] for p in parts], out=staging)
+                return client.allreduce(staging.numpy(), op=state.op, codec=state.codec, key=key)
+
+            future = state._order.call_later(send)
             queue.sent[t] = [_Sent(future, staging, all_keys, all_sizes)]
             queue.step += 1
             queue.sent.pop(t - queue.staleness, None)
@@ -138,6 +160,8 @@ def allreduce_stale(state, bucket) -> torch.futures.Future:
         where.append(hit)
     needed = list({id(e): e for e, _ in where}.values())
 
+    back = queue.back_stream(buf.device)
+
     def fill(f) -> torch.Tensor:
         for one in f.result():
             try:
@@ -145,13 +169,49 @@ def allreduce_stale(state, bucket) -> torch.futures.Future:
             except AggnetError as exc:
                 raise type(exc)(f"aggnet DDP hook (staleness {queue.staleness}), bucket {bucket.index()} on "
                                 f"rank {state.rank}: {exc}") from None
-        offset = 0
-        for (e, (at, n)), size in zip(where, sizes):
-            buf[offset:offset + size].copy_(e.staging[at:at + n])
-            offset += size
+        with _on(back, after=copied):  # the bucket's copy out of ``buf`` reads it first
+            offset = 0
+            for (e, (at, n)), size in zip(where, sizes):
+                buf[offset:offset + size].copy_(e.staging[at:at + n], non_blocking=back is not None)
+                offset += size
+            if back is not None:
+                filled = torch.cuda.Event()
+                filled.record(back)
+        if back is not None:
+            # the stream the value is handed over on waits for it on the
+            # device; the CUDA future makes whoever waits on it wait for that
+            torch.cuda.current_stream(buf.device).wait_event(filled)
         return buf
 
-    return torch_future(when_all([e.future for e in needed]), fill)
+    return torch_future(when_all([e.future for e in needed]), fill, devices=[buf.device] if buf.is_cuda else None)
+
+
+def _copy_out(buf: torch.Tensor):
+    """A copy of bucket ``buf`` in host memory and, for a device's, the
+    CUDA event that says it is complete: pinned memory, copied without
+    blocking on the stream that wrote the gradient (which writes the next
+    step's into ``buf`` after it). A blocking copy held the training thread
+    until the device had run every kernel queued before it, once a bucket."""
+    if not buf.is_cuda:
+        return buf.clone(), None
+    host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+    host.copy_(buf, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(buf.device))
+    return host, copied
+
+
+@contextlib.contextmanager
+def _on(stream, after=None):
+    """``stream`` as the current one, after event ``after`` where given;
+    nothing off CUDA (``stream`` None)."""
+    if stream is None:
+        yield
+        return
+    if after is not None:
+        stream.wait_event(after)
+    with torch.cuda.stream(stream):
+        yield
 
 
 class StaleStep:

@@ -39,10 +39,10 @@ def emulated(world: int, steps: int, staleness: int, predict: bool) -> list:
 
 @ends_process_group
 def ddp_run(rank: int, world: int, port: int, address: str, job: str, steps: int, staleness: int,
-            predict: bool, codec: str | None = None) -> dict:
+            predict: bool, codec: str | None = None, device: str = "cpu") -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    model = make_model()
+    model = make_model().to(device)
     # small buckets: several per step, rebuilt after the first step
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
     state = AggnetState(address, job=job, staleness=staleness, predict=predict, codec=codec or "float32")
@@ -52,18 +52,18 @@ def ddp_run(rank: int, world: int, port: int, address: str, job: str, steps: int
         step = StaleStep(ddp, opt, state)
         for x, y in batches(rank, steps):
             with step.step():
-                nn.functional.cross_entropy(ddp(x), y).backward()
+                nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
         step.finish()
         updates = step.updates
     else:
         for x, y in batches(rank, steps):
             opt.zero_grad()
-            nn.functional.cross_entropy(ddp(x), y).backward()
+            nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
             opt.step()
         updates = steps
     calls = state.stale_queue.step if staleness else None
     carried = state.client.stats.scales_carried
     state.close()
     dist.barrier()
-    return {"params": [p.detach().numpy().copy() for p in model.parameters()], "updates": updates,
+    return {"params": [p.detach().cpu().numpy().copy() for p in model.parameters()], "updates": updates,
             "steps_seen": calls, "carried": carried}

@@ -43,6 +43,25 @@ def test_stale_ddp_equals_its_emulation_and_ranks_stay_identical(service, stalen
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+@pytest.mark.parametrize("predict", [False, True], ids=["s2", "s2-predicted"])
+def test_stale_ddp_on_the_device_keeps_its_ranks_identical_and_follows_its_emulation(service, predict):
+    """CUDA buckets take the stale path without a blocking copy (pinned
+    memory, results back on a stream of their own): the ranks still apply
+    the same gradients at the same steps, bit for bit, and train as the
+    CPU emulation does, within float32 rounding of the GPU's kernels."""
+    job = f"stale-{uuid.uuid4().hex[:8]}"
+    results = run_workers("spawn://", 2, W.ddp_run, 2, free_port(), service.address, job, STEPS, 2, predict, None,
+                          "cuda", timeout=240, start_method="spawn")
+    ref = W.emulated(2, STEPS, 2, predict)
+    for rank, r in enumerate(results):
+        assert r["updates"] == STEPS - 2
+        for got, want in zip(r["params"], ref[rank], strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_stale_int32_steps_carry_exponents_from_the_step_the_last_one_awaited(service):
     """The int32 codec carries a round's exponents from its key's last
     round, waiting for it if it is open: stale steps are keyed modulo

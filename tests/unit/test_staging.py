@@ -129,13 +129,13 @@ class _Event:
 
 def test_waiting_for_a_copy_has_a_limit_and_says_what_to_check():
     from aggnet.errors import AggnetError
-    from aggnet.torch.staging import _wait
+    from aggnet.torch.staging import wait_event
 
     done_later = _Event(after=5)
-    _wait(done_later, "copying a bucket", limit=5)
+    wait_event(done_later, "copying a bucket", limit=5)
     assert done_later.asked == 6
     with pytest.raises(AggnetError, match=r"copying a bucket did not finish within 0.05s; is the GPU still working"):
-        _wait(_Event(after=None), "copying a bucket", limit=0.05)
+        wait_event(_Event(after=None), "copying a bucket", limit=0.05)
 
 
 @pytest.mark.parametrize("codec", ["fp16", "bf16", "int32"])
