@@ -116,6 +116,21 @@ def _register(raw: np.ndarray) -> bool:
     return True
 
 
+_streams: dict = {}
+_streams_lock = threading.Lock()
+
+
+def _results_stream(device_id: int):
+    """The stream results are copied back to device ``device_id`` on (made
+    with that device current): one of the process's, not synchronized with
+    the device's default stream."""
+    with _streams_lock:
+        stream = _streams.get(device_id)
+        if stream is None:
+            stream = _streams[device_id] = cupy_or_fail().cuda.Stream(non_blocking=True)
+        return stream
+
+
 def staged(view, caller, pool: PinnedPool, allreduce_host, share: slice | None = None, into=None) -> Future:
     """All-reduce device buffer ``view`` through pinned host memory:
     ``allreduce_host(host_array)`` is the client's own all-reduce of a
@@ -138,11 +153,16 @@ def staged(view, caller, pool: PinnedPool, allreduce_host, share: slice | None =
             exc = f.exception()
             if exc is None:
                 with view.device:
+                    # on a stream of the client's, waited for alone: the
+                    # default stream (or the whole device) would make this
+                    # thread, the client's I/O thread, wait for every kernel
+                    # the caller queued since
+                    stream = _results_stream(view.device.id)
                     if share is None:
-                        view.set(host)
+                        view.set(host, stream=stream)
                     else:
-                        into.set(host.reshape(-1)[share].reshape(into.shape))
-                    view.device.synchronize()  # the caller finds the result in place
+                        into.set(host.reshape(-1)[share].reshape(into.shape), stream=stream)
+                    stream.synchronize()  # the caller finds the result in place
         except BaseException as copy_error:  # noqa: BLE001 - a CUDA error fails this all-reduce only
             exc = copy_error
         pool.give(raw)
