@@ -67,6 +67,7 @@ import contextlib
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -179,9 +180,15 @@ class BufferPool:
                 with self._lock:
                     self.stats.shared += 1
                 buf = torch.from_numpy(raw)
-                if pin and torch.cuda.is_available() and not _register(buf):
-                    with self._lock:
-                        self.stats.unpinned += 1
+                if pin and torch.cuda.is_available():
+                    if _register(buf):
+                        # unlocked before its memory is unmapped (a closed
+                        # job's pool going): a later mapping at that address
+                        # could not be page-locked otherwise
+                        weakref.finalize(raw, _unregister, raw.ctypes.data)
+                    else:
+                        with self._lock:
+                            self.stats.unpinned += 1
                 return buf
         # pinning needs a CUDA runtime (a CPU build of torch has none)
         return torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=pin and torch.cuda.is_available())
@@ -201,12 +208,21 @@ def _register(buf: torch.Tensor) -> bool:
     try:  # 1: cudaHostRegisterPortable, page-locked for every device's copies
         cudart = torch.cuda.cudart()
         if int(cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 1)) == 0:
-            return True  # never unregistered: the pool keeps its buffers for the process's life
+            return True
         if hasattr(cudart, "cudaGetLastError"):
             cudart.cudaGetLastError()  # the refusal is handled: no later kernel launch may report it
     except (RuntimeError, AttributeError):
         pass
     return False
+
+
+def _unregister(address: int) -> None:
+    """Undo :func:`_register` of the buffer at ``address``, whose memory
+    is about to be unmapped (at exit CUDA may be gone first: nothing to undo)."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(address)
+    except (RuntimeError, AttributeError):
+        pass
 
 
 def _view(raw: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:

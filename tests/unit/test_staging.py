@@ -336,3 +336,18 @@ def test_a_call_straight_on_the_client_waits_for_the_buckets_submitted_before_it
     assert reached == [("alone", "MainThread"), ("bucket", "aggnet-staging"), ("straight", "aggnet-staging"),
                        ("other stager", "aggnet-staging")]
     assert straight.result(0) == "straight"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+def test_shared_buffers_page_locked_for_the_gpu_are_unlocked_when_their_pool_goes():
+    """A closed job's pool goes; its shared buffers are unlocked before
+    their memory is unmapped, so the next pool's buffers, often mapped at
+    the same addresses, are page-locked again rather than left pageable."""
+    import gc
+
+    for _ in range(3):
+        pool = BufferPool(torch.device("cpu"), pin=True, shared=True)
+        taken = [pool.take(1 << 20) for _ in range(4)]
+        assert pool.stats.shared == 4 and pool.stats.unpinned == 0, pool.stats
+        del taken, pool
+        gc.collect()
