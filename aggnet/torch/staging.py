@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -81,6 +82,8 @@ from aggnet.errors import AggnetError
 from aggnet.protocol.wire import DType
 from aggnet.torch import quantize as device_codec
 from aggnet.transport import shm
+
+log = logging.getLogger("aggnet.torch")
 
 __all__ = ["BufferPool", "ClientQueue", "Stager", "Staged", "quantize_block", "result_nonfinite", "wait_event",
            "wire_dtype"]
@@ -683,6 +686,8 @@ class ClientQueue:
     def _run(self, fn: Callable[[], None]) -> None:
         try:
             fn()
+        except BaseException as exc:  # noqa: BLE001 - the calls queued after it still reach the client
+            log.error("aggnet: a call queued for the client failed outside its future: %s", exc)
         finally:
             with self._lock:
                 self._waiting -= 1

@@ -351,3 +351,29 @@ def test_shared_buffers_page_locked_for_the_gpu_are_unlocked_when_their_pool_goe
         assert pool.stats.shared == 4 and pool.stats.unpinned == 0, pool.stats
         del taken, pool
         gc.collect()
+
+
+def test_a_queued_call_that_fails_outside_its_future_leaves_the_queue_going(caplog):
+    """What the queue runs reports its errors in its futures; one that
+    raises all the same is logged in one line, and the calls queued
+    after it still reach the client (a dead thread would hang them)."""
+    import threading
+
+    from aggnet.torch.staging import ClientQueue
+
+    order = ClientQueue()
+    held = threading.Event()
+    order.later(lambda: held.wait(30))  # a bucket's copy still running: what follows queues
+    order.later(lambda: 1 / 0)
+    after = order.call(lambda: _done("next"))
+    held.set()
+    assert after.result(30) == "next"
+    assert any("failed outside its future: division by zero" in r.getMessage() for r in caplog.records)
+
+
+def _done(value):
+    from concurrent.futures import Future
+
+    f: Future = Future()
+    f.set_result(value)
+    return f
