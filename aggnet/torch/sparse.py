@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from aggnet.client.sparse import SparseClient, SparseTable
 from aggnet.torch.futures import torch_future
+from aggnet.torch.staging import copy_to_host, wait_event
 
 log = logging.getLogger("aggnet.torch")
 
@@ -36,9 +37,9 @@ __all__ = ["ShardedEmbedding", "sparse_allreduce"]
 
 def supports(buf: torch.Tensor) -> bool:
     """Whether a sparse bucket can take the aggnet path: float32 rows
-    indexed by one sparse dimension (an embedding's gradient). Others keep
-    torch.distributed's sparse all-reduce."""
-    return buf.dtype == torch.float32 and buf.sparse_dim() == 1 and buf.device.type == "cpu"
+    indexed by one sparse dimension (an embedding's gradient), on the CPU
+    or a GPU. Others keep torch.distributed's sparse all-reduce."""
+    return buf.dtype == torch.float32 and buf.sparse_dim() == 1 and buf.device.type in ("cpu", "cuda")
 
 
 def tables_reachable(state) -> bool:
@@ -80,16 +81,29 @@ def sparse_allreduce(state, buf: torch.Tensor) -> torch.futures.Future:
     table = state._sparse_tables.get(name)
     if table is None:
         table = state._sparse_tables[name] = sc.table(name, rows, width, mode="allreduce", op=state.sparse_op)
-    idx = buf._indices()[0].numpy()
-    vals = buf._values().detach().reshape(-1, width).numpy()
+    device = buf.device
+    # a GPU's rows go to pinned memory without blocking the training thread
+    idx, idx_copied = copy_to_host(buf._indices()[0])
+    vals, vals_copied = copy_to_host(buf._values().detach().reshape(-1, width))
+
+    def send():
+        # on the client's queue thread, which waits for those copies
+        for copied in (idx_copied, vals_copied):
+            wait_event(copied, f"copying a sparse bucket from {device}")
+        return table.allreduce(idx.numpy(), vals.numpy())
 
     def value(f) -> torch.Tensor:
         uniq, summed = f.result()
-        return torch.sparse_coo_tensor(torch.from_numpy(uniq)[None], torch.from_numpy(summed).reshape(
-            (uniq.size,) + shape[1:]), shape, is_coalesced=True, check_invariants=False)
+        rows_of, values = torch.from_numpy(uniq)[None], torch.from_numpy(summed).reshape((uniq.size,) + shape[1:])
+        if device.type != "cpu":
+            # queued on this thread's stream: the CUDA future makes DDP's
+            # stream wait for the copies on the device, not the host
+            rows_of, values = rows_of.to(device, non_blocking=True), values.to(device, non_blocking=True)
+        return torch.sparse_coo_tensor(rows_of, values, shape, is_coalesced=True, check_invariants=False)
 
-    return torch_future(table.allreduce(idx, vals), value, lambda exc: RuntimeError(
-        f"aggnet DDP hook, sparse bucket {shape} on rank {state.rank}: {exc}"))
+    return torch_future(state._order.call_later(send), value, lambda exc: RuntimeError(
+        f"aggnet DDP hook, sparse bucket {shape} on rank {state.rank}: {exc}"),
+        devices=[device] if device.type == "cuda" else None)
 
 
 class ShardedEmbedding(nn.Module):

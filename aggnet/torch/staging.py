@@ -85,8 +85,8 @@ from aggnet.transport import shm
 
 log = logging.getLogger("aggnet.torch")
 
-__all__ = ["BufferPool", "ClientQueue", "Stager", "Staged", "quantize_block", "result_nonfinite", "wait_event",
-           "wire_dtype"]
+__all__ = ["BufferPool", "ClientQueue", "Stager", "Staged", "copy_to_host", "quantize_block", "result_nonfinite",
+           "wait_event", "wire_dtype"]
 
 #: torch dtype a float32 buffer travels in, per codec (int32: quantized on the host)
 _CODEC_DTYPES = {None: torch.float32, "int32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -844,6 +844,22 @@ def _chunks_of(staged: Staged, part: slice) -> slice:
         raise ValueError(f"elements {part.start}..{part.stop} of a buffer quantized on the device come back alone "
                          f"only as whole chunks of one of its segments {staged.segments}")
     return slice(first, last)
+
+
+def copy_to_host(t: torch.Tensor, *, always: bool = False) -> tuple[torch.Tensor, object]:
+    """``t`` in host memory, and the CUDA event that says the copy is
+    complete (None: it already is). A device tensor goes to pinned memory
+    without blocking, on the current stream (the one that wrote it): a
+    blocking copy holds the calling thread until the device has run every
+    kernel queued before it. A CPU tensor is itself, or with ``always`` a
+    copy (its memory is written again before the copy is read)."""
+    if not t.is_cuda:
+        return (t.clone() if always else t), None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(t.device))
+    return host, copied
 
 
 def wait_event(event, what: str, limit: float = COPY_TIMEOUT) -> None:

@@ -45,7 +45,7 @@ from aggnet.errors import AggnetError
 from aggnet.pipeline.emulator import average
 from aggnet.pipeline.predict import WeightPredictor
 from aggnet.torch.futures import torch_future, when_all
-from aggnet.torch.staging import wait_event
+from aggnet.torch.staging import copy_to_host, wait_event
 
 
 class _Sent:
@@ -116,7 +116,9 @@ def allreduce_stale(state, bucket) -> torch.futures.Future:
                           f"{buf.dtype}; train in float32 (AMP keeps float32 gradients) or use staleness=0")
     with queue.lock:
         t = queue.step
-        copy, copied = _copy_out(buf.detach())
+        # (pinned, without blocking, for a device's: the step's all-reduce
+        # waits for the copies on the client's queue thread)
+        copy, copied = copy_to_host(buf.detach(), always=True)
         queue.parts.append((copy, copied, keys, sizes))
         old = queue.sent.get(t - queue.staleness, [])
         if bucket.is_last():
@@ -184,21 +186,6 @@ def allreduce_stale(state, bucket) -> torch.futures.Future:
         return buf
 
     return torch_future(when_all([e.future for e in needed]), fill, devices=[buf.device] if buf.is_cuda else None)
-
-
-def _copy_out(buf: torch.Tensor):
-    """A copy of bucket ``buf`` in host memory and, for a device's, the
-    CUDA event that says it is complete: pinned memory, copied without
-    blocking on the stream that wrote the gradient (which writes the next
-    step's into ``buf`` after it). A blocking copy held the training thread
-    until the device had run every kernel queued before it, once a bucket."""
-    if not buf.is_cuda:
-        return buf.clone(), None
-    host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
-    host.copy_(buf, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record(torch.cuda.current_stream(buf.device))
-    return host, copied
 
 
 @contextlib.contextmanager

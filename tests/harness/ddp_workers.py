@@ -122,10 +122,12 @@ def ddp_run(rank: int, world: int, port: int, mode: str, options: dict):
     routes = [{i: vars(r) for i, r in s.stats()["routes"].items()} for s in states]
     # chunks the aggregator read in place from the stager's shared memory
     shared = [s.client.stats.chunks_shared if s.resolved else 0 for s in states]
+    # sparse buckets that went through the service's tables (not torch.distributed)
+    sparse_tables = [sorted(n for n in getattr(s, "_sparse_tables", {}) if n.startswith("ddp-sparse-")) for s in states]
     for s in states:
         s.close()
     return {"params": out, "jobs": jobs, "calls": stats, "allocations": allocations, "routes": routes,
-            "chunks_shared": shared}
+            "chunks_shared": shared, "sparse_tables": sparse_tables}
 
 
 def max_grad_magnitudes(world: int, steps: int):

@@ -92,6 +92,21 @@ def test_float32_buckets_train_like_one_process_on_their_device(service, device)
     assert rel_diff(agg[1]["params"][0], agg[0]["params"][0]) == 0.0
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_an_embedding_s_sparse_gradient_on_its_device_goes_through_the_service_s_tables(service, device):
+    """A sparse bucket on a GPU takes the service's sparse tables as a CPU
+    one does (its rows to pinned memory without blocking the training
+    thread, the union of every rank's rows back to the device), rather
+    than torch.distributed's sparse all-reduce; training equals one process."""
+    world = 2
+    reference = W.single_process(world, STEPS, sparse=True, device=device)
+    agg = ddp(world, "aggnet", address=service.address, sparse=True, device=device)
+    assert rel_diff(agg[0]["params"][0], reference) <= 1e-6
+    assert rel_diff(agg[1]["params"][0], agg[0]["params"][0]) == 0.0
+    for r in agg:
+        assert len(r["sparse_tables"][0]) == 1, r["sparse_tables"]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("codec", ["int32", "fp16", "bf16"])
 @pytest.mark.slow
