@@ -606,6 +606,21 @@ class Stager:
             fn()
             self._back.wait(f"finishing a result on {self.device}")
 
+    def back_on_device(self, fn: Callable[[], object], after=None) -> None:
+        """``fn()``: results copied back into the caller's tensor from host
+        memory the caller keeps, on the stream of what comes back, after
+        CUDA event ``after`` (what must read the tensor first). The calling
+        thread's current stream then waits for them on the device, not the
+        host: a CUDA future completed from this thread hands that wait on
+        to whoever waits on it (the stale-gradient hook's)."""
+        with self._back.current(after):
+            fn()
+            if self.cuda:
+                copied = torch.cuda.Event()
+                copied.record(self._back.stream)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(copied)
+
     def release(self, staged: Staged) -> None:
         """``staged``'s buffers go back to their pools, once nothing of the
         stager's writes them any more (a round can fail while its bucket is
@@ -692,11 +707,13 @@ class ClientQueue:
             with self._lock:
                 self._waiting -= 1
 
+    def _idle(self) -> bool:
+        with self._lock:
+            return self._waiting == 0
+
     def now_or_later(self, fn: Callable[[], None]) -> None:
         """``fn()`` here and now when nothing queued waits, else :meth:`later`."""
-        with self._lock:
-            idle = self._waiting == 0
-        if idle:
+        if self._idle():
             fn()
         else:
             self.later(fn)
@@ -706,11 +723,7 @@ class ClientQueue:
         called once every bucket queued before it has reached the client:
         here and now when none waits (its errors raised here), else on the
         queue's thread (its errors in the future)."""
-        with self._lock:
-            idle = self._waiting == 0
-        if idle:
-            return send()
-        return self.call_later(send)
+        return send() if self._idle() else self.call_later(send)
 
     def call_later(self, send: Callable[[], Future]) -> Future:
         """:meth:`call` on the queue's thread whatever waits: ``send`` may
@@ -788,12 +801,14 @@ class _Lane:
     @contextlib.contextmanager
     def current(self, after=None):
         """This lane's stream as the current one, after the work queued so
-        far on stream ``after`` where given."""
+        far on stream ``after``, or after event ``after``, where given."""
         with self.lock:
             if self.stream is None:
                 yield
                 return
-            if after is not None:
+            if isinstance(after, torch.cuda.Event):
+                self.stream.wait_event(after)
+            elif after is not None:
                 self.stream.wait_stream(after)
             with torch.cuda.stream(self.stream):
                 yield

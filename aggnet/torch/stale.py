@@ -75,17 +75,6 @@ class StaleQueue:
         #: says it is complete or None, parameter keys, sizes)
         self.parts: list = []
         self.lock = threading.Lock()
-        #: per CUDA device, the stream the stale results go back on
-        self._back: dict = {}
-
-    def back_stream(self, device: torch.device):
-        """The stream results go back to ``device`` on (None off CUDA)."""
-        if device.type != "cuda":
-            return None
-        stream = self._back.get(device)
-        if stream is None:
-            stream = self._back[device] = torch.cuda.Stream(device=device)
-        return stream
 
     @property
     def applies(self) -> bool:
@@ -162,7 +151,7 @@ def allreduce_stale(state, bucket) -> torch.futures.Future:
         where.append(hit)
     needed = list({id(e): e for e, _ in where}.values())
 
-    back = queue.back_stream(buf.device)
+    stager = state.stager(buf.device)
 
     def fill(f) -> torch.Tensor:
         for one in f.result():
@@ -171,34 +160,18 @@ def allreduce_stale(state, bucket) -> torch.futures.Future:
             except AggnetError as exc:
                 raise type(exc)(f"aggnet DDP hook (staleness {queue.staleness}), bucket {bucket.index()} on "
                                 f"rank {state.rank}: {exc}") from None
-        with _on(back, after=copied):  # the bucket's copy out of ``buf`` reads it first
+        def copy_back():
             offset = 0
             for (e, (at, n)), size in zip(where, sizes):
-                buf[offset:offset + size].copy_(e.staging[at:at + n], non_blocking=back is not None)
+                buf[offset:offset + size].copy_(e.staging[at:at + n], non_blocking=stager.cuda)
                 offset += size
-            if back is not None:
-                filled = torch.cuda.Event()
-                filled.record(back)
-        if back is not None:
-            # the stream the value is handed over on waits for it on the
-            # device; the CUDA future makes whoever waits on it wait for that
-            torch.cuda.current_stream(buf.device).wait_event(filled)
+
+        # after the bucket's copy out of ``buf``, which reads it first; the
+        # CUDA future makes whoever waits on it wait for this on the device
+        stager.back_on_device(copy_back, after=copied)
         return buf
 
     return torch_future(when_all([e.future for e in needed]), fill, devices=[buf.device] if buf.is_cuda else None)
-
-
-@contextlib.contextmanager
-def _on(stream, after=None):
-    """``stream`` as the current one, after event ``after`` where given;
-    nothing off CUDA (``stream`` None)."""
-    if stream is None:
-        yield
-        return
-    if after is not None:
-        stream.wait_event(after)
-    with torch.cuda.stream(stream):
-        yield
 
 
 class StaleStep:
