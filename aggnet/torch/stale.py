@@ -39,6 +39,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from aggnet.errors import AggnetError
@@ -129,7 +130,9 @@ def allreduce_stale(state, bucket) -> torch.futures.Future:
                 # buckets are waited for there, not on the training thread
                 for _, copied_, _, _ in parts:
                     wait_event(copied_, f"copying a bucket from {buf.device}")
-                torch.cat([p[0] for p in parts], out=staging)
+                # one memcpy a part: torch's cat on this thread would start
+                # an OpenMP team of its own beside the training's threads
+                np.concatenate([p[0].numpy() for p in parts], out=staging.numpy())
                 return client.allreduce(staging.numpy(), op=state.op, codec=state.codec, key=key)
 
             future = state._order.call_later(send)
