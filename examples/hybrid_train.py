@@ -14,6 +14,7 @@ stage; the last stage of each replica prints its loss.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64, help="global batch")
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--placement", default="stage-per-rack", choices=["stage-per-rack", "pipeline-in-rack"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where each stage runs (cuda: the GPU of the rank's LOCAL_RANK)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     t = topo.load(args.topology)
@@ -47,8 +50,11 @@ def main() -> None:
     dist.broadcast_object_list(cut, src=0)
     share = args.batch // layout.replicas
     micro = torch.zeros(share // args.micro_batches, *sample.shape[1:])
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     hp = HybridParallel(model, layout, cut[0], loss_fn=nn.MSELoss(), sample=micro, micro_batches=args.micro_batches,
-                        schedule="1f1b")
+                        schedule="1f1b", device=device)
     opt = torch.optim.SGD(hp.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)
     teacher = torch.randn(sample.shape[1], 10, generator=g) / sample.shape[1] ** 0.5

@@ -18,6 +18,7 @@ bit for bit.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -45,9 +46,9 @@ def data(replica: int, steps: int):
     return out
 
 
-def make_stage(k: int, stages: int, mode: str, lr: float) -> Stage:
+def make_stage(k: int, stages: int, mode: str, lr: float, device: torch.device) -> Stage:
     per = 8 // stages
-    module = nn.Sequential(*blocks()[k * per:(k + 1) * per])
+    module = nn.Sequential(*blocks()[k * per:(k + 1) * per]).to(device)
     opt = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9, dampening=0.9)
     return Stage(module, opt, index=k, stages=stages, mode=mode, loss_fn=nn.functional.cross_entropy)
 
@@ -59,6 +60,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--check", action="store_true", help="compare with the one-process emulator at the end")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where each stage runs (cuda: the GPU of the rank's LOCAL_RANK)")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -67,7 +70,10 @@ def main() -> None:
         raise SystemExit(f"{world} ranks do not divide into pipelines of {args.stages} stages")
     replicas = world // args.stages
     replica, k = divmod(rank, args.stages)
-    stage = make_stage(k, args.stages, args.mode, args.lr)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    stage = make_stage(k, args.stages, args.mode, args.lr, device)
     reducer = (AggnetReducer(job=f"spectrain-example-stage{k}", rank=replica, world_size=replicas)
                if replicas > 1 else None)
     runner = StageRunner(stage, [replica * args.stages + j for j in range(args.stages)], reducer=reducer)
@@ -76,7 +82,8 @@ def main() -> None:
         for i in range(0, len(losses), 50):
             print(f"replica {replica}: batches {i}-{i + 49} loss {sum(losses[i:i + 50]) / len(losses[i:i + 50]):.4f}")
     if args.check:
-        grid = [[make_stage(j, args.stages, args.mode, args.lr) for _ in range(replicas)] for j in range(args.stages)]
+        grid = [[make_stage(j, args.stages, args.mode, args.lr, device) for _ in range(replicas)]
+                for j in range(args.stages)]
         emulate(grid, data(0, args.steps) if replicas == 1 else [data(r, args.steps) for r in range(replicas)])
         same = all(torch.equal(a, b) for a, b in zip(stage.params, grid[k][replica].params))
         print(f"rank {rank} (stage {k}, replica {replica}): weights {'equal' if same else 'DIFFER from'} "

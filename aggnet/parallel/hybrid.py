@@ -10,6 +10,14 @@ ranks. The loss is averaged over each micro-batch, the schedule divides
 the gradients by the micro-batch count and the hook averages over the
 replicas: the step is that of single-process training on the global
 batch, which the tests check to 1e-5.
+
+A stage may run on a GPU (``device=``, or wherever the model's parameters
+are): its layers and its gradients stay there, the hook stages them
+through pinned memory to the aggregator, and activations cross between
+stages through host memory over the pipeline group's gloo. That works for
+any placement, ranks sharing a GPU included (NCCL refuses two ranks on one
+device), and it is what a cut between racks costs anyway: the bytes leave
+the host over TCP.
 """
 
 from __future__ import annotations
@@ -36,12 +44,14 @@ class HybridParallel:
     ``codec``) or ``"gloo"`` (DDP's own all-reduce on the group);
     ``address_of``: maps a stage group's :class:`~aggnet.parallel.GroupJob`
     to the address this rank reaches its aggregator at, where that is not
-    the topology's (a proxy, another network's name for it).
+    the topology's (a proxy, another network's name for it); ``device``:
+    where this rank's stage runs (default: where the model's parameters
+    are), e.g. ``torch.device("cuda", local_rank)``.
     """
 
     def __init__(self, model: nn.Sequential, layout: Layout, stages, *, loss_fn, sample: torch.Tensor,
                  micro_batches: int = 1, schedule: str = "gpipe", gradients: str = "aggnet",
-                 codec: str | None = None, address_of=None):
+                 codec: str | None = None, address_of=None, device=None):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -75,7 +85,8 @@ class HybridParallel:
         self.pp_group = self.mesh.get_group("pp")
         first, end = stages[self.stage]
         layers = [layer for _, layer in layers_of(model)]
-        self.module = nn.Sequential(*layers[first:end])
+        self.device = _device_of(model, device)
+        self.module = nn.Sequential(*layers[first:end]).to(self.device)
         self.job = layout.group_job(self.rank)
         if dist.get_rank(self.dp_group) != self.job.rank:
             raise LayoutError(f"rank {self.rank}: torch put it at {dist.get_rank(self.dp_group)} of its stage group, "
@@ -87,8 +98,12 @@ class HybridParallel:
         # rebuild off and costs one walk of a stage's small graph (and, in
         # the first step only, an all-reduce of the first micro-batch's
         # gradients, which the step's sum makes no difference to)
-        self.ddp = DistributedDataParallel(self.module, process_group=self.dp_group,
-                                           find_unused_parameters=micro_batches > 1)
+        #
+        # torch's pipeline sends and receives host tensors over the gloo
+        # group; the stage moves them to its device and back, inside DDP,
+        # which the pipeline's schedules must see as the stage's module
+        self.ddp = DistributedDataParallel(HostBoundary(self.module, self.device, keep_output=self.is_last),
+                                           process_group=self.dp_group, find_unused_parameters=micro_batches > 1)
         self.state = None
         if gradients == "aggnet":
             from aggnet.torch.hook import AggnetState, allreduce_hook
@@ -108,12 +123,13 @@ class HybridParallel:
     @staticmethod
     def _stage_input(before, sample: torch.Tensor):
         """A micro-batch as it reaches this stage (run through the layers
-        before it once, locally): the shape the pipeline's buffers take."""
+        before it once, locally, where they are): the shape the pipeline's
+        host buffers take."""
         x = sample
         with torch.no_grad():
             for layer in before:
-                x = layer(x)
-        return x
+                x = layer(x.to(_device_of(layer, None, x.device)))
+        return x.to("cpu")
 
     @property
     def is_first(self) -> bool:
@@ -126,8 +142,9 @@ class HybridParallel:
     def step(self, inputs: torch.Tensor | None = None, target: torch.Tensor | None = None) -> list:
         """Forward and backward of this replica's share of the global batch
         (``inputs`` on the first stage, ``target`` on the last; others give
-        neither), gradients all-reduced in the stage group; returns the
-        micro-batch losses on the last stage. The caller's optimizer over
+        neither; on the host or the stage's device), gradients all-reduced
+        in the stage group; returns the micro-batch losses on the last
+        stage (on its device). The caller's optimizer over
         :attr:`module`'s parameters then steps."""
         losses: list = []
         if self.is_first and inputs is None:
@@ -138,7 +155,8 @@ class HybridParallel:
             raise ValueError(f"rank {self.rank}: step() got {inputs.shape[0]} samples; the pipeline was built for "
                              f"{self.micro_batches} micro-batch(es) of {self.micro_batch} (the sample's batch)")
         args = (inputs,) if self.is_first else ()
-        kwargs = {"target": target, "losses": losses} if self.is_last else {}
+        # the last stage's output stays on its device, where the loss is taken
+        kwargs = {"target": target.to(self.device), "losses": losses} if self.is_last else {}
         self.schedule.step(*args, **kwargs)
         return losses
 
@@ -148,3 +166,31 @@ class HybridParallel:
     def close(self) -> None:
         if self.state is not None:
             self.state.close()
+
+
+class HostBoundary(nn.Module):
+    """A stage as the pipeline sees it: host tensors in and out. Inputs go
+    to ``device`` and outputs come back (``keep_output``: not the last
+    stage's, which the loss reads where it is); autograd moves their
+    gradients the other way. On the CPU both moves are the tensors
+    themselves."""
+
+    def __init__(self, stage: nn.Module, device: torch.device, *, keep_output: bool = False):
+        super().__init__()
+        self.stage, self.device, self.keep_output = stage, device, keep_output
+
+    def forward(self, *args):
+        out = self.stage(*(a.to(self.device, non_blocking=True) for a in args))
+        return out if self.keep_output else out.to("cpu")
+
+
+def _device_of(module: nn.Module, device, default=torch.device("cpu")) -> torch.device:
+    """``device`` if given, else where ``module``'s parameters are (one
+    device: a stage spread over several is not a stage this runs)."""
+    if device is not None:
+        return torch.device(device)
+    found = {p.device for p in module.parameters()} | {b.device for b in module.buffers()}
+    if len(found) > 1:
+        raise ValueError(f"the model's parameters are on {sorted(map(str, found))}; move it to one device, or give "
+                         f"device= for this rank's stage")
+    return found.pop() if found else torch.device(default)

@@ -27,7 +27,7 @@ def average(flats: list[torch.Tensor]) -> torch.Tensor:
     1/R (exact for two replicas whatever the order)."""
     total = flats[0].clone()
     for f in flats[1:]:
-        total += f
+        total += f.to(total.device)
     return total * (1.0 / len(flats))
 
 
@@ -64,9 +64,10 @@ def run(stages: Sequence[Stage] | Sequence[Sequence[Stage]], batches, *,
                     if k > 0 and (k, i, 0) not in acts:
                         break
                     for r in range(replicas):
+                        stage = grid[k][r]  # stages may sit on different devices
                         x = data[r][i][0] if k == 0 else acts.pop((k, i, r))
-                        target = data[r][i][1] if k == n - 1 else None
-                        out = grid[k][r].forward(i, x, target)
+                        target = data[r][i][1].to(stage.device) if k == n - 1 else None
+                        out = stage.forward(i, x.to(stage.device), target)
                         if k < n - 1:
                             acts[(k + 1, i, r)] = out
                         else:
@@ -77,7 +78,7 @@ def run(stages: Sequence[Stage] | Sequence[Sequence[Stage]], batches, *,
                     if k < n - 1 and (k, i, 0) not in grads:
                         break
                     for r in range(replicas):
-                        g = grads.pop((k, i, r)) if k < n - 1 else None
+                        g = grads.pop((k, i, r)).to(grid[k][r].device) if k < n - 1 else None
                         g_in = grid[k][r].backward(i, g)
                         if k > 0:
                             grads[(k - 1, i, r)] = g_in

@@ -17,6 +17,11 @@ group (gloo); a data-parallel stage's all-reduce goes through aggnet, one
 job per stage (``<job>-stage<k>``), so a topology's placement
 (:func:`aggnet.parallel.build_layout`) keeps each stage's gradients at its
 rack's aggregator.
+
+A stage on a GPU computes there; what crosses to a neighbour or to the
+aggregator goes through host memory (gloo sends host tensors only, and
+aggregators sum in host memory), received on the host and moved to the
+device by the stage's own thread.
 """
 
 from __future__ import annotations
@@ -40,23 +45,33 @@ _MAX_PENDING_SENDS = 16
 
 class AggnetReducer:
     """A stage's data-parallel average through an aggnet job: one client,
-    connected on the first update."""
+    connected on the first update. A device's gradients go through one
+    page-locked host buffer, kept for the next update."""
 
     def __init__(self, address: str | None = None, *, job: str, rank: int, world_size: int,
                  codec: str | None = None, config=None, **placement):
         self.address, self.codec, self.config = address, codec, config
         self.kwargs = {"job": job, "rank": rank, "world_size": world_size, **placement}
         self._client = None
+        self._host: torch.Tensor | None = None
+
+    def _on_host(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` itself on the CPU, else its copy in the kept host buffer."""
+        if flat.device.type == "cpu":
+            return flat
+        if self._host is None or self._host.shape != flat.shape or self._host.dtype != flat.dtype:
+            self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        return self._host.copy_(flat)
 
     def __call__(self, flat: torch.Tensor) -> torch.Tensor:
         from aggnet.client.base import Client
 
         if self._client is None:
             self._client = Client(self.address, config=self.config, **self.kwargs)
-        arr = flat.numpy()
-        future = self._client.allreduce(arr, op="avg", codec=self.codec)
+        host = self._on_host(flat)
+        future = self._client.allreduce(host.numpy(), op="avg", codec=self.codec)
         future.result(timeout=self._client.config.timeout * 2 + 10)
-        return flat
+        return flat.copy_(host) if host is not flat else flat
 
     def close(self) -> None:
         if self._client is not None:
@@ -134,7 +149,7 @@ class StageRunner:
         self.wait_seconds = {"receive": 0.0, "reduce": 0.0}
 
     def _send(self, batch: int, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        tensor = tensor.detach().to(torch.float32).contiguous()
+        tensor = tensor.detach().to("cpu", torch.float32).contiguous()
         if tensor.dim() > _HEADER - 2:
             raise ValueError(f"pipeline: a stage's output may have at most {_HEADER - 2} dimensions")
         header = torch.zeros(_HEADER, dtype=torch.int64)
@@ -160,10 +175,11 @@ class StageRunner:
     def run(self, batches) -> list[float]:
         """Train on ``batches`` (a sequence of (inputs, targets), the same on
         every stage of the pipeline: stage 0 reads the inputs, the last the
-        targets). Returns the per-batch losses at the last stage (empty
+        targets; on the host or the stage's device). Returns the per-batch losses at the last stage (empty
         elsewhere)."""
         batches = list(batches)
         stage = self.stage
+        device = stage.device
         acts = _Inbox(self.prev, _ACTIVATION, len(batches), "activations") if self.prev is not None else None
         grads = _Inbox(self.next, _GRADIENT, len(batches), "gradient") if self.next is not None else None
         losses = []
@@ -173,14 +189,15 @@ class StageRunner:
                 t0 = time.perf_counter()
                 x = batches[i][0] if acts is None else acts.get(i, self.timeout)
                 self.wait_seconds["receive"] += time.perf_counter() - t0
-                out = stage.forward(i, x, batches[i][1] if self.next is None else None)
+                target = batches[i][1].to(device) if self.next is None else None
+                out = stage.forward(i, x.to(device), target)
                 if self.next is not None:
                     self._send(i, out, self.next, _ACTIVATION)
                 else:
                     losses.append(float(out))
             else:
                 t0 = time.perf_counter()
-                g = None if grads is None else grads.get(i, self.timeout)
+                g = None if grads is None else grads.get(i, self.timeout).to(device)
                 self.wait_seconds["receive"] += time.perf_counter() - t0
                 g_in = stage.backward(i, g)
                 if self.prev is not None:

@@ -113,6 +113,11 @@ class Stage:
             p.grad = g
         return grads[0] if self.index > 0 else None
 
+    @property
+    def device(self) -> torch.device:
+        """Where the stage's weights are, and so where its passes run."""
+        return self.params[0].device if self.params else torch.device("cpu")
+
     def flat_gradients(self) -> torch.Tensor:
         """The gradients as one contiguous float32 buffer (for an all-reduce)."""
         return torch.cat([p.grad.reshape(-1) for p in self.params])
@@ -121,7 +126,7 @@ class Stage:
         at = 0
         for p in self.params:
             n = p.numel()
-            p.grad = flat[at:at + n].view_as(p).clone()
+            p.grad = flat[at:at + n].view_as(p).to(p.device, copy=True)
             at += n
 
     def update(self) -> None:

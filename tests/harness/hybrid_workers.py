@@ -43,7 +43,7 @@ def single_process(steps: int) -> list:
 
 @ends_process_group
 def hybrid_run(rank: int, world: int, port: int, topology: str, placement: str, stages: int, steps: int,
-               micro_batches: int, gradients: str, job: str, schedule: str = "gpipe") -> dict:
+               micro_batches: int, gradients: str, job: str, schedule: str = "gpipe", device: str = "cpu") -> dict:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         layout = build_layout(topology, stages, placement, job=job)
@@ -52,7 +52,7 @@ def hybrid_run(rank: int, world: int, port: int, topology: str, placement: str, 
         model = make_model()
         x0, _ = batch(0)
         hp = HybridParallel(model, layout, BOUNDS[stages], loss_fn=nn.MSELoss(), sample=x0[: share // micro_batches],
-                            micro_batches=micro_batches, gradients=gradients, schedule=schedule)
+                            micro_batches=micro_batches, gradients=gradients, schedule=schedule, device=device)
         opt = torch.optim.SGD(hp.parameters(), lr=LR)
         losses = []
         for step in range(steps):
@@ -61,11 +61,13 @@ def hybrid_run(rank: int, world: int, port: int, topology: str, placement: str, 
             opt.zero_grad()
             out = hp.step(x[lo:hi] if hp.is_first else None, y[lo:hi] if hp.is_last else None)
             losses.append([float(v.detach()) for v in out])
+            devices = {str(p.device) for p in hp.module.parameters()} | {str(v.device) for v in out}
             opt.step()
         calls = hp.state.stats()["total"].calls if hp.state is not None else 0
         job_info = hp.job
         result = {"stage": hp.stage, "replica": hp.replica, "losses": losses, "hook_calls": calls,
-                  "params": [p.detach().numpy().copy() for p in hp.module.parameters()],
+                  "devices": sorted(devices),
+                  "params": [p.detach().cpu().numpy().copy() for p in hp.module.parameters()],
                   "group": {"name": job_info.name, "address": job_info.address, "members": job_info.members,
                             "world": job_info.world, "crosses_racks": job_info.crosses_racks}}
         hp.close()

@@ -26,9 +26,10 @@ def batches(count: int, replica: int = 0, size: int = 8) -> list:
     return [(torch.randn(size, 6, generator=g), torch.randint(0, 3, (size,), generator=g)) for _ in range(count)]
 
 
-def make_stage(k: int, stages: int, mode: str, backward: str = "recompute", optimizer: str = "sgd") -> Stage:
+def make_stage(k: int, stages: int, mode: str, backward: str = "recompute", optimizer: str = "sgd",
+               device: str = "cpu") -> Stage:
     a, b = BOUNDS[stages][k]
-    module = make_model()[a:b]
+    module = make_model()[a:b].to(device)
     if optimizer == "adam":
         opt = torch.optim.Adam(module.parameters(), lr=LR / 10)
     else:
@@ -38,13 +39,14 @@ def make_stage(k: int, stages: int, mode: str, backward: str = "recompute", opti
 
 
 def params(stage: Stage) -> list:
-    return [p.detach().numpy().copy() for p in stage.params]
+    return [p.detach().cpu().numpy().copy() for p in stage.params]
 
 
 def emulated(stages: int, mode: str, steps: int, replicas: int = 1, backward: str = "recompute",
-             optimizer: str = "sgd") -> list:
+             optimizer: str = "sgd", device: str = "cpu") -> list:
     """Per stage (per replica), the weights after ``steps`` batches."""
-    grid = [[make_stage(k, stages, mode, backward, optimizer) for _ in range(replicas)] for k in range(stages)]
+    grid = [[make_stage(k, stages, mode, backward, optimizer, device) for _ in range(replicas)]
+            for k in range(stages)]
     data = batches(steps) if replicas == 1 else [batches(steps, r) for r in range(replicas)]
     losses = emulate(grid, data)
     return [[params(s) for s in row] for row in grid], losses
@@ -52,7 +54,7 @@ def emulated(stages: int, mode: str, steps: int, replicas: int = 1, backward: st
 
 @ends_process_group
 def pipeline_run(rank: int, world: int, port: int, stages: int, modes: list, steps: int, address: str | None = None,
-                 job: str = "pipe", backward: str = "recompute", optimizer: str = "sgd") -> dict:
+                 job: str = "pipe", backward: str = "recompute", optimizer: str = "sgd", device: str = "cpu") -> dict:
     """Rank ``rank`` of ``world // stages`` replicas of a ``stages``-stage
     pipeline (a replica's stages on consecutive ranks); every mode of
     ``modes`` in turn."""
@@ -63,7 +65,7 @@ def pipeline_run(rank: int, world: int, port: int, stages: int, modes: list, ste
     ranks = [replica * stages + j for j in range(stages)]
     out = {"stage": k, "replica": replica, "params": {}, "losses": {}, "waits": {}}
     for mode in modes:
-        stage = make_stage(k, stages, mode, backward, optimizer)
+        stage = make_stage(k, stages, mode, backward, optimizer, device)
         reducer = None
         if replicas > 1:
             reducer = AggnetReducer(address, job=f"{job}-{mode}-stage{k}", rank=replica, world_size=replicas)
