@@ -29,6 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--uplink-mbit", type=float, default=None, help="rack uplink rate (default: the file's [links])")
     p.add_argument("--mtu", type=int, default=None, help="the links' MTU (default: the topology's, else 9000)")
     p.add_argument("--memory-limit", default=None, help="most memory a stage may hold, e.g. 2GiB")
+    p.add_argument("--device", default="cpu",
+                   help="where to time the layers: cpu (default), cuda or cuda:N, the devices the stages will run on")
     p.add_argument("--json", default=None, help="also write the plan here")
 
 
@@ -51,7 +53,8 @@ def _run(args, t0: float) -> int:
     model, sample = _model(args.model, args.input_shape)
     links = cost.links_of(t, args.host_mbit, args.uplink_mbit, args.mtu)
     batch = args.batch or 16 * t.world
-    prof = profile(model, sample)
+    device = _device(args.device)
+    prof = profile(model.to(device), sample.to(device))
     memory = parse_size(args.memory_limit) if args.memory_limit else None
     result = cost.plan(prof, t, batch=batch, stages=args.stages, micro_batches=args.micro_batches, links=links,
                        memory_limit=memory)
@@ -64,6 +67,21 @@ def _run(args, t0: float) -> int:
         with open(args.json, "w") as f:
             json.dump(_as_json(t, prof, result, took, cpu), f, indent=2)
     return 0
+
+
+def _device(name: str):
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device torch knows: give cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: torch sees no CUDA GPU here (torch {torch.__version__}); time the layers "
+                         f"on the machine the stages will run on, or give --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return device
 
 
 def _model(spec: str, input_shape: str | None):
@@ -112,7 +130,7 @@ def _report(t, prof, result) -> list[str]:
 
 def _as_json(t, prof, result, took: float, cpu: float) -> dict:
     return {
-        "topology": t.source, "racks": len(t.racks), "world": t.world, "batch": result.batch,
+        "topology": t.source, "racks": len(t.racks), "world": t.world, "batch": result.batch, "device": prof.device,
         "micro_batches": result.micro_batches, "stages": result.stages,
         "links": {"host_mbit": result.links.host_mbit, "uplink_mbit": result.links.uplink_mbit,
                   "mtu": result.links.mtu},

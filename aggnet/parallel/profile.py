@@ -94,6 +94,16 @@ def profile(model, sample, *, reps: int = 3, optimizer_states: int = 1) -> Profi
             torch.set_num_threads(threads)
 
 
+def _settle(device) -> None:
+    """Wait until ``device`` has run what was queued on it: a GPU's kernels
+    run after the calls that queue them return, so a clock read without
+    this times the queueing."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _profile(named, x, batch, clock, reps, optimizer_states, device) -> Profile:
     import torch
 
@@ -104,10 +114,12 @@ def _profile(named, x, batch, clock, reps, optimizer_states, device) -> Profile:
         for _ in range(max(1, reps) + 1):  # the first run warms caches and is not counted
             layer.zero_grad(set_to_none=True)
             x_use = x_in.detach().requires_grad_(x_in.is_floating_point())
+            _settle(device)
             t0 = clock()
             out = layer(x_use)
             if out.requires_grad:
                 out.backward(torch.ones_like(out))
+            _settle(device)
             times.append(clock() - t0)
         layer.zero_grad(set_to_none=True)
         params = sum(p.numel() * p.element_size() for p in layer.parameters())

@@ -77,6 +77,22 @@ def test_a_bad_model_is_one_line_naming_it(model, says):
     assert says in out.stderr and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
+def test_layers_are_timed_on_the_device_asked_for_or_the_plan_says_in_one_line_why_not(tmp_path):
+    import torch
+
+    args = ("--topology", TWO_RACKS, "--model", "aggnet.parallel.models:narrow_cut", "--json", str(tmp_path / "p.json"))
+    out = _plan(*args, "--device", "cuda")
+    if torch.cuda.is_available():
+        assert out.returncode == 0, out.stderr
+        assert json.loads((tmp_path / "p.json").read_text())["device"] == "cuda"
+    else:
+        assert out.returncode == 2 and "no CUDA GPU" in out.stderr and "--device cpu" in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    out = _plan(*args, "--device", "tpu7")
+    assert out.returncode == 2 and "'tpu7' is not a device" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
 def test_uplink_bytes_follow_each_system_s_traffic():
     # two layers of known sizes: 1000 B of parameters, 100 B a sample at the cut
     prof = Profile((LayerProfile("a", 1e-6, 100, 600, 0), LayerProfile("b", 1e-6, 4, 400, 0)), 8, "cpu")

@@ -45,3 +45,16 @@ def test_the_host_boundary_runs_the_stage_on_its_device():
     on_meta = nn.Linear(3, 2).to("meta")
     out = HostBoundary(on_meta, torch.device("meta"), keep_output=True)(torch.randn(5, 3))
     assert out.device.type == "meta" and out.shape == (5, 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+def test_a_layer_on_the_gpu_is_timed_for_its_kernels_not_their_queueing():
+    from aggnet.parallel import profile
+
+    # forward and backward of a 4096-square layer on 4096 samples: 3 x 2 x
+    # 4096^3 = 4.1e11 operations, over 4 ms even at 100 TFLOPS, where
+    # queueing the kernels takes tens of microseconds
+    layer = nn.Sequential(nn.Linear(4096, 4096)).cuda()
+    prof = profile(layer, torch.randn(4096, 4096, device="cuda"), reps=3)
+    assert prof.device.startswith("cuda")
+    assert prof.layers[0].seconds_per_sample * 4096 > 4e-3, prof.layers[0]
