@@ -35,6 +35,8 @@ def add_arguments(p) -> None:
     p.add_argument("--compare", choices=["gloo"], default=None, help="also train with gloo and compare")
     p.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights (default %(default)s)")
     p.add_argument("--job", default=None, help="aggregator job name (default: one agreed over the process group)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the workers train (cuda: GPU rank %% GPUs; the workers may share one)")
 
 
 def _load_digits():
@@ -71,9 +73,10 @@ def train(rank: int, world: int, args, mode: str, report=None) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
+    device = _device(args.device, rank)
     (xtr, ytr), (xte, yte) = _load_digits()
-    xtr, ytr, xte, yte = map(torch.from_numpy, (xtr, ytr, xte, yte))
-    model = _model(args.hidden, args.seed)
+    xtr, ytr, xte, yte = (torch.from_numpy(a).to(device) for a in (xtr, ytr, xte, yte))
+    model = _model(args.hidden, args.seed).to(device)
     ddp = DDP(model)
     state = None
     if mode == "aggnet":
@@ -88,7 +91,8 @@ def train(rank: int, world: int, args, mode: str, report=None) -> dict:
         where = state.address if state and state.address else (
             f"the racks of {topology}" if topology else "an embedded local aggregator")
         how = f"aggnet ({args.codec}) through {where}" if state else "torch.distributed gloo"
-        print(f"[{mode}] {world} DDP workers, MLP 64-{args.hidden}-{args.hidden}-10 ({params:,} parameters, "
+        on = f" on {device}" if device.type != "cpu" else ""
+        print(f"[{mode}] {world} DDP workers{on}, MLP 64-{args.hidden}-{args.hidden}-10 ({params:,} parameters, "
               f"{_amount(params * 4)} of gradients per step), gradients via {how}", flush=True)
     try:
         epoch_times = _epochs(rank, world, args, mode, ddp, opt, state, (xtr, ytr))
@@ -108,6 +112,31 @@ def train(rank: int, world: int, args, mode: str, report=None) -> dict:
     return result
 
 
+def _device(name: str, rank: int):
+    """This worker's device: a GPU each where there are enough, else
+    shared (under torchrun, the local rank's)."""
+    import torch
+
+    if name == "cpu":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    return torch.device("cuda", local % torch.cuda.device_count())
+
+
+def _no_gpu(args) -> str | None:
+    """Why ``--device cuda`` cannot run here, in one line (None: it can).
+    torch is imported here only then: the workers fork from a server of
+    their own, so this process's CUDA state is not theirs."""
+    if args.device != "cuda":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return (f"--device cuda: torch {torch.__version__} sees no CUDA GPU here; train on the CPU (leave --device "
+                f"out), or install the CUDA build of torch on a machine with a GPU")
+    return None
+
+
 def weights_digest(model) -> str:
     """A short hash of every weight's bytes: two runs that print the same
     trained bit for bit alike (the int32 codec sums exactly, so faults that
@@ -116,7 +145,7 @@ def weights_digest(model) -> str:
 
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -139,7 +168,7 @@ def _epochs(rank: int, world: int, args, mode: str, ddp, opt, state, data) -> li
         before = state.stats()["total"] if state else None
         model.train()
         for s in range(steps):
-            idx = perm[s * per_step + rank * args.batch: s * per_step + (rank + 1) * args.batch]
+            idx = perm[s * per_step + rank * args.batch: s * per_step + (rank + 1) * args.batch].to(xtr.device)
             out = ddp(xtr[idx])
             loss = nn.functional.cross_entropy(out, ytr[idx])
             opt.zero_grad()
@@ -293,6 +322,10 @@ def main(args) -> int:
     # not imported here: the workers fork from a server that imports it
     if importlib.util.find_spec("torch") is None:
         print("aggnet demo trains with PyTorch: pip install 'aggnet[torch]' (./dev demo sets it up)", file=sys.stderr)
+        return 2
+    why = _no_gpu(args)
+    if why:
+        print(f"aggnet demo: {why}", file=sys.stderr)
         return 2
     if "LOCAL_RANK" in os.environ and "RANK" in os.environ:
         return _torchrun(args)

@@ -31,6 +31,37 @@ def test_demo_trains_through_aggnet_and_compares_with_gloo():
     assert [line.split("loss")[1].split()[0] for line in agg] == [line.split("loss")[1].split()[0] for line in gloo]
     acc = [float(line.split()[1].rstrip("%")) for line in lines if line.strip().startswith(("aggnet ", "gloo "))]
     assert len(acc) == 2 and min(acc) > 90
+    # two workers' float32 sum is exact whichever adds it: the same weights, bit for bit
+    digests = [line.rsplit("weights ", 1)[1] for line in lines if "test accuracy" in line]
+    assert len(digests) == 2 and digests[0] == digests[1], lines
+
+
+def test_demo_on_a_gpu_it_lacks_says_so_in_one_line():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU: test_demo_trains_on_the_gpu_like_gloo runs the demo there")
+    out = subprocess.run([sys.executable, "-m", "aggnet", "demo", "--device", "cuda"], capture_output=True, text=True,
+                         timeout=120, env=_env())
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("aggnet demo: --device cuda: torch") and "leave --device out" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA GPU on this machine")
+@pytest.mark.timeout(330)
+def test_demo_trains_on_the_gpu_like_gloo():
+    # two workers sharing the GPU, the hook staging their CUDA buckets;
+    # gloo sums CUDA tensors on the host too, in the same order for two
+    out = subprocess.run([sys.executable, "-m", "aggnet", "demo", "--device", "cuda", "--epochs", "3", "--compare",
+                          "gloo"], capture_output=True, text=True, timeout=300, env=_env())
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("[aggnet] 2 DDP workers on cuda:0") for line in lines), lines[:3]
+    agg = [line.split("loss")[1].split()[0] for line in lines if line.startswith("[aggnet] epoch")]
+    gloo = [line.split("loss")[1].split()[0] for line in lines if line.startswith("[gloo] epoch")]
+    assert len(agg) == 3 and agg == gloo
+    digests = [line.rsplit("weights ", 1)[1] for line in lines if "test accuracy" in line]
+    assert len(digests) == 2 and digests[0] == digests[1], lines
 
 
 @pytest.mark.slow
