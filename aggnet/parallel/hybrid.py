@@ -170,7 +170,7 @@ class HybridParallel:
 
 class HostBoundary(nn.Module):
     """A stage as the pipeline sees it: host tensors in and out. Inputs go
-    to ``device`` and outputs come back (``keep_output``: not the last
+    to ``device`` and outputs come back, unless ``keep_output`` (the last
     stage's, which the loss reads where it is); autograd moves their
     gradients the other way. On the CPU both moves are the tensors
     themselves."""
