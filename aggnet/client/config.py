@@ -23,6 +23,7 @@ Environment variables:
 ``AGGNET_RESUME``      0: an aggregator restart fails the all-reduces in flight
 ``AGGNET_ALL_OR_NOTHING`` 1/0: a failed all-reduce restores the buffer (default: yes, not under aggnet.torch)
 ``AGGNET_DEVICE_PATH`` device (CUDA) buffers: direct (as they are, over ucx) or staged (pinned host copy)
+``AGGNET_CUDA_DELEGATE`` the aggnet torch backend's other CUDA collectives: gloo (default) or nccl
 =====================  ====================================================
 """
 
@@ -158,6 +159,13 @@ class ClientConfig:
     #: shards where it lies, and its results written there where nothing
     #: is restored; False copies it through the rings as any other
     share_buffers: bool = True
+    #: the aggnet torch backend: what runs the collectives of CUDA tensors
+    #: that aggnet does not carry (broadcast, all-gather, send and receive,
+    #: all-to-all, the all-reduces it leaves): "gloo" (None; through host
+    #: memory, whatever the placement, ranks sharing a GPU included) or
+    #: "nccl" (NCCL's own paths, NVLink or RDMA, for FSDP2's all-gathers
+    #: of parameters; one GPU per rank, as NCCL needs)
+    cuda_delegate: str | None = None
 
     def __post_init__(self):
         if self.timeout <= 0:
@@ -187,6 +195,8 @@ class ClientConfig:
             raise ValueError(f"codec must be float32, int32, fp16 or bf16, got {self.codec!r}")
         if self.device_path not in (None, "direct", "staged"):
             raise ValueError(f"device_path must be direct or staged, got {self.device_path!r}")
+        if self.cuda_delegate not in (None, "gloo", "nccl"):
+            raise ValueError(f"cuda_delegate must be gloo or nccl, got {self.cuda_delegate!r}")
         if self.server_key is not None and len(self.server_key) != 40:
             raise ValueError(f"server_key must be a 40-character Z85 CURVE public key, got {len(self.server_key)} "
                              f"characters")
@@ -214,6 +224,7 @@ class ClientConfig:
             ("device_path", "AGGNET_DEVICE_PATH", str),
             ("predict_scale", "AGGNET_PREDICT_SCALE", _flag),
             ("share_buffers", "AGGNET_SHARE_BUFFERS", _flag),
+            ("cuda_delegate", "AGGNET_CUDA_DELEGATE", str),
         ):
             if env.get(name):
                 try:

@@ -39,7 +39,11 @@ the CPU and CUDA GPUs. A CUDA tensor's all-reduce goes through the DDP
 hook's staging (:mod:`aggnet.torch.staging`: encoded on the device, sent
 from pinned memory, off the caller's stream), and so does its
 reduce-scatter, of which only the rank's share comes back to the device;
-gloo takes CUDA tensors for what it carries. Over a switch, or for a rank in a rack of a
+gloo takes CUDA tensors for what it carries, through host memory; with
+``cuda_delegate="nccl"`` (``AGGNET_CUDA_DELEGATE=nccl``) a group hands
+the dense CUDA collectives it leaves to NCCL instead (FSDP2's all-gathers
+of parameters over NVLink or RDMA; one GPU per rank, as NCCL needs).
+Over a switch, or for a rank in a rack of a
 hierarchy, where an aggregator cannot send one rank its share alone, a
 reduce-scatter is an all-reduce of which each rank keeps its share.
 
@@ -199,25 +203,41 @@ class AggnetProcessGroup(dist.ProcessGroup):
     stage_cpu_tensors = False
 
     def __init__(self, store, rank: int, world_size: int, timeout: datetime.timedelta, *,
-                 group_name: str = "", config: ClientConfig | None = None):
+                 group_name: str = "", config: ClientConfig | None = None, global_ranks=None):
         super().__init__(rank, world_size)
         self._rank = rank
         self._world = world_size
         self._timeout = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
         self.config = config if config is not None else ClientConfig.from_env()
         self.codec = _CODECS[self.config.codec]
-        cpu = torch.device("cpu")
+        cpu, cuda = torch.device("cpu"), torch.device("cuda")
         gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout)
+        GLOO, NCCL = dist.ProcessGroup.BackendType.GLOO, dist.ProcessGroup.BackendType.NCCL
+        nccl = None
+        if self.config.cuda_delegate == "nccl":
+            nccl = _nccl_backend(store, rank, world_size, timeout, group_name, global_ranks)
         # the CPU (and CUDA) backend of this group: what it does not
         # override runs there (gloo takes CUDA tensors for its collectives)
-        devices = [cpu] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+        devices = [cpu] + ([cuda] if torch.cuda.is_available() else [])
         for device in devices:
-            self._register_backend(device, dist.ProcessGroup.BackendType.GLOO, gloo)
+            if device == cuda and nccl is not None:
+                self._register_backend(device, NCCL, nccl)
+            else:
+                self._register_backend(device, GLOO, gloo)
         # the same gloo backend behind a plain group, for the overrides
         # that hand an op on (this object's own methods would recurse)
         self._gloo = dist.ProcessGroup(store, rank, world_size)
         for device in devices:
-            self._gloo._register_backend(device, dist.ProcessGroup.BackendType.GLOO, gloo)
+            self._gloo._register_backend(device, GLOO, gloo)
+        #: where the overrides hand a collective aggnet does not carry:
+        #: the gloo group, or one whose CUDA tensors go to NCCL
+        self._delegate = self._gloo
+        self._nccl = nccl
+        if nccl is not None:
+            self._delegate = dist.ProcessGroup(store, rank, world_size)
+            self._delegate._register_backend(cpu, GLOO, gloo)
+            self._delegate._register_backend(cuda, NCCL, nccl)
+            self._delegate._set_default_backend(GLOO)
         self._stagers: dict = {}
         #: the order collectives reach the client in: a device tensor's
         #: waits on a thread for its copy to the host, and a CPU tensor's,
@@ -279,18 +299,24 @@ class AggnetProcessGroup(dist.ProcessGroup):
         atexit.unregister(self._close_client)
 
     def shutdown(self) -> None:
-        """``destroy_process_group``: leave the aggnet job, then stop gloo."""
+        """``destroy_process_group``: leave the aggnet job, then stop gloo
+        (and NCCL)."""
         self._close_client()
+        if self._nccl is not None:
+            self._nccl.shutdown()
         self._gloo.shutdown()
 
     def abort(self) -> None:
         self._close_client()
+        if self._nccl is not None:
+            self._nccl.abort()
         self._gloo.abort()
 
     # -- routing ------------------------------------------------------------------
 
     def _route(self, what: str, tensors, op) -> bool:
-        """True: aggnet carries it; False: gloo does; raises what neither can."""
+        """True: aggnet carries it; False: the delegate does (gloo, or NCCL
+        for CUDA tensors); raises what neither can."""
         name = op.op.name if hasattr(op, "op") else str(op)
         for t in tensors:
             if t.device.type not in ("cpu", "cuda"):
@@ -342,7 +368,7 @@ class AggnetProcessGroup(dist.ProcessGroup):
         if _integer_avg(tensors, opts.reduceOp):
             return self._integer_average("all_reduce", tensors, opts, dist.AllreduceOptions, self.allreduce)
         if not self._route("all_reduce", tensors, opts.reduceOp):
-            return self._gloo.allreduce(tensors, opts)
+            return self._delegated(tensors).allreduce(tensors, opts)
         op = _OPS[opts.reduceOp.op.name]
         return self._submit("all_reduce", tensors, [(t, lambda t=t: self._allreduce_one(t, op)) for t in tensors])
 
@@ -352,7 +378,7 @@ class AggnetProcessGroup(dist.ProcessGroup):
             return self._integer_average("all_reduce_coalesced", tensors, opts, dist.AllreduceCoalescedOptions,
                                          self.allreduce_coalesced)
         if not self._route("all_reduce_coalesced", tensors, opts.reduceOp):
-            return self._gloo.allreduce_coalesced(tensors, opts)
+            return self._delegated(tensors).allreduce_coalesced(tensors, opts)
         op = _OPS[opts.reduceOp.op.name]
         return self._submit("all_reduce_coalesced", tensors,
                             [(t, lambda t=t: self._allreduce_one(t, op)) for t in tensors])
@@ -536,7 +562,7 @@ class AggnetProcessGroup(dist.ProcessGroup):
         for out, inp, bounds in shares:
             whole = inp.detach().reshape(-1).clone()
             mine = whole[bounds[self._rank]:bounds[self._rank + 1]]
-            fut = self._gloo.allreduce([whole], ar).get_future()
+            fut = self._delegated([whole]).allreduce([whole], ar).get_future()
             futures.append(fut.then(lambda f, out=out, mine=mine: out.detach().copy_(mine.view_as(out))))
         result = [out for out, _, _ in shares]
 
@@ -556,22 +582,23 @@ class AggnetProcessGroup(dist.ProcessGroup):
     # the GIL go first. (The others never take the GIL on their way to gloo.)
 
     def broadcast(self, tensors, opts=None):
-        return self._gloo.broadcast(tensors, self._options(opts, dist.BroadcastOptions))
+        return self._delegated(tensors).broadcast(tensors, self._options(opts, dist.BroadcastOptions))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        return self._gloo.allgather(output_tensors, input_tensors, self._options(opts, _c10d.AllgatherOptions))
+        return self._delegated(input_tensors).allgather(output_tensors, input_tensors,
+                                                         self._options(opts, _c10d.AllgatherOptions))
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         # torch 2.11 binds it under its older name only
-        gather = getattr(self._gloo, "all_gather_single_coalesced", None) or \
-            self._gloo.allgather_into_tensor_coalesced
+        group = self._delegated(inputs)
+        gather = getattr(group, "all_gather_single_coalesced", None) or group.allgather_into_tensor_coalesced
         return gather(outputs, inputs, self._options(opts, _c10d.AllgatherOptions))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        return self._gloo.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                            self._options(opts, dist.AllToAllOptions))
+        return self._delegated([input]).all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                                          self._options(opts, dist.AllToAllOptions))
 
     alltoall_base = all_to_all_single
 
@@ -579,10 +606,18 @@ class AggnetProcessGroup(dist.ProcessGroup):
         return self._gloo.barrier(self._options(opts, dist.BarrierOptions))
 
     def send(self, tensors, dst_rank, tag=0):
-        return self._gloo.send(tensors, dst_rank, tag)
+        return self._delegated(tensors).send(tensors, dst_rank, tag)
 
     def recv(self, tensors, src_rank, tag=0):
-        return self._gloo.recv(tensors, src_rank, tag)
+        return self._delegated(tensors).recv(tensors, src_rank, tag)
+
+    def _delegated(self, tensors):
+        """The group a collective aggnet does not carry goes to: NCCL's for
+        dense CUDA tensors where ``cuda_delegate="nccl"``, else gloo's
+        (sparse tensors too: NCCL sums none)."""
+        if self._delegate is self._gloo or any(t.is_sparse or t.device.type != "cuda" for t in tensors):
+            return self._gloo
+        return self._delegate
 
     # -- futures -------------------------------------------------------------------------
 
@@ -624,7 +659,26 @@ def _create(options, pg_options) -> AggnetProcessGroup:
                         f"{type(pg_options).__name__}")
     _refuse_mixed(sys._getframe(1))
     return AggnetProcessGroup(options.store, options.group_rank, options.group_size, options.timeout,
-                              group_name=str(options.group_id), config=pg_options)
+                              group_name=str(options.group_id), config=pg_options,
+                              global_ranks=getattr(options, "global_ranks_in_group", None))
+
+
+def _nccl_backend(store, rank: int, world_size: int, timeout, group_name: str, global_ranks):
+    """NCCL for the CUDA collectives aggnet hands on, made as torch makes
+    a group's own (a store prefix of its own, the group's timeout)."""
+    if not dist.is_nccl_available():
+        raise ValueError(f"aggnet backend: cuda_delegate='nccl' (AGGNET_CUDA_DELEGATE) but this torch "
+                         f"({torch.__version__}) has no NCCL; leave it unset for gloo, or install torch's CUDA build")
+    if not torch.cuda.is_available():
+        raise ValueError("aggnet backend: cuda_delegate='nccl' (AGGNET_CUDA_DELEGATE) but torch sees no CUDA GPU "
+                         "here; leave it unset for gloo")
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = False
+    opts._timeout = timeout
+    opts.group_name = group_name
+    if global_ranks:
+        opts.global_ranks_in_group = list(global_ranks)
+    return dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world_size, opts)
 
 
 def _refuse_mixed(caller) -> None:
@@ -644,7 +698,8 @@ def _refuse_mixed(caller) -> None:
         raise ValueError(
             f"aggnet backend: {named!r} mixes aggnet with {', '.join(sorted(set(others.values())))}; torch uses "
             f"aggnet's process group for every device then and would drop the other backend: use backend='aggnet' "
-            f"(CPU and CUDA tensors through aggnet), or 'nccl' with aggnet's DDP hook (aggnet.torch.allreduce_hook)")
+            f"(CPU and CUDA tensors through aggnet; AGGNET_CUDA_DELEGATE=nccl hands the CUDA collectives aggnet "
+            f"leaves to NCCL), or 'nccl' with aggnet's DDP hook (aggnet.torch.allreduce_hook)")
 
 
 def register() -> None:

@@ -284,3 +284,59 @@ def test_a_backend_string_mixing_aggnet_with_another_is_refused_in_one_line(tmp_
     assert r.returncode != 0
     assert "'cpu:aggnet,cuda:nccl' mixes aggnet with nccl" in r.stderr and "use backend='aggnet'" in r.stderr, \
         r.stderr[-2000:]
+
+
+_NCCL_DELEGATE = """
+import json, sys, torch, torch.distributed as dist, aggnet.torch
+dist.init_process_group('aggnet', init_method='file://{store}', rank=0, world_size=1)
+pg = dist.group.WORLD
+out = {{"cuda": type(pg._get_backend(torch.device('cuda'))).__name__,
+        "cpu": type(pg._get_backend(torch.device('cpu'))).__name__}}
+x = torch.arange(8, dtype=torch.float32, device='cuda')
+gathered = torch.empty(8, device='cuda')
+dist.all_gather_into_tensor(gathered, x)                  # NCCL's
+dist.broadcast(x, src=0)                                  # NCCL's
+ints = torch.ones(4, dtype=torch.int64, device='cuda')
+dist.all_reduce(ints, op=dist.ReduceOp.MAX)               # not aggnet's: NCCL's
+dist.all_reduce(x)                                        # aggnet's
+torch.cuda.synchronize()
+out["gathered"] = gathered.tolist()
+out["sum"] = x.tolist()
+out["aggnet_calls"] = pg.client.stats.allreduces
+cpu = torch.ones(3)
+dist.all_gather_into_tensor(torch.empty(3), cpu)          # gloo's
+dist.barrier()
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_a_cuda_delegate_nccl_without_nccl_or_a_gpu_is_refused_in_one_line(tmp_path):
+    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        pytest.skip("this machine has NCCL and a GPU: test_a_group_hands_cuda_collectives_to_nccl_where_asked runs")
+    code = ("import torch.distributed as dist, aggnet.torch\n"
+            f"dist.init_process_group('aggnet', init_method='file://{tmp_path}/store', rank=0, world_size=1)\n")
+    env = {**os.environ, "AGGNET_CUDA_DELEGATE": "nccl"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert "cuda_delegate='nccl' (AGGNET_CUDA_DELEGATE)" in last and "leave it unset for gloo" in last, last
+    env["AGGNET_CUDA_DELEGATE"] = "mpi"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode != 0
+    assert "cuda_delegate must be gloo or nccl, got 'mpi'" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.distributed.is_nccl_available()),
+                    reason="no CUDA GPU with NCCL on this machine")
+def test_a_group_hands_cuda_collectives_to_nccl_where_asked(tmp_path):
+    # one rank: NCCL refuses two ranks on one GPU, and the lent machine has one
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGGNET_")}
+    env["AGGNET_CUDA_DELEGATE"] = "nccl"
+    r = subprocess.run([sys.executable, "-c", _NCCL_DELEGATE.format(store=tmp_path / "store")], capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["cuda"] == "ProcessGroupNCCL" and out["cpu"] == "ProcessGroupGloo", out
+    assert out["gathered"] == [float(i) for i in range(8)] and out["sum"] == [float(i) for i in range(8)]
+    assert out["aggnet_calls"] >= 1, out
