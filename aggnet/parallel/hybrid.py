@@ -31,6 +31,8 @@ from aggnet.parallel.layout import Layout, LayoutError
 from aggnet.parallel.profile import layers_of
 
 SCHEDULES = ("gpipe", "1f1b")
+#: the hook's options the layout decides
+_HOOK_SET_HERE = frozenset({"address", "process_group", "job", "codec", "member", "alpha_threshold"})
 
 
 class HybridParallel:
@@ -46,12 +48,15 @@ class HybridParallel:
     to the address this rank reaches its aggregator at, where that is not
     the topology's (a proxy, another network's name for it); ``device``:
     where this rank's stage runs (default: where the model's parameters
-    are), e.g. ``torch.device("cuda", local_rank)``.
+    are), e.g. ``torch.device("cuda", local_rank)``; ``hook_options``:
+    more of :class:`~aggnet.torch.AggnetState`'s options for the stage
+    group's hook (``staging="always"`` takes CPU stages through the
+    device's staging, ``check_finite``, ...).
     """
 
     def __init__(self, model: nn.Sequential, layout: Layout, stages, *, loss_fn, sample: torch.Tensor,
                  micro_batches: int = 1, schedule: str = "gpipe", gradients: str = "aggnet",
-                 codec: str | None = None, address_of=None, device=None):
+                 codec: str | None = None, address_of=None, device=None, hook_options: dict | None = None):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -67,6 +72,10 @@ class HybridParallel:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if gradients not in ("aggnet", "gloo"):
             raise ValueError(f"gradients must be 'aggnet' or 'gloo', got {gradients!r}")
+        taken = sorted(set(hook_options or ()) & _HOOK_SET_HERE)
+        if taken:
+            raise ValueError(f"hook_options: HybridParallel sets {', '.join(taken)} itself from the layout (codec= "
+                             f"and address_of= are its own arguments)")
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be a whole number of 1 or more, got {micro_batches!r}")
         if schedule == "1f1b" and micro_batches < layout.stages:
@@ -112,7 +121,7 @@ class HybridParallel:
             member = (j.member_rank, j.members) if j.members != j.world else None
             address = address_of(j) if address_of is not None else j.address
             self.state = AggnetState(address, process_group=self.dp_group, job=j.name, codec=codec, member=member,
-                                     alpha_threshold=None)
+                                     alpha_threshold=None, **(hook_options or {}))
             self.ddp.register_comm_hook(self.state, allreduce_hook)
         input_args = self._stage_input(layers[:first], sample)
         self.pipe_stage = PipelineStage(self.ddp, self.stage, layout.stages, torch.device("cpu"),

@@ -43,7 +43,8 @@ def single_process(steps: int) -> list:
 
 @ends_process_group
 def hybrid_run(rank: int, world: int, port: int, topology: str, placement: str, stages: int, steps: int,
-               micro_batches: int, gradients: str, job: str, schedule: str = "gpipe", device: str = "cpu") -> dict:
+               micro_batches: int, gradients: str, job: str, schedule: str = "gpipe", device: str = "cpu",
+               hook_options: dict | None = None) -> dict:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         layout = build_layout(topology, stages, placement, job=job)
@@ -52,7 +53,8 @@ def hybrid_run(rank: int, world: int, port: int, topology: str, placement: str, 
         model = make_model()
         x0, _ = batch(0)
         hp = HybridParallel(model, layout, BOUNDS[stages], loss_fn=nn.MSELoss(), sample=x0[: share // micro_batches],
-                            micro_batches=micro_batches, gradients=gradients, schedule=schedule, device=device)
+                            micro_batches=micro_batches, gradients=gradients, schedule=schedule, device=device,
+                            hook_options=hook_options)
         opt = torch.optim.SGD(hp.parameters(), lr=LR)
         losses = []
         for step in range(steps):
@@ -67,6 +69,9 @@ def hybrid_run(rank: int, world: int, port: int, topology: str, placement: str, 
         job_info = hp.job
         result = {"stage": hp.stage, "replica": hp.replica, "losses": losses, "hook_calls": calls,
                   "devices": sorted(devices),
+                  # buckets staged, per device (the stager's pinned buffers, used again each step)
+                  "staged": {d: s["pinned"].allocations + s["pinned"].reuses
+                             for d, s in (hp.state.staging_stats() if hp.state is not None else {}).items()},
                   "params": [p.detach().cpu().numpy().copy() for p in hp.module.parameters()],
                   "group": {"name": job_info.name, "address": job_info.address, "members": job_info.members,
                             "world": job_info.world, "crosses_racks": job_info.crosses_racks}}

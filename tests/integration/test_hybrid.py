@@ -45,10 +45,10 @@ def _reference_by_stage(bounds) -> list:
 
 
 def _run(racks, placement: str, stages: int, micro_batches: int = 1, gradients: str = "aggnet",
-         schedule: str = "gpipe", device: str = "cpu"):
+         schedule: str = "gpipe", device: str = "cpu", hook_options: dict | None = None):
     job = f"hyb-{uuid.uuid4().hex[:8]}"
     return run_workers("spawn://", racks.world, W.hybrid_run, racks.world, free_port(), racks.topology, placement,
-                       stages, STEPS, micro_batches, gradients, job, schedule, device, timeout=240,
+                       stages, STEPS, micro_batches, gradients, job, schedule, device, hook_options, timeout=240,
                        start_method="spawn")
 
 
@@ -107,6 +107,18 @@ def test_gloo_gradients_give_the_same_training(racks):
 
 
 @pytest.mark.parametrize("racks", [2], indirect=True, ids=["2x2-ranks"])
+@pytest.mark.slow
+def test_stage_groups_through_the_device_staging_train_like_one_process(racks):
+    # the path a GPU stage's gradients take (the stager's hand-over thread,
+    # its futures, DDP's micro-batches under no_sync), run on CPU stages
+    results = _run(racks, "stage-per-rack", 2, 2, schedule="1f1b", hook_options={"staging": "always"})
+    _check_equal(results, 2)
+    for r in results:
+        assert r["hook_calls"] == STEPS + 1
+        assert r["staged"].get("cpu", 0) >= STEPS, r["staged"]  # every bucket through the stager
+
+
+@pytest.mark.parametrize("racks", [2], indirect=True, ids=["2x2-ranks"])
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
 @pytest.mark.slow
 def test_stages_on_the_gpu_train_like_one_process(racks):
@@ -117,5 +129,6 @@ def test_stages_on_the_gpu_train_like_one_process(racks):
     for r in results:
         assert r["devices"] == ["cuda:0"], r["devices"]
         assert r["hook_calls"] == STEPS + 1
+        assert r["staged"].get("cuda:0", 0) >= STEPS, r["staged"]
     # the device's sums round differently from the CPU's reference
     _check_equal(results, 2, rtol=1e-4)
