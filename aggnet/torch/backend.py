@@ -348,15 +348,18 @@ class AggnetProcessGroup(dist.ProcessGroup):
         sum_opts = options_kind()
         sum_opts.reduceOp = dist.ReduceOp.SUM
         sum_opts.timeout = opts.timeout
+        carried = self._route(what, tensors, sum_opts.reduceOp)
         work = run_sum(tensors, sum_opts)
         world = self._world
 
         def divide(f):
             f.value()  # the sum's error, if it failed
             for t in tensors:
-                if self._staged(t):  # on the device, waited for as its sum was
+                if carried and self._staged(t):  # on the staging's stream, waited for as its sum was
                     self._stager(t.device).after_result(lambda t=t: t.div_(world, rounding_mode="trunc"))
                 else:
+                    # the delegate's sum (gloo's or NCCL's CUDA future): this
+                    # callback's stream is the one that waits for it
                     t.div_(world, rounding_mode="trunc")
             return list(tensors)
 
