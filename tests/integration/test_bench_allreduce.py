@@ -14,16 +14,26 @@ from pathlib import Path
 import pytest
 
 
+def _bench(*args, env=None, timeout=100):
+    """``aggnet bench ARGS``, stopped inside the test's own limit (120 s):
+    a run that hangs fails showing what it printed until then."""
+    try:
+        return subprocess.run([sys.executable, "-m", "aggnet", "bench", *args], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as exc:
+        said = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (exc.stdout, exc.stderr)]
+        pytest.fail(f"aggnet bench {' '.join(args)} ran over {timeout}s; it printed:\n{said[0][-3000:]}\n"
+                    f"{said[1][-3000:]}")
+
+
 @pytest.mark.slow
 def test_bench_reports_cpu_seconds_per_gb_beside_gloo(tmp_path):
     pytest.importorskip("torch", reason="gloo's side of the benchmark needs PyTorch")
     out = tmp_path / "bench.json"
     # short: the ipc socket's path must fit a Unix socket address
     scratch = Path(tempfile.mkdtemp(prefix="agb-", dir="/tmp"))
-    r = subprocess.run([sys.executable, "-m", "aggnet", "bench", "--workers", "2", "--sizes", "4MiB",
-                        "--transports", "ipc", "--dtypes", "float32", "--reps", "3", "--shards", "1",
-                        "--json", str(out)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "TMPDIR": str(scratch)})
+    r = _bench("--workers", "2", "--sizes", "4MiB", "--transports", "ipc", "--dtypes", "float32", "--reps", "3",
+               "--shards", "1", "--json", str(out), env={**os.environ, "TMPDIR": str(scratch)})
     assert r.returncode == 0, r.stderr[-3000:]
     # the service's socket folder goes with the run
     left = list(scratch.iterdir())
@@ -52,10 +62,8 @@ def test_bench_in_rounds_alternates_the_systems_and_gives_each_rounds_ratios(tmp
     out = tmp_path / "bench.json"
     scratch = Path(tempfile.mkdtemp(prefix="agr-", dir="/tmp"))
     try:
-        r = subprocess.run([sys.executable, "-m", "aggnet", "bench", "--workers", "2", "--sizes", "1MiB",
-                            "--transports", "ipc", "--dtypes", "float32", "--reps", "2", "--rounds", "2",
-                            "--shards", "1", "--json", str(out)], capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "TMPDIR": str(scratch)})
+        r = _bench("--workers", "2", "--sizes", "1MiB", "--transports", "ipc", "--dtypes", "float32", "--reps", "2",
+                   "--rounds", "2", "--shards", "1", "--json", str(out), env={**os.environ, "TMPDIR": str(scratch)})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -86,10 +94,9 @@ def test_bench_times_the_int32_codec_agreed_carried_and_quantized_by_its_owner(t
     scratch = Path(tempfile.mkdtemp(prefix="agq-", dir="/tmp"))
     kinds = ["q-int32", "q-int32-carried", "o-int32", "o-int32-carried"]
     try:
-        r = subprocess.run([sys.executable, "-m", "aggnet", "bench", "--workers", "2", "--sizes", "5MiB",
-                            "--transports", "shm,tcp", "--dtypes", ",".join(kinds), "--reps", "3", "--shards", "2",
-                            "--no-floor", "--json", str(out)], capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "TMPDIR": str(scratch)})
+        r = _bench("--workers", "2", "--sizes", "5MiB", "--transports", "shm,tcp", "--dtypes", ",".join(kinds),
+                   "--reps", "3", "--shards", "2", "--no-floor", "--json", str(out),
+                   env={**os.environ, "TMPDIR": str(scratch)})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -109,9 +116,8 @@ def test_bench_of_the_backend_s_reduce_scatter_times_its_staged_form_beside_gloo
     so in one line."""
     torch = pytest.importorskip("torch", reason="the backend's side of the benchmark needs PyTorch")
     out = tmp_path / "rs.json"
-    r = subprocess.run([sys.executable, "-m", "aggnet", "bench", "--collective", "reduce_scatter", "--workers", "2",
-                        "--sizes", "1MiB", "--reps", "2", "--json", str(out)], capture_output=True, text=True,
-                       timeout=300)
+    r = _bench("--collective", "reduce_scatter", "--workers", "2", "--sizes", "1MiB", "--reps", "2", "--json",
+               str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
     assert {x["system"] for x in data["records"]} == {
