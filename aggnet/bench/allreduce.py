@@ -158,7 +158,7 @@ def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_p
                 if key not in clients:
                     clients[key] = Client(services[transport],
                                           job=f"bench-{world}-{transport}-{chunk}-{device_path or 'host'}",
-                                          rank=rank, world_size=world, chunk_bytes=chunk, timeout=120,
+                                          rank=rank, world_size=world, chunk_bytes=chunk, timeout=_round_timeout(),
                                           device_path=device_path)
                 times = _timed(barrier, _device_allreduce(clients[key], buf, point["path"],
                                                           "int32" if _quantized(dtype) else None), reps, rank,
@@ -169,7 +169,7 @@ def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_p
                 key = (transport, chunk, restore)
                 if key not in clients:
                     clients[key] = Client(services[transport], job=f"bench-{world}-{transport}-{chunk}-{restore}",
-                                          rank=rank, world_size=world, chunk_bytes=chunk, timeout=120,
+                                          rank=rank, world_size=world, chunk_bytes=chunk, timeout=_round_timeout(),
                                           all_or_nothing=restore)
                 c = clients[key]
                 codec = "int32" if _quantized(dtype) else None
@@ -327,6 +327,13 @@ def _report(target, rank: int, world: int, args: tuple, port: int, barrier, out)
 
         out.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
+
+
+def _round_timeout() -> float:
+    """Seconds a benchmark's all-reduce may go without progress: 120 (a
+    large buffer on a loaded machine), or what ``AGGNET_TIMEOUT`` says (a
+    test's short rounds fail fast, naming what stalled)."""
+    return float(os.environ.get("AGGNET_TIMEOUT") or 120)
 
 
 def spawn_workers(target, world: int, args: tuple, timeout: float, what: str, hint: str = "") -> dict:

@@ -16,7 +16,10 @@ import pytest
 
 def _bench(*args, env=None, timeout=100):
     """``aggnet bench ARGS``, stopped inside the test's own limit (120 s):
-    a run that hangs fails showing what it printed until then."""
+    a run that hangs fails showing what it printed until then, and a round
+    that stalls fails sooner, with the client's error naming what it
+    waited for."""
+    env = {"AGGNET_TIMEOUT": "40", **(os.environ if env is None else env)}
     try:
         return subprocess.run([sys.executable, "-m", "aggnet", "bench", *args], capture_output=True, text=True,
                               timeout=timeout, env=env)
