@@ -72,6 +72,9 @@ class HybridParallel:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if gradients not in ("aggnet", "gloo"):
             raise ValueError(f"gradients must be 'aggnet' or 'gloo', got {gradients!r}")
+        if hook_options and gradients != "aggnet":
+            raise ValueError(f"hook_options are the aggnet hook's, and gradients={gradients!r} uses none: leave them "
+                             f"out, or give gradients='aggnet'")
         taken = sorted(set(hook_options or ()) & _HOOK_SET_HERE)
         if taken:
             raise ValueError(f"hook_options: HybridParallel sets {', '.join(taken)} itself from the layout (codec= "
