@@ -132,3 +132,39 @@ def test_stages_on_the_gpu_train_like_one_process(racks):
         assert r["staged"].get("cuda:0", 0) >= STEPS, r["staged"]
     # the device's sums round differently from the CPU's reference
     _check_equal(results, 2, rtol=1e-4)
+
+
+_ONE_RANK = """
+import sys, json, torch, torch.distributed as dist, torch.nn as nn
+from aggnet.parallel import HybridParallel, build_layout
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+layout = build_layout(sys.argv[1], 1, "stage-per-rack")
+said = []
+for gradients, options in json.loads(sys.argv[3]):
+    try:
+        HybridParallel(nn.Sequential(nn.Linear(2, 2)), layout, ((0, 1),), loss_fn=nn.MSELoss(),
+                       sample=torch.zeros(2, 2), gradients=gradients, hook_options=options)
+        said.append("built")
+    except ValueError as exc:
+        said.append(str(exc))
+dist.destroy_process_group()
+print(json.dumps(said))
+"""
+
+
+def test_hook_options_no_hook_takes_or_the_layout_sets_are_refused_in_one_line(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "one.toml").write_text('job = "one"\n[[racks]]\nname = "rack0"\nranks = "0"\n[racks.aggregator]\n'
+                                       'kind = "service"\naddress = "zmq+tcp://127.0.0.1:1"\nshards = 1\n')
+    cases = [["gloo", {"staging": "always"}], ["aggnet", {"job": "mine", "staging": "always"}],
+             ["aggnet", {"staging": "always"}]]
+    r = subprocess.run([sys.executable, "-c", _ONE_RANK, str(tmp_path / "one.toml"), str(tmp_path / "store"),
+                        json.dumps(cases)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    gloo, layout_s, fine = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "gradients='gloo' uses none" in gloo
+    assert "HybridParallel sets job itself" in layout_s
+    assert fine == "built"
