@@ -90,6 +90,7 @@ _CLIENT_HELP = {
     "errors": "All-reduces failed by an aggregator's ERROR or a timeout",
     "rejoins": "Times the client joined its aggregator again",
     "scales_carried": "int32 all-reduces quantized with exponents carried from their key's last round",
+    "scales_awaited": "int32 all-reduces that waited for their key's last round to end before quantizing",
     "chunks_sent_again": "int32 chunks sent again with the agreed exponent (values outgrew the carried one)",
     "chunks_shared": "Chunks a shard read where they lie in the worker's shared memory (no copy into a ring slot)",
     "results_in_place": "Results a shard wrote into the worker's shared memory itself (no copy out of a ring slot)",

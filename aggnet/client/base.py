@@ -67,6 +67,10 @@ class ClientStats:
     #: their key (no agreement first), and their chunks sent again because
     #: the values outgrew those exponents or were too small for them
     scales_carried: int = 0
+    #: int32 rounds admitted while their key's last round was still open:
+    #: each waited for that round's results before it was quantized (the
+    #: rounds of one key run one at a time)
+    scales_awaited: int = 0
     chunks_sent_again: int = 0
     #: chunks an aggregator read where they lie in the caller's shared
     #: memory (shm://, aggnet.shared_array), copied by nobody on the way in

@@ -463,6 +463,7 @@ class ChunkClient(Client):
                     self._choose_scale(req)
                 elif len(prev.chunks) == len(req.chunks):
                     req.after = prev  # its exponents and buffer-size agreement once prev is over
+                    self.stats.scales_awaited += 1
                 else:
                     # nothing to carry from a buffer of another size, nor from
                     # an older round: on a worker where prev is over, the

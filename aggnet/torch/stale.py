@@ -55,12 +55,12 @@ class _Sent:
     are rebuilt after DDP's first step, so later steps look gradients up
     by parameter, not by bucket)."""
 
-    def __init__(self, future, staging: torch.Tensor, keys: list, sizes: list):
+    def __init__(self, future, staging: torch.Tensor, param_ids: list, sizes: list):
         self.future, self.staging = future, staging
         self.at = {}
         offset = 0
-        for key, n in zip(keys, sizes):
-            self.at[key] = (offset, n)
+        for pid, n in zip(param_ids, sizes):
+            self.at[pid] = (offset, n)
             offset += n
 
 
@@ -73,7 +73,7 @@ class StaleQueue:
         self.step = 0  #: steps whose last bucket the hook has seen
         self.sent: dict[int, list[_Sent]] = {}
         #: this step's buckets so far: (copy in host memory, the event that
-        #: says it is complete or None, parameter keys, sizes)
+        #: says it is complete or None, parameter ids, sizes)
         self.parts: list = []
         self.lock = threading.Lock()
 
@@ -99,7 +99,7 @@ def allreduce_stale(state, bucket) -> torch.futures.Future:
         raise AggnetError("aggnet DDP hook: staleness does not apply to sparse gradients; use dense embeddings "
                           "(sparse=False) or staleness=0")
     params = bucket.parameters()
-    keys = [p.data_ptr() for p in params]
+    param_ids = [p.data_ptr() for p in params]
     sizes = [p.numel() for p in params]
     if buf.dtype != torch.float32:
         raise AggnetError(f"aggnet DDP hook: staleness needs float32 gradients, bucket {bucket.index()} holds "
@@ -109,21 +109,21 @@ def allreduce_stale(state, bucket) -> torch.futures.Future:
         # (pinned, without blocking, for a device's: the step's all-reduce
         # waits for the copies on the client's queue thread)
         copy, copied = copy_to_host(buf.detach(), always=True)
-        queue.parts.append((copy, copied, keys, sizes))
+        queue.parts.append((copy, copied, param_ids, sizes))
         old = queue.sent.get(t - queue.staleness, [])
         if bucket.is_last():
             # the whole step in one all-reduce: nothing waits for it before
             # the next step's end, and one large all-reduce moves faster than
             # a queue of DDP's buckets on every aggregator path
             parts, queue.parts = queue.parts, []
-            all_keys = [k for p in parts for k in p[2]]
+            all_ids = [i for p in parts for i in p[2]]
             all_sizes = [n for p in parts for n in p[3]]
             staging = torch.empty(sum(all_sizes), dtype=torch.float32, pin_memory=buf.is_cuda)
             # keyed by the step modulo staleness + 1: the int32 codec carries
             # a round's exponents from the last round of its key, which is
             # then step t - s - 1's, awaited at the last step (with one key
             # for all it would wait for step t - 1's, and the pipeline with it)
-            client, key = state.client, t % (queue.staleness + 1)
+            client, round_key = state.client, t % (queue.staleness + 1)
 
             def send():
                 # on the client's queue thread: the copies of a device's
@@ -133,10 +133,10 @@ def allreduce_stale(state, bucket) -> torch.futures.Future:
                 # one memcpy a part: torch's cat on this thread would start
                 # an OpenMP team of its own beside the training's threads
                 np.concatenate([p[0].numpy() for p in parts], out=staging.numpy())
-                return client.allreduce(staging.numpy(), op=state.op, codec=state.codec, key=key)
+                return client.allreduce(staging.numpy(), op=state.op, codec=state.codec, key=round_key)
 
             future = state._order.call_later(send)
-            queue.sent[t] = [_Sent(future, staging, all_keys, all_sizes)]
+            queue.sent[t] = [_Sent(future, staging, all_ids, all_sizes)]
             queue.step += 1
             queue.sent.pop(t - queue.staleness, None)
     if t < queue.staleness:
@@ -145,8 +145,8 @@ def allreduce_stale(state, bucket) -> torch.futures.Future:
         return done
     # each of this bucket's parameters, in the sent copy of step t - s
     where = []
-    for key in keys:
-        hit = next(((e, e.at[key]) for e in old if key in e.at), None)
+    for pid in param_ids:
+        hit = next(((e, e.at[pid]) for e in old if pid in e.at), None)
         if hit is None:
             raise AggnetError(f"aggnet DDP hook: a parameter of bucket {bucket.index()} was not all-reduced "
                               f"{queue.staleness} step(s) ago; stale gradients need every step to produce "

@@ -62,8 +62,8 @@ def ddp_run(rank: int, world: int, port: int, address: str, job: str, steps: int
             opt.step()
         updates = steps
     calls = state.stale_queue.step if staleness else None
-    carried = state.client.stats.scales_carried
+    carried, awaited = state.client.stats.scales_carried, state.client.stats.scales_awaited
     state.close()
     dist.barrier()
     return {"params": [p.detach().cpu().numpy().copy() for p in model.parameters()], "updates": updates,
-            "steps_seen": calls, "carried": carried}
+            "steps_seen": calls, "carried": carried, "awaited": awaited}

@@ -74,8 +74,31 @@ def test_stale_int32_steps_carry_exponents_from_the_step_the_last_one_awaited(se
     for r in results:
         assert r["updates"] == STEPS - 2
         assert r["carried"] == STEPS - 3  # the first round of each of the 3 keys agrees
+        assert r["awaited"] == 0, f"{r['awaited']} of {STEPS} steps waited for the step before theirs"
     for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _pushes_by_shard(service) -> list[int]:
+    return [shard["counters"].get("pushes", 0) for shard in service.stats()["shards"]]
+
+
+def test_stale_steps_spread_over_the_shards_by_their_key(service):
+    """Step t's all-reduce is keyed t mod (s + 1), and its key places its
+    chunks: with s = 1 on two shards the steps alternate between them (as
+    the buffer-size agreements do, by round), whichever moment the
+    client's queue thread sends a step at. A key read when the send ran,
+    not when the step was taken, put most steps on one shard, and at a
+    send that ran at another moment on each rank, two ranks' rounds on two
+    shards, each waiting for the other rank."""
+    before = _pushes_by_shard(service)
+    job = f"stale-{uuid.uuid4().hex[:8]}"
+    run_workers("spawn://", 2, W.ddp_run, 2, free_port(), service.address, job, STEPS, 1, False,
+                timeout=240, start_method="spawn")
+    pushes = [after - b for after, b in zip(_pushes_by_shard(service), before, strict=True)]
+    # every rank pushes each step's one chunk and its buffer-size agreement
+    assert sum(pushes) == 2 * 2 * STEPS
+    assert pushes[0] == pushes[1], f"pushes by shard {pushes}: the steps' keys did not alternate"
 
 
 def test_stale_and_synchronous_training_differ():
