@@ -488,6 +488,11 @@ class Client(ABC):
         return device.staged(view, out, self._pinned, reduce_scatter_host, share=mine, into=into)
 
     def _submit(self, flat, caller_buf, enc: Encoding, key, **extra) -> Future:
+        if key is not None:
+            if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
+                raise TypeError(f"key must be an int that names the buffer alike on every worker (a bucket's "
+                                f"index), or None; got {key!r}")
+            key = int(key)
         with self._lock:
             if self._failed is not None:
                 raise ClientClosed(f"{self._context()} failed earlier and cannot continue: {self._failed}")

@@ -84,9 +84,17 @@ SCALE_SLACK = 3
 #: predict_scale, or a round of the key that failed on some only) fail
 #: the round at once, saying so, instead of waiting on each other
 CARRIED_PLAN_FLAG = 0x100
+#: the buffer-size agreement's word for a round without a key (placed by
+#: its round number)
+NO_KEY_PLAN = 0x7FFFFFFF
 #: keys whose exponents a client keeps for their next round (a DDP model
 #: has a few dozen buckets); past it the oldest key's next round agrees
 MAX_CARRIED_KEYS = 4096
+
+
+def plan_key(key: int | None) -> int:
+    """A round's key as one non-negative int32 of the buffer-size agreement."""
+    return NO_KEY_PLAN if key is None else key & 0x7FFFFFFF
 
 
 @dataclass(eq=False)
@@ -513,13 +521,16 @@ class ChunkClient(Client):
                 req.out.ctypes.data == req.buf.ctypes.data + start * req.buf.itemsize)
 
     def _start_plan_agreement(self, req: ChunkRequest) -> None:
-        """A MAX over workers of the buffer's size, wire dtype and op, and of
-        their negations: equal only when every worker sent the same. Without
-        it a worker whose buffer is a prefix of another's finishes, and the
-        other times out blaming a rank that did nothing wrong."""
+        """A MAX over workers of the buffer's size, wire dtype and op, and
+        key, and of their negations: equal only when every worker sent the
+        same. Without it a worker whose buffer is a prefix of another's
+        finishes, and the other times out blaming a rank that did nothing
+        wrong; and workers that give one round different keys place its
+        chunks on different shards (each waits there for the others), or on
+        one shard sum buffers that are not the same one's."""
         size = req.buf.size
-        mine = np.array([size >> 31, size & 0x7FFFFFFF, int(req.enc.wire) | (CARRIED_PLAN_FLAG if req.carried else 0)],
-                        np.int32)
+        mine = np.array([size >> 31, size & 0x7FFFFFFF, int(req.enc.wire) | (CARRIED_PLAN_FLAG if req.carried else 0),
+                         plan_key(req.key)], np.int32)
         req.plan = mine
         req.plan_shard = req.round % len(self.shards)
         # rounds back to this worker's oldest unfinished one (this one: 1)
@@ -545,7 +556,8 @@ class ChunkClient(Client):
             mark = settled_through(req.round, agreed)
             for kept in self._kept:
                 kept.forget_through(mark)
-        if agreed is not None and (agreed[:3] == req.plan).all() and (-agreed[3:6] == req.plan).all():
+        n = req.plan.size
+        if agreed is not None and (agreed[:n] == req.plan).all() and (-agreed[n:2 * n] == req.plan).all():
             if req.held_error is not None:
                 self._settle_held(req)
                 return
@@ -556,12 +568,17 @@ class ChunkClient(Client):
         if agreed is None:
             text = f"the buffer-size agreement came back with {h.count} values, not {PLAN_VALUES}"
         else:
-            lo = (int(-agreed[3]) << 31) + int(-agreed[4])
+            lo = (int(-agreed[n]) << 31) + int(-agreed[n + 1])
             hi = (int(agreed[0]) << 31) + int(agreed[1])
-            text = (f"this worker all-reduces {req.buf.size} elements, the job's workers between {lo} and {hi}"
-                    if lo != hi or hi != req.buf.size else
-                    "the workers disagree on the buffer's dtype or codec")
-            if lo == hi == req.buf.size and int(agreed[2]) ^ int(-agreed[5]) == CARRIED_PLAN_FLAG:
+            dtypes_agree = int(agreed[2]) == int(-agreed[n + 2])
+            if lo != hi or hi != req.buf.size:
+                text = f"this worker all-reduces {req.buf.size} elements, the job's workers between {lo} and {hi}"
+            elif dtypes_agree:
+                text = (f"this worker all-reduces it under key {req.key!r} and another worker under another key "
+                        f"(or none): give each buffer the same key on every worker")
+            else:
+                text = "the workers disagree on the buffer's dtype or codec"
+            if lo == hi == req.buf.size and int(agreed[2]) ^ int(-agreed[n + 2]) == CARRIED_PLAN_FLAG:
                 self._fail_round(req, JobMismatch(
                     f"{self._context()}: round {req.round}: some workers carry the int32 exponents of key "
                     f"{req.key} from its last round and some agree them: set predict_scale (AGGNET_PREDICT_SCALE) "

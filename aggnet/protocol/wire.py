@@ -332,11 +332,11 @@ PLAN_INDEX = 0xFFFFFFFE
 #: for them. Chunk indices stay below it; SCALE_INDEX and PLAN_INDEX have
 #: it set and are told apart by their whole value
 REDO_BIT = 0x80000000
-#: values in the buffer-size agreement: size (two words), wire dtype, their
-#: negations, and how many rounds back the sender's oldest unfinished one
-#: is (the MAX over workers says which results every worker has, so the
-#: results kept for a restarted aggregator can go)
-PLAN_VALUES = 7
+#: values in the buffer-size agreement: size (two words), wire dtype, key,
+#: their negations, and how many rounds back the sender's oldest
+#: unfinished one is (the MAX over workers says which results every
+#: worker has, so the results kept for a restarted aggregator can go)
+PLAN_VALUES = 9
 _ROUNDS = 1 << 32
 
 

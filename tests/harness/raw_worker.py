@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from aggnet.protocol import wire
+from aggnet.client.chunked import plan_key
 from aggnet.protocol.wire import PLAN_VALUES, DType, Flag, Header, MsgType, job_id_of
 from aggnet.transport import connect
 
@@ -41,10 +42,10 @@ class RawWorker:
                 waiting.discard(msg.peer)
         assert not waiting, f"rank {self.rank}: shards {sorted(waiting)} did not answer JOIN within {self.timeout}s"
 
-    def plan(self, round_: int, size: int, lag: int = 1) -> None:
+    def plan(self, round_: int, size: int, lag: int = 1, key=None) -> None:
         """This worker's part of round ``round_``'s buffer-size agreement
-        for a float32 buffer of ``size`` elements."""
-        mine = np.array([size >> 31, size & 0x7FFFFFFF, int(DType.FLOAT32)], np.int32)
+        for a float32 buffer of ``size`` elements under ``key``."""
+        mine = np.array([size >> 31, size & 0x7FFFFFFF, int(DType.FLOAT32), plan_key(key)], np.int32)
         payload = np.concatenate([mine, -mine, np.array([lag], np.int32)])
         assert payload.size == PLAN_VALUES
         h = Header(MsgType.PUSH, job_id=self.job_id, round=round_, index=wire.PLAN_INDEX, sender=self.rank,

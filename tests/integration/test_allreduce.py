@@ -382,6 +382,37 @@ def test_buffer_size_mismatch_is_reported_to_both_workers(service):
         assert "same buffers in the same order" in text, text
 
 
+def _key_worker(rank, address, job, keys):
+    with Client(address, job=job, rank=rank, world_size=2, chunk_bytes=4096, timeout=20) as c:
+        t0 = time.monotonic()
+        try:
+            c.allreduce(np.ones(1000, np.float32), key=keys[rank]).result(30)
+        except JobMismatch as exc:
+            return str(exc), time.monotonic() - t0
+        return "no error", time.monotonic() - t0
+
+
+@pytest.mark.parametrize("keys", [(0, 1), (1, 3), (None, 2)], ids=["other-shards", "same-shard", "none-and-int"])
+def test_a_round_under_different_keys_fails_on_both_workers_at_once(service, keys):
+    """Keys place a round's chunks on the shards: two workers that give
+    the same round different keys each waited at another shard for the
+    other until the timeout, or, placed on one shard, had buffers of
+    different keys summed. The buffer-size agreement carries the key, so
+    both fail at once saying so."""
+    job = f"key-{uuid.uuid4().hex[:6]}"
+    res = run_workers(service.address, 2, _key_worker, service.address, job, keys)
+    for text, took in res:
+        assert "under key" in text and "same key on every worker" in text, text
+        assert took < 5, f"the mismatch took {took:.1f}s to be told (the round's timeout is 20 s)"
+
+
+def test_a_key_that_is_not_an_int_is_refused_in_one_line(service):
+    with Client(service.address, job=f"key-{uuid.uuid4().hex[:6]}", rank=0, world_size=1, timeout=10) as c:
+        with pytest.raises(TypeError, match=r"key must be an int .* or None; got 'up'"):
+            c.allreduce(np.ones(10, np.float32), key="up")
+        assert c.allreduce(np.ones(10, np.float32), key=np.int64(3)).result(10)[0] == 1.0
+
+
 class ScriptedShards:
     """Two shards that speak the protocol but answer a round's chunks with
     the ERRORs a test names, in the order it names, so a client's handling
