@@ -249,6 +249,7 @@ class Client(ABC):
         self.address = str(parse(address))
         self._lock = threading.Lock()
         self._submitted: collections.deque[Request] = collections.deque()
+        self._in_hand: list[Request] = []  #: taken by the I/O thread, being admitted
         self._active: dict[int, Request] = {}
         self._rounds = itertools.count(1)
         self._failed: BaseException | None = None
@@ -544,10 +545,13 @@ class Client(ABC):
         self._fail_all(ClientClosed(f"{self._context()} was closed with the all-reduce pending"), poison=False)
 
     def _take_submitted(self) -> tuple[list, bool]:
-        """(new requests, whether the client is closing)."""
+        """(new requests, whether the client is closing). They stay in hand
+        until the I/O thread has admitted them: one that fails (or closes)
+        before fails them too, not only those it had admitted."""
         with self._lock:
             new = list(self._submitted)
             self._submitted.clear()
+            self._in_hand = new
             return new, self._closing
 
     def _complete(self, req: Request) -> None:
@@ -586,10 +590,11 @@ class Client(ABC):
                 self._failed = self._failed or exc
             pending = list(self._submitted)
             self._submitted.clear()
-        reqs = list(self._active.values()) + pending
+        reqs = list(self._active.values()) + self._in_hand + pending
+        self._in_hand = []
         self._active = {}
         for r in reqs:
-            if not r.failed:
+            if not r.failed and not r.future.done():
                 r.failed = True
                 self._restore(r)
                 r.future.set_exception(exc)

@@ -356,6 +356,7 @@ class ChunkClient(Client):
                 new = self._rejoin(new)
             for req in new:
                 self._admit(req)
+            self._in_hand = []
             self._send_ready()
             msg = self._conn.recv(_TICK if self._active else 0.5)
             while msg is not None:

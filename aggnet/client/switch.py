@@ -344,6 +344,7 @@ class SwitchClient(Client):
                 return
             for req in new:
                 self._admit(req)
+            self._in_hand = []
             now = time.monotonic()
             if self._reqs and now >= self._next_check:
                 # timers a few times per round trip, not per datagram: at a

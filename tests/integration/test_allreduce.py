@@ -413,6 +413,29 @@ def test_a_key_that_is_not_an_int_is_refused_in_one_line(service):
         assert c.allreduce(np.ones(10, np.float32), key=np.int64(3)).result(10)[0] == 1.0
 
 
+def test_an_io_thread_that_fails_while_admitting_an_all_reduce_fails_it(shared_service, monkeypatch):
+    """A fault in the client's I/O thread fails what it held: the
+    all-reduce it was admitting (taken off the queue, not yet under way)
+    ends with the fault at once, as every later one does, instead of
+    never ending. The fault is injected where the I/O thread cuts a buffer
+    into chunks."""
+    from aggnet.client import chunked
+
+    svc = shared_service("zmq+tcp", 2)
+    with Client(svc.address, job=f"io-{uuid.uuid4().hex[:6]}", rank=0, world_size=1, timeout=20) as c:
+        assert c.allreduce(np.ones(10, np.float32)).result(10)[0] == 1.0
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("cutting the buffer broke")
+
+        monkeypatch.setattr(chunked.chunking, "plan", broken)
+        pending = c.allreduce(np.ones(10, np.float32))
+        with pytest.raises(RuntimeError, match="cutting the buffer broke"):
+            pending.result(timeout=5)
+        with pytest.raises(ClientClosed, match="cutting the buffer broke"):
+            c.allreduce(np.ones(10, np.float32))
+
+
 class ScriptedShards:
     """Two shards that speak the protocol but answer a round's chunks with
     the ERRORs a test names, in the order it names, so a client's handling
