@@ -575,8 +575,9 @@ class ChunkClient(Client):
             if lo != hi or hi != req.buf.size:
                 text = f"this worker all-reduces {req.buf.size} elements, the job's workers between {lo} and {hi}"
             elif dtypes_agree:
-                text = (f"this worker all-reduces it under key {req.key!r} and another worker under another key "
-                        f"(or none): give each buffer the same key on every worker")
+                mine = "without a key" if req.key is None else f"under key {req.key}"
+                text = (f"this worker all-reduces it {mine}, another worker otherwise: give each buffer the same "
+                        f"key on every worker")
             else:
                 text = "the workers disagree on the buffer's dtype or codec"
             if lo == hi == req.buf.size and int(agreed[2]) ^ int(-agreed[n + 2]) == CARRIED_PLAN_FLAG:
