@@ -91,6 +91,8 @@ _CLIENT_HELP = {
     "rejoins": "Times the client joined its aggregator again",
     "scales_carried": "int32 all-reduces quantized with exponents carried from their key's last round",
     "scales_awaited": "int32 all-reduces that waited for their key's last round to end before quantizing",
+    "scales_unsteady": "int32 all-reduces under a key that agreed their exponents because carried ones would have "
+                       "sent more than a quarter of the key's last round again",
     "chunks_sent_again": "int32 chunks sent again with the agreed exponent (values outgrew the carried one)",
     "chunks_shared": "Chunks a shard read where they lie in the worker's shared memory (no copy into a ring slot)",
     "results_in_place": "Results a shard wrote into the worker's shared memory itself (no copy out of a ring slot)",

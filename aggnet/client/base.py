@@ -67,11 +67,16 @@ class ClientStats:
     #: their key (no agreement first), and their chunks sent again because
     #: the values outgrew those exponents or were too small for them
     scales_carried: int = 0
+    chunks_sent_again: int = 0
     #: int32 rounds admitted while their key's last round was still open:
     #: each waited for that round's results before it was quantized (the
     #: rounds of one key run one at a time)
     scales_awaited: int = 0
-    chunks_sent_again: int = 0
+    #: int32 rounds of a key that agreed their exponents instead of carrying
+    #: them: carried, the key's last round would have sent more than a
+    #: quarter of its chunks again (values that grow or shrink by octaves
+    #: from round to round, as a buffer all-reduced in place over and over)
+    scales_unsteady: int = 0
     #: chunks an aggregator read where they lie in the caller's shared
     #: memory (shm://, aggnet.shared_array), copied by nobody on the way in
     chunks_shared: int = 0

@@ -79,6 +79,11 @@ SCALE_HEADROOM = 1
 #: chunk goes again: its quantization step is then at most 2**SCALE_SLACK
 #: times the agreed one's (typically 2x, from SCALE_HEADROOM)
 SCALE_SLACK = 3
+#: a key whose last round, carried, would have sent more than 1/UNSTEADY of
+#: its chunks again agrees its next round instead: values that grow or
+#: shrink by octaves every round (a buffer all-reduced in place over and
+#: over, the step after a loss spike) would send most chunks twice
+UNSTEADY = 4
 #: set in the buffer-size agreement's dtype word by a round that carries
 #: its exponents: workers that carry and workers that agree (a different
 #: predict_scale, or a round of the key that failed on some only) fail
@@ -95,6 +100,18 @@ MAX_CARRIED_KEYS = 4096
 def plan_key(key: int | None) -> int:
     """A round's key as one non-negative int32 of the buffer-size agreement."""
     return NO_KEY_PLAN if key is None else key & 0x7FFFFFFF
+
+
+def _steady(before: tuple | None, maxima: np.ndarray) -> bool:
+    """Whether a round whose chunks' MAX exponents were ``maxima`` would
+    have sent at most 1/UNSTEADY of them again had it carried the
+    exponents of its key's round ``before`` (what it carried, if it did):
+    every worker has both, so every worker decides alike."""
+    if before is None or before[1] is None or before[1].size != maxima.size:
+        return True
+    carried = before[1].astype(np.int32)
+    fits = ((carried - SCALE_SLACK <= maxima) & (maxima <= carried)) | (maxima == EXPONENT_ZERO)
+    return int((~fits).sum()) * UNSTEADY <= maxima.size
 
 
 @dataclass(eq=False)
@@ -341,7 +358,8 @@ class ChunkClient(Client):
         #: the caller's elements a result overwrote, until its round is over
         self._saves = BufferPool(max_buffers=4096)
         #: key -> (its newest int32 round that is over, the exponents its
-        #: next round carries from it, or None when that round failed)
+        #: next round carries from it, or None when that round failed,
+        #: whether carrying them is let: see UNSTEADY)
         self._scales: dict = {}
         #: key -> its latest int32 round admitted
         self._last_of_key: dict = {}
@@ -630,8 +648,12 @@ class ChunkClient(Client):
         """Carry the exponents of the key's last round, when it completed
         with as many chunks; else agree them. Every worker has seen the same
         results of the same rounds, so every worker chooses alike."""
-        carried = self._scales.get(req.key, (0, None))[1]
+        _, carried, steady = self._scales.get(req.key, (0, None, True))
         if carried is None or carried.size != len(req.chunks):
+            self._start_scale_agreement(req)
+            return
+        if not steady:
+            self.stats.scales_unsteady += 1
             self._start_scale_agreement(req)
             return
         req.carried = True
@@ -654,10 +676,11 @@ class ChunkClient(Client):
         if self._carries_scale(req) and (newest is None or not round_at_or_before(req.round, newest[0])):
             self._scales.pop(req.key, None)  # the last key to end is the last to go
             if req.failed or req.error is not None or (req.maxima == -32768).any():
-                self._scales[req.key] = (req.round, None)
+                self._scales[req.key] = (req.round, None, True)
             else:
-                self._scales[req.key] = (req.round, np.minimum(req.maxima.astype(np.int32) + SCALE_HEADROOM,
-                                                               EXPONENT_NONFINITE - 1).astype(np.int16))
+                maxima = req.maxima.astype(np.int32)
+                self._scales[req.key] = (req.round, np.minimum(maxima + SCALE_HEADROOM, EXPONENT_NONFINITE - 1)
+                                         .astype(np.int16), _steady(newest, maxima))
             if len(self._scales) > MAX_CARRIED_KEYS:
                 del self._scales[next(iter(self._scales))]
         for later in list(self._active.values()):

@@ -62,8 +62,9 @@ def ddp_run(rank: int, world: int, port: int, address: str, job: str, steps: int
             opt.step()
         updates = steps
     calls = state.stale_queue.step if staleness else None
-    carried, awaited = state.client.stats.scales_carried, state.client.stats.scales_awaited
+    s = state.client.stats
+    carried, awaited, unsteady, again = s.scales_carried, s.scales_awaited, s.scales_unsteady, s.chunks_sent_again
     state.close()
     dist.barrier()
     return {"params": [p.detach().cpu().numpy().copy() for p in model.parameters()], "updates": updates,
-            "steps_seen": calls, "carried": carried, "awaited": awaited}
+            "steps_seen": calls, "carried": carried, "awaited": awaited, "unsteady": unsteady, "again": again}

@@ -178,6 +178,40 @@ def test_nan_in_a_carried_round_is_named_by_its_rank_and_the_next_round_agrees_a
     np.testing.assert_array_equal(got[0][2]["bits"], got[1][2]["bits"])
 
 
+def _spike(rank: int, address: str, job: str, rounds: int, spike: int, predict: bool):
+    """Round ``spike``'s values 2**10 times the others' (a loss spike)."""
+    out = []
+    with Client(address, job=job, rank=rank, world_size=2, chunk_bytes=4 * BLOCK, timeout=60,
+                predict_scale=predict) as client:
+        s = client.stats
+        for rnd in range(rounds):
+            buf = values(rank, 0) * np.float32(2.0 ** 10 if rnd == spike else 1.0)
+            before = (s.scales_carried, s.chunks_sent_again, s.scales_unsteady)
+            client.allreduce(buf, codec="int32", key=3).result(60)
+            out.append({"bits": buf.view(np.uint32).copy(), "carried": s.scales_carried - before[0],
+                        "again": s.chunks_sent_again - before[1], "unsteady": s.scales_unsteady - before[2]})
+    return out
+
+
+def test_after_a_round_that_carrying_would_send_again_mostly_the_key_agrees_until_it_is_steady(service):
+    """A spike: its round sends every chunk again; the next one, carrying
+    the spike's exponents, would too (now far too coarse), so it agrees;
+    so does the one after it (carried from the spike, the round before
+    would still have gone again), and the key carries once steady again."""
+    job = f"spike-{uuid.uuid4().hex[:8]}"
+    got = run_workers(service.address, 2, _spike, service.address, job, 6, 2, True, timeout=120)
+    agreed = run_workers(service.address, 2, _spike, service.address, job + "-a", 6, 2, False, timeout=120)
+    for rank in got:
+        assert [r["carried"] for r in rank] == [0, 1, 1, 0, 0, 1]
+        assert [r["again"] for r in rank] == [0, 0, CHUNKS, 0, 0, 0]
+        assert [r["unsteady"] for r in rank] == [0, 0, 0, 1, 1, 0]
+        # the rounds that went again or agreed are the very bits agreeing gives
+        for rnd in (0, 2, 3, 4):
+            np.testing.assert_array_equal(rank[rnd]["bits"], agreed[0][rnd]["bits"])
+    np.testing.assert_array_equal(got[0][5]["bits"], got[1][5]["bits"])
+    assert_within_step(got[0][5]["bits"], 0, chunk_exponents(0) + 1)
+
+
 def test_racks_under_a_root_carry_the_jobs_maxima():
     """A rack's partial brings its workers' MAX to the root, whose final
     brings the job's to every rack: all four workers send the same chunks

@@ -73,7 +73,10 @@ def test_stale_int32_steps_carry_exponents_from_the_step_the_last_one_awaited(se
                           timeout=240, start_method="spawn")
     for r in results:
         assert r["updates"] == STEPS - 2
-        assert r["carried"] == STEPS - 3  # the first round of each of the 3 keys agrees
+        # the first round of each of the 3 keys agrees; a later one carries,
+        # or agrees where carrying would have sent its key's last round
+        # (one chunk here) again
+        assert r["carried"] + r["unsteady"] == STEPS - 3 and r["unsteady"] <= 2
         assert r["awaited"] == 0, f"{r['awaited']} of {STEPS} steps waited for the step before theirs"
     for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
         np.testing.assert_array_equal(a, b)
