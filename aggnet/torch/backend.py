@@ -105,6 +105,7 @@ from aggnet.client.config import ClientConfig
 from aggnet.errors import AggnetError, AggregatorUnreachable
 from aggnet.torch.futures import torch_future, when_all
 from aggnet.torch.hook import _CODECS, _numpy_view
+from aggnet.torch.scale_keys import ScaleKeys
 from aggnet.torch.staging import ClientQueue, Stager, quantize_block
 
 __all__ = ["BACKEND_NAME", "AggnetProcessGroup", "AggnetWork", "UnsupportedCollective", "monitored_barrier",
@@ -239,6 +240,9 @@ class AggnetProcessGroup(dist.ProcessGroup):
             self._delegate._register_backend(cuda, NCCL, nccl)
             self._delegate._set_default_backend(GLOO)
         self._stagers: dict = {}
+        #: the keys of int32 all-reduces (the order and sizes of the calls,
+        #: alike on every rank), so that they carry their exponents
+        self._scale_keys = ScaleKeys()
         #: the order collectives reach the client in: a device tensor's
         #: waits on a thread for its copy to the host, and a CPU tensor's,
         #: sent from where it is, queues behind it instead of overtaking it
@@ -400,6 +404,15 @@ class AggnetProcessGroup(dist.ProcessGroup):
         tensor; a CPU one too under ``stage_cpu_tensors``)."""
         return t.device.type != "cpu" or self.stage_cpu_tensors
 
+    def _key(self, codec: str | None, numel: int) -> int | None:
+        """The key of an all-reduce of ``numel`` elements under ``codec``:
+        an int32 one carries its exponents from an earlier round of its
+        size (:mod:`aggnet.torch.scale_keys`); others need none (without a
+        key, rounds spread over the shards by their number)."""
+        if codec != "int32" or not self.config.predict_scale:
+            return None
+        return self._scale_keys.key(numel)
+
     def _allreduce_one(self, t: torch.Tensor, op: str):
         """(aggnet future, what to do once it is done) for one tensor."""
         if self._staged(t):
@@ -407,7 +420,8 @@ class AggnetProcessGroup(dist.ProcessGroup):
         work = _contiguous(t.detach())
         arr, hint = _numpy_view(work)
         client, codec = self.client, self.codec if t.dtype == torch.float32 else None
-        fut = self._order.call(lambda: client.allreduce(arr, op=op, codec=codec, _wire_hint=hint))
+        key = self._key(codec, arr.size)
+        fut = self._order.call(lambda: client.allreduce(arr, op=op, codec=codec, key=key, _wire_hint=hint))
 
         def finish():
             if not t.is_contiguous():  # the result went to a contiguous copy
@@ -424,8 +438,9 @@ class AggnetProcessGroup(dist.ProcessGroup):
         client = self.client
         staged = stager.stage(work, codec=codec, op=op, world=self._world, check_finite=False,
                               block=quantize_block(client, codec, work.dtype))
+        key = self._key(codec, work.numel())
         fut = stager.submit(staged, lambda arr, **options: client.allreduce(arr, op=staged.op, codec=staged.codec,
-                                                                            **options))
+                                                                            key=key, **options))
         fut.add_done_callback(lambda f: f.exception() is not None and stager.release(staged))
 
         def finish():
@@ -513,7 +528,9 @@ class AggnetProcessGroup(dist.ProcessGroup):
             # a switch, or a rack of a hierarchy: all-reduce a copy, keep this rank's share
             whole = src.reshape(-1).clone()
             whole_arr, _ = _numpy_view(whole)
-            fut = self._order.call(lambda: client.allreduce(whole_arr, op=op, codec=codec, _wire_hint=hint))
+            key = self._key(codec, whole_arr.size)
+            fut = self._order.call(lambda: client.allreduce(whole_arr, op=op, codec=codec, key=key,
+                                                            _wire_hint=hint))
 
         def finish():
             if whole is not None:
@@ -543,8 +560,10 @@ class AggnetProcessGroup(dist.ProcessGroup):
             def send(arr, **options):
                 return client.reduce_scatter(arr, arr[mine], bounds, op=staged.op, codec=staged.codec, **options)
         else:
+            key = self._key(codec, input.numel())
+
             def send(arr, **options):
-                return client.allreduce(arr, op=staged.op, codec=staged.codec, **options)
+                return client.allreduce(arr, op=staged.op, codec=staged.codec, key=key, **options)
         fut = stager.submit(staged, send)
         fut.add_done_callback(lambda f: f.exception() is not None and stager.release(staged))
         dst = _contiguous(output.detach())

@@ -312,8 +312,49 @@ def _monitored_part(rank: int, world: int, gloo) -> dict:
     return {"passed_s": passed, "error": text, "seconds": seconds}
 
 
+def _int32_part(rank: int, world: int, gloo) -> dict:
+    """A group of its own under the int32 codec: a loop whose steps
+    all-reduce two tensors of one size and one of another, then two of
+    that size at once and a coalesced list of four; integer values, which
+    the codec sums exactly, so aggnet's sums must be gloo's bits."""
+    from aggnet.client.config import ClientConfig
+
+    config = ClientConfig(address=dist.group.WORLD.config.address, codec="int32", chunk_bytes=4096, timeout=30.0)
+    group = dist.new_group(backend="aggnet", pg_options=config)
+    n, m = 10007, 5003
+    got, want = [], []
+
+    def both(make, run):
+        for g, out in ((group, got), (gloo, want)):
+            ts = make()
+            run(ts, g)
+            out.append([t.numpy().copy() for t in ts])
+
+    for step in range(INT32_STEPS):
+        both(lambda: [_ints(70 + step, rank, size) for size in (n, n, m)],
+             lambda ts, g: [dist.all_reduce(t, group=g) for t in ts])
+    stats = group._client.stats
+    carried, awaited = stats.scales_carried, stats.scales_awaited
+    both(lambda: [_ints(80, rank, n), _ints(81, rank, n)],
+         lambda ts, g: [w.wait() for w in [dist.all_reduce(t, group=g, async_op=True) for t in ts]])
+    pair_awaited = stats.scales_awaited - awaited
+    both(lambda: [_ints(90 + i, rank, n) for i in range(4)], lambda ts, g: dist.all_reduce_coalesced(ts, group=g))
+    # the same loop through the staging a CUDA tensor takes (quantized
+    # where the tensor is, handed to the client with its exponents)
+    staged = dist.new_group(backend="aggnet", pg_options=config)
+    staged.stage_cpu_tensors = True
+    for step in range(INT32_STEPS):
+        both(lambda: [_ints(70 + step, rank, size) for size in (n, n, m)],
+             lambda ts, g: [dist.all_reduce(t, group=staged if g is group else g) for t in ts])
+    return {"got": got, "want": want, "loop_carried": carried, "loop_awaited": awaited,
+            "pair_awaited": pair_awaited, "carried": stats.scales_carried, "awaited": stats.scales_awaited,
+            "staged_carried": staged._client.stats.scales_carried}
+
+
+INT32_STEPS = 4
+
 PARTS = {"collectives": _collectives_part, "ddp": _ddp_part, "fsdp": _fsdp_part, "stall": _stall_part,
-         "monitored": _monitored_part}
+         "monitored": _monitored_part, "int32": _int32_part}
 
 
 @ends_process_group

@@ -122,7 +122,7 @@ def test_reduce_scatter_beside_an_allreduce_is_a_mismatch_not_a_hang(service):
 #: per world size: the backend string and the parts one set of spawned
 #: workers runs (each spawn of torch processes costs seconds on a small
 #: machine, so the tests share them)
-PLANS = {2: ("aggnet", ["collectives", "ddp", "fsdp", "stall", "monitored"]),
+PLANS = {2: ("aggnet", ["collectives", "ddp", "fsdp", "stall", "monitored", "int32"]),
          3: ("cpu:aggnet", ["collectives", "ddp"]),
          4: ("aggnet", ["collectives"])}
 
@@ -165,6 +165,30 @@ def test_every_collective_equals_gloo(suite, world):
         assert res[r]["collectives"]["aggnet_ops"] == 19
         # a reduce-scatter of 4099 floats per rank brought back this rank's share only
         assert res[r]["collectives"]["share_received"] == 4 * 4099
+
+
+def test_int32_all_reduces_carry_their_exponents_from_an_earlier_call_of_their_size(suite):
+    """torch.distributed gives no key: the backend keys its int32 rounds by
+    the sizes of its calls in order, so that they skip the exponent
+    agreement, and equal-size tensors issued together never wait for each
+    other."""
+    res = suite(2)
+    for r in range(2):
+        got = res[r]["int32"]
+        for a, b in zip(got["got"], got["want"]):
+            for x, y in zip(a, b):
+                assert np.array_equal(x, y)
+        # the first step agrees; every all-reduce of a later one carries
+        assert got["loop_carried"] == 3 * (B.INT32_STEPS - 1)
+        # each from a round that was over: a synchronous loop never waits
+        assert got["loop_awaited"] == 0
+        # two of one size at once take different keys: neither waits
+        assert got["pair_awaited"] == 0
+        # the coalesced four: the last two may wait for the first two
+        assert got["carried"] == got["loop_carried"] + 2 + 4 and got["awaited"] <= 2
+        # and so does the loop through the staging a CUDA tensor takes
+        assert got["staged_carried"] == got["loop_carried"]
+    assert res[0]["int32"]["carried"] == res[1]["int32"]["carried"]
 
 
 @pytest.mark.slow
