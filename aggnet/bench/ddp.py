@@ -12,6 +12,8 @@ with CPU buckets taken through the GPU path's staging, to weigh its host
 side without a GPU); ``aggnet-CODEC-staleS``
 and ``aggnet-CODEC-staleS-predict`` (stale-gradient data parallelism,
 :mod:`aggnet.torch.stale`: the all-reduce hides behind the next S steps);
+``backend-CODEC`` (DDP without a hook, over a process group of the
+``aggnet`` backend: what ``init_process_group("aggnet")`` gives);
 and the two halves of a step alone, to weigh them against: ``compute``
 (forward, backward and update without DDP) and ``comm-CODEC`` (one aggnet
 all-reduce of the model's gradient size, nothing else; ``comm-CODEC-buckets``
@@ -43,7 +45,8 @@ def add_arguments(p) -> None:
                         "comm-CODEC[-buckets|-pipelined]; aggnet-CODEC-rings stages GPU buckets through private "
                         "pinned memory copied through the shm rings (share_buffers=False); aggnet-CODEC-staged takes "
                         "CPU buckets through everything a GPU bucket goes through (staging='always'), to weigh "
-                        "the staging's host side without a GPU (default %(default)s)")
+                        "the staging's host side without a GPU; backend-CODEC is DDP without a hook over the aggnet "
+                        "backend (default %(default)s)")
     p.add_argument("--address", default=None, help="aggregator (default: embedded local aggregator)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where the model trains (cuda: every worker on GPU 0 unless CUDA_VISIBLE_DEVICES "
@@ -62,12 +65,13 @@ def check_system(name: str) -> str:
               and (len(parts) == 2 or parts[2:] in (["sync"], ["rings"], ["staged"])
                    or (parts[2].startswith("stale") and parts[2][5:].isdigit() and int(parts[2][5:]) > 0
                                        and parts[3:] in ([], ["predict"]))))
+          or (parts[0] == "backend" and len(parts) == 2 and parts[1] in _CODEC_NAMES)
           or (parts[0] == "comm" and len(parts) in (2, 3) and parts[1] in _CODEC_NAMES
               and parts[2:] in ([], ["buckets"], ["pipelined"])))
     if not ok:
         raise SystemExit(f"aggnet bench-ddp: unknown system {name!r}; use gloo, compute, aggnet-CODEC, "
                          f"aggnet-CODEC-sync, aggnet-CODEC-rings, aggnet-CODEC-staged, aggnet-CODEC-staleS[-predict], "
-                         f"comm-CODEC[-buckets|-pipelined] with CODEC one of {', '.join(_CODEC_NAMES)}")
+                         f"backend-CODEC, comm-CODEC[-buckets|-pipelined] with CODEC one of {', '.join(_CODEC_NAMES)}")
     return name
 
 
@@ -114,9 +118,16 @@ def _time_system(system: str, model, x, y, args, rank: int, world: int, port) ->
     from aggnet.torch import AggnetState, StaleStep, allreduce_hook
 
     parts = system.split("-")
-    state = stale = comm = None
+    state = stale = comm = group = None
     if system == "compute":
         ddp = model  # the same step without DDP: no communication at all
+    elif parts[0] == "backend":
+        import aggnet.torch  # noqa: F401  (registers the backend)
+        from aggnet.client.config import ClientConfig
+
+        group = dist.new_group(backend="aggnet", pg_options=ClientConfig.from_env(address=args.address,
+                                                                                  codec=parts[1]))
+        ddp = DDP(model, process_group=group)
     elif parts[0] == "comm":
         from aggnet.client.base import Client
 
@@ -165,7 +176,8 @@ def _time_system(system: str, model, x, y, args, rank: int, world: int, port) ->
     if comm is not None:
         comm.finish()
     cpu = own_cpu_seconds() - cpu0
-    used = comm.client if comm is not None else (state._client if state is not None else None)
+    used = comm.client if comm is not None else (state._client if state is not None else
+                                                 group._client if group is not None else None)
     stats = None
     if used is not None:
         cs = used.stats
@@ -175,6 +187,8 @@ def _time_system(system: str, model, x, y, args, rank: int, world: int, port) ->
         state.close()
     if comm is not None:
         comm.client.close()
+    if group is not None:
+        dist.destroy_process_group(group)
     return times, cpu, stats
 
 
