@@ -142,16 +142,22 @@ def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, me
                                     reps, aggregator))
                 if float(share[0]) != want or float(share[-1]) != want:
                     raise AssertionError(f"rank {rank}: staged reduce_scatter gave {share[0]} .. {share[-1]}")
-            # all-reduces of ones: every repetition multiplies by N, exactly
-            # (the client's buffer is host memory either way)
+            # averages of ones: the values stay 1, exactly, as a gradient's
+            # scale stays from one step to the next (the client's buffer is
+            # host memory either way). Under int32 the backend carries its
+            # exponents from an earlier call of the size (its own keys), so
+            # the client's all-reduce goes under a key too: the ratio is
+            # what the process-group layer costs, not carrying against agreeing
             buf = torch.ones(n, device=device)
             arr = np.ones(n, np.float32)
+            wire, key = (None, None) if codec == "float32" else (codec, 0)
             times.update(_turns(barrier, {
-                "aggnet all_reduce": done(lambda: dist.all_reduce(buf)),
-                "client all_reduce": lambda: client.allreduce(arr, codec=None if codec == "float32" else codec)
-                .result(600)}, reps, aggregator))
-            if float(buf[0]) != float(arr[0]) or float(buf[-1]) != float(arr[-1]):
-                raise AssertionError(f"rank {rank}: backend all_reduce gave {buf[-1]}, client {arr[-1]}")
+                "aggnet all_reduce": done(lambda: dist.all_reduce(buf, op=dist.ReduceOp.AVG)),
+                "client all_reduce": lambda: client.allreduce(arr, op="avg", codec=wire, key=key).result(600)},
+                reps, aggregator))
+            for got, name in ((buf.cpu().numpy(), "backend"), (arr, "client")):
+                if float(got[0]) != 1.0 or float(got[-1]) != 1.0:
+                    raise AssertionError(f"rank {rank}: {name} all_reduce gave {got[0]} .. {got[-1]}, want 1.0")
             buf = torch.ones(n, device=device)
             times.update(_turns(barrier, {"gloo all_reduce": done(lambda: dist.all_reduce(buf, group=gloo))}, reps,
                                 aggregator))
