@@ -101,7 +101,8 @@ def _worker(rank: int, world: int, sizes: list[int], reps: int, address: str, me
 
     torch.set_num_threads(1)
     device = torch.device("cuda" if memory == "cuda" else "cpu")
-    config = ClientConfig(address=address, timeout=300.0, codec=codec)
+    # AGGNET_* settings apply (AGGNET_PREDICT_SCALE=0: int32 agrees every round)
+    config = ClientConfig.from_env(address=address, timeout=300.0, codec=codec)
     dist.init_process_group("aggnet", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             pg_options=config, timeout=datetime.timedelta(seconds=600))
     gloo = dist.new_group(backend="gloo")
