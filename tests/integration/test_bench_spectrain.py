@@ -82,3 +82,18 @@ def test_ddp_bench_takes_cpu_buckets_through_the_device_staging_and_refuses_unkn
                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert run.returncode != 0 and "Traceback" not in run.stderr
     assert "unknown system 'aggnet-float32-staging'" in run.stderr and "aggnet-CODEC-staged" in run.stderr
+
+
+def test_ddp_bench_times_ddp_over_the_aggnet_backend(tmp_path):
+    """``backend-CODEC``: DDP without a hook over a process group of the
+    aggnet backend, one group per system, left once it is timed."""
+    systems = "backend-float32,backend-int32"
+    out = _run(tmp_path, "bench-ddp", "--workers", "2", "--width", "64", "--batch", "4", "--steps", "2",
+               "--systems", systems, "--json", "ddp.json")
+    records = json.loads((tmp_path / "ddp.json").read_text())
+    assert [r["system"] for r in records] == systems.split(",") and all(r["median_s"] > 0 for r in records)
+    assert "backend-int32" in out
+    run = subprocess.run([sys.executable, "-m", "aggnet", "bench-ddp", "--systems", "backend-int32-sync"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert "unknown system 'backend-int32-sync'" in run.stderr and "backend-CODEC" in run.stderr
