@@ -312,6 +312,9 @@ def _monitored_part(rank: int, world: int, gloo) -> dict:
     return {"passed_s": passed, "error": text, "seconds": seconds}
 
 
+INT32_STEPS = 4
+
+
 def _int32_part(rank: int, world: int, gloo) -> dict:
     """A group of its own under the int32 codec: a loop whose steps
     all-reduce two tensors of one size and one of another, then two of
@@ -350,8 +353,6 @@ def _int32_part(rank: int, world: int, gloo) -> dict:
             "pair_awaited": pair_awaited, "carried": stats.scales_carried, "awaited": stats.scales_awaited,
             "staged_carried": staged._client.stats.scales_carried}
 
-
-INT32_STEPS = 4
 
 PARTS = {"collectives": _collectives_part, "ddp": _ddp_part, "fsdp": _fsdp_part, "stall": _stall_part,
          "monitored": _monitored_part, "int32": _int32_part}

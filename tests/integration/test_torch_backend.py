@@ -175,8 +175,8 @@ def test_int32_all_reduces_carry_their_exponents_from_an_earlier_call_of_their_s
     res = suite(2)
     for r in range(2):
         got = res[r]["int32"]
-        for a, b in zip(got["got"], got["want"]):
-            for x, y in zip(a, b):
+        for a, b in zip(got["got"], got["want"], strict=True):
+            for x, y in zip(a, b, strict=True):
                 assert np.array_equal(x, y)
         # the first step agrees; every all-reduce of a later one carries
         assert got["loop_carried"] == 3 * (B.INT32_STEPS - 1)
