@@ -6,6 +6,7 @@ so both see identical inputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import time
@@ -349,9 +350,18 @@ def _int32_part(rank: int, world: int, gloo) -> dict:
     for step in range(INT32_STEPS):
         both(lambda: [_ints(70 + step, rank, size) for size in (n, n, m)],
              lambda ts, g: [dist.all_reduce(t, group=staged if g is group else g) for t in ts])
+    # ranks that set AGGNET_PREDICT_SCALE differently: one keys, the other not
+    mixed = dist.new_group(backend="aggnet", pg_options=dataclasses.replace(config, predict_scale=rank == 0))
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(_ints(99, rank, n), group=mixed)
+        mismatch = "no error"
+    except Exception as exc:
+        mismatch = f"{type(exc).__name__}: {exc}"
     return {"got": got, "want": want, "loop_carried": carried, "loop_awaited": awaited,
             "pair_awaited": pair_awaited, "carried": stats.scales_carried, "awaited": stats.scales_awaited,
-            "staged_carried": staged._client.stats.scales_carried}
+            "staged_carried": staged._client.stats.scales_carried, "mismatch": mismatch,
+            "mismatch_s": time.monotonic() - t0}
 
 
 PARTS = {"collectives": _collectives_part, "ddp": _ddp_part, "fsdp": _fsdp_part, "stall": _stall_part,

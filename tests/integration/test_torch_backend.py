@@ -188,6 +188,9 @@ def test_int32_all_reduces_carry_their_exponents_from_an_earlier_call_of_their_s
         assert got["carried"] == got["loop_carried"] + 2 + 4 and got["awaited"] <= 2
         # and so does the loop through the staging a CUDA tensor takes
         assert got["staged_carried"] == got["loop_carried"]
+        # ranks whose AGGNET_PREDICT_SCALE differs are told so at once
+        assert got["mismatch"].startswith("JobMismatch") and got["mismatch_s"] < 10, got["mismatch"]
+        assert "set it alike on every rank" in got["mismatch"] and "AGGNET_PREDICT_SCALE=0" in got["mismatch"]
     assert res[0]["int32"]["carried"] == res[1]["int32"]["carried"]
 
 
