@@ -717,10 +717,14 @@ class Shard:
             inline = bytes(out) if len(job.shm_members) < job.world else None
         header = h.pack()
         # a reduce-scatter's chunk: the sum to its owner, an empty RESULT
-        # to the others (it frees their window, as a result would)
+        # to the others (it frees their window, as a result would, and
+        # brings the chunk's MAX exponent: an int32 round's every worker
+        # decides alike whether the chunk goes again, and what its key's
+        # next round carries)
         ack = None if slot.owner is None else Header(
             MsgType.RESULT, job_id=job.job_id, round=slot.key[0], index=slot.key[1],
-            flags=Flag.LITTLE_ENDIAN | Flag.TO_OWNER, dtype=slot.dtype, world=job.world, offset=slot.offset).pack()
+            flags=Flag.LITTLE_ENDIAN | Flag.TO_OWNER, dtype=slot.dtype, world=job.world, offset=slot.offset,
+            exponent=slot.exponent, next_exponent=slot.next_exponent).pack()
         for rank, peer in job.members.items():
             if ack is not None and rank != slot.owner:
                 sent = self.listener.send(peer, ack)

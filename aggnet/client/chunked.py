@@ -642,9 +642,10 @@ class ChunkClient(Client):
 
     def _carries_scale(self, req: ChunkRequest) -> bool:
         """Whether ``req``'s exponents may come from its key's last round:
-        an all-reduce (a reduce-scatter's other ranks get no sum to learn
-        from) of host memory under a key, when the client is let."""
-        return (self.config.predict_scale and req.key is not None and req.bounds is None
+        an all-reduce or a reduce-scatter (whose other ranks' chunks are
+        acknowledged with their MAX exponent) of host memory under a key,
+        when the client is let."""
+        return (self.config.predict_scale and req.key is not None
                 and req.enc.device is None and len(req.chunks) < REDO_BIT)
 
     def _choose_scale(self, req: ChunkRequest) -> None:
@@ -857,7 +858,11 @@ class ChunkClient(Client):
             self._settle_held(req)
             return
         if c.owner is not None and c.owner != self.rank:
-            # another rank's share: an acknowledgement, which frees the window
+            # another rank's share: an acknowledgement, which frees the
+            # window; an int32 one brings the chunk's MAX exponent, and a
+            # chunk that outgrew what it carried goes again from every worker
+            if req.enc.quantized and not again and self._goes_again(req, c, h):
+                return
             req.remaining -= 1
             if req.remaining == 0:
                 self._complete(req)

@@ -404,14 +404,15 @@ class AggnetProcessGroup(dist.ProcessGroup):
         tensor; a CPU one too under ``stage_cpu_tensors``)."""
         return t.device.type != "cpu" or self.stage_cpu_tensors
 
-    def _key(self, codec: str | None, numel: int) -> int | None:
-        """The key of an all-reduce of ``numel`` elements under ``codec``:
-        an int32 one carries its exponents from an earlier round of its
-        size (:mod:`aggnet.torch.scale_keys`); others need none (without a
-        key, rounds spread over the shards by their number)."""
+    def _key(self, codec: str | None, size) -> int | None:
+        """The key of a round of ``size`` (an all-reduce's element count, a
+        reduce-scatter's share bounds) under ``codec``: an int32 one carries
+        its exponents from an earlier round of its size
+        (:mod:`aggnet.torch.scale_keys`); others need none (without a key,
+        rounds spread over the shards by their number)."""
         if codec != "int32" or not self.config.predict_scale:
             return None
-        return self._scale_keys.key(numel)
+        return self._scale_keys.key(size)
 
     def _allreduce_one(self, t: torch.Tensor, op: str):
         """(aggnet future, what to do once it is done) for one tensor."""
@@ -521,8 +522,9 @@ class AggnetProcessGroup(dist.ProcessGroup):
         codec = self.codec if input.dtype == torch.float32 else None
         mine = slice(bounds[self._rank], bounds[self._rank + 1])
         if client.owner_results:
+            key = self._key(codec, tuple(bounds))
             fut = self._order.call(lambda: client.reduce_scatter(src_arr.reshape(-1), dst_arr.reshape(-1), bounds,
-                                                                 op=op, codec=codec, _wire_hint=hint))
+                                                                 op=op, codec=codec, key=key, _wire_hint=hint))
             whole = None
         else:
             # a switch, or a rack of a hierarchy: all-reduce a copy, keep this rank's share
@@ -557,8 +559,11 @@ class AggnetProcessGroup(dist.ProcessGroup):
                               block=block, bounds=bounds)
         mine = slice(bounds[self._rank], bounds[self._rank + 1])
         if client.owner_results:
+            key = self._key(codec, tuple(bounds))
+
             def send(arr, **options):
-                return client.reduce_scatter(arr, arr[mine], bounds, op=staged.op, codec=staged.codec, **options)
+                return client.reduce_scatter(arr, arr[mine], bounds, op=staged.op, codec=staged.codec, key=key,
+                                             **options)
         else:
             key = self._key(codec, input.numel())
 

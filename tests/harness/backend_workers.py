@@ -343,6 +343,7 @@ def _int32_part(rank: int, world: int, gloo) -> dict:
          lambda ts, g: [w.wait() for w in [dist.all_reduce(t, group=g, async_op=True) for t in ts]])
     pair_awaited = stats.scales_awaited - awaited
     both(lambda: [_ints(90 + i, rank, n) for i in range(4)], lambda ts, g: dist.all_reduce_coalesced(ts, group=g))
+    all_carried, all_awaited = stats.scales_carried, stats.scales_awaited
     # the same loop through the staging a CUDA tensor takes (quantized
     # where the tensor is, handed to the client with its exponents)
     staged = dist.new_group(backend="aggnet", pg_options=config)
@@ -350,6 +351,19 @@ def _int32_part(rank: int, world: int, gloo) -> dict:
     for step in range(INT32_STEPS):
         both(lambda: [_ints(70 + step, rank, size) for size in (n, n, m)],
              lambda ts, g: [dist.all_reduce(t, group=staged if g is group else g) for t in ts])
+    staged_carried = staged._client.stats.scales_carried
+
+    def scatters(aggnet_group) -> int:
+        """A loop of reduce-scatters (FSDP2's gradients): the carried ones."""
+        before = aggnet_group._client.stats.scales_carried
+        for step in range(INT32_STEPS):
+            for g, out in ((aggnet_group, got), (gloo, want)):
+                share = torch.empty(m)
+                dist.reduce_scatter_tensor(share, _ints(60 + step, rank, world * m), group=g)
+                out.append([share.numpy().copy()])
+        return aggnet_group._client.stats.scales_carried - before
+
+    scatter_carried, staged_scatter_carried = scatters(group), scatters(staged)
     # ranks that set AGGNET_PREDICT_SCALE differently: one keys, the other not
     mixed = dist.new_group(backend="aggnet", pg_options=dataclasses.replace(config, predict_scale=rank == 0))
     t0 = time.monotonic()
@@ -359,8 +373,9 @@ def _int32_part(rank: int, world: int, gloo) -> dict:
     except Exception as exc:
         mismatch = f"{type(exc).__name__}: {exc}"
     return {"got": got, "want": want, "loop_carried": carried, "loop_awaited": awaited,
-            "pair_awaited": pair_awaited, "carried": stats.scales_carried, "awaited": stats.scales_awaited,
-            "staged_carried": staged._client.stats.scales_carried, "mismatch": mismatch,
+            "pair_awaited": pair_awaited, "carried": all_carried, "awaited": all_awaited,
+            "staged_carried": staged_carried, "scatter_carried": scatter_carried,
+            "staged_scatter_carried": staged_scatter_carried, "mismatch": mismatch,
             "mismatch_s": time.monotonic() - t0}
 
 

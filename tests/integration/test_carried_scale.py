@@ -178,6 +178,43 @@ def test_nan_in_a_carried_round_is_named_by_its_rank_and_the_next_round_agrees_a
     np.testing.assert_array_equal(got[0][2]["bits"], got[1][2]["bits"])
 
 
+#: two shares of whole chunks: a reduce-scatter's chunks are then the all-reduce's
+SHARES = [0, 4 * BLOCK, CHUNKS * BLOCK - 5]
+
+
+def _scatter_rounds(rank: int, address: str, job: str, rounds: int, predict: bool):
+    out = []
+    with Client(address, job=job, rank=rank, world_size=2, chunk_bytes=4 * BLOCK, timeout=60,
+                predict_scale=predict) as client:
+        s = client.stats
+        for rnd in range(rounds):
+            share = np.empty(SHARES[rank + 1] - SHARES[rank], np.float32)
+            before = (s.scales_carried, s.chunks_sent_again)
+            client.reduce_scatter(values(rank, rnd), share, SHARES, codec="int32", key=5).result(60)
+            out.append({"bits": share.view(np.uint32).copy(), "carried": s.scales_carried - before[0],
+                        "again": s.chunks_sent_again - before[1]})
+    return out
+
+
+def test_a_keyed_reduce_scatter_carries_its_exponents_from_what_every_chunk_acknowledged(service):
+    """A reduce-scatter's rank receives only its share's sums; the other
+    chunks come back as acknowledgements that bring their MAX exponent,
+    so every worker carries every chunk's, and sends again alike what
+    outgrew them: each share is the keyed all-reduce's bits."""
+    job = f"rs-{uuid.uuid4().hex[:8]}"
+    got = run_workers(service.address, 2, _scatter_rounds, service.address, job, 4, True, timeout=120)
+    agreed = run_workers(service.address, 2, _scatter_rounds, service.address, job + "-a", 4, False, timeout=120)
+    whole = run({"address": service.address}, 4)
+    for rank in range(2):
+        assert [r["carried"] for r in got[rank]] == [0, 1, 1, 1]
+        assert [r["again"] for r in got[rank]] == [0, 0, 2, 0]  # from every worker, its own share's or not
+        assert [r["carried"] for r in agreed[rank]] == [0, 0, 0, 0]
+        mine = slice(SHARES[rank], SHARES[rank + 1])
+        for rnd in range(4):
+            np.testing.assert_array_equal(got[rank][rnd]["bits"], whole[0][rnd]["bits"][mine])
+        np.testing.assert_array_equal(got[rank][0]["bits"], agreed[rank][0]["bits"])
+
+
 def _spike(rank: int, address: str, job: str, rounds: int, spike: int, predict: bool):
     """Round ``spike``'s values 2**10 times the others' (a loss spike)."""
     out = []

@@ -168,10 +168,10 @@ def test_every_collective_equals_gloo(suite, world):
 
 
 def test_int32_all_reduces_carry_their_exponents_from_an_earlier_call_of_their_size(suite):
-    """torch.distributed gives no key: the backend keys its int32 rounds by
-    the sizes of its calls in order, so that they skip the exponent
-    agreement, and equal-size tensors issued together never wait for each
-    other."""
+    """torch.distributed gives no key: the backend keys its int32 rounds
+    (all-reduces and reduce-scatters) by the sizes of its calls in order,
+    so that they skip the exponent agreement, and equal-size tensors
+    issued together never wait for each other."""
     res = suite(2)
     for r in range(2):
         got = res[r]["int32"]
@@ -188,6 +188,9 @@ def test_int32_all_reduces_carry_their_exponents_from_an_earlier_call_of_their_s
         assert got["carried"] == got["loop_carried"] + 2 + 4 and got["awaited"] <= 2
         # and so does the loop through the staging a CUDA tensor takes
         assert got["staged_carried"] == got["loop_carried"]
+        # a loop of reduce-scatters of one size alternates two keys, each
+        # carried from two calls back, host memory or staged
+        assert got["scatter_carried"] == got["staged_scatter_carried"] == B.INT32_STEPS - 2
         # ranks whose AGGNET_PREDICT_SCALE differs are told so at once
         assert got["mismatch"].startswith("JobMismatch") and got["mismatch_s"] < 10, got["mismatch"]
         assert "set it alike on every rank" in got["mismatch"] and "AGGNET_PREDICT_SCALE=0" in got["mismatch"]
