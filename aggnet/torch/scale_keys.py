@@ -11,13 +11,16 @@ order (the collectives of one group run in the same order on every rank,
 or they mismatch):
 
 * a round takes, of the keys of its size whose last round is at least
-  ``LAG`` calls older, the one used last, or a new key when there is none;
+  ``LAG`` calls older, the one used longest ago, or a new key when there
+  is none;
 * so a loop that all-reduces the same tensors every step carries each one
-  from its last step (from ``ceil(LAG / calls)`` steps back when a step
-  makes fewer than ``LAG`` calls), and tensors of one size issued together
-  (FSDP2's equal layers, a coalesced list) take different keys: a round
-  waits for its key's last round (the client's rule) only when that one
-  is ``LAG`` calls back, never for the call just before it.
+  from itself in its last step (from ``ceil(LAG / calls)`` steps back when
+  a step makes fewer than ``LAG`` calls; a step's tensors of one size, up
+  to ``LAG`` of them, each keep a key of their own, more share them), and
+  tensors of one size issued together (FSDP2's equal layers, a coalesced
+  list) take different keys: a round waits for its key's last round (the
+  client's rule) only when that one is ``LAG`` calls back, never for the
+  call just before it.
 
 Two tensors of one size may share a key. A chunk whose values outgrew (or
 fell far below) what it carried goes again with the agreed exponent
@@ -64,7 +67,7 @@ class ScaleKeys:
                 self._uses.popitem(last=False)
             ready = [u for u in uses if u[0] <= call - self._lag]
             if ready:
-                use = max(ready, key=lambda u: u[0])
+                use = min(ready, key=lambda u: u[0])  # in a periodic loop: the same tensor's
             else:
                 # at most `lag` keys a size: the ones used within the last lag - 1 calls, and one older
                 use = [call, self._new]

@@ -364,6 +364,13 @@ def _int32_part(rank: int, world: int, gloo) -> dict:
         return aggnet_group._client.stats.scales_carried - before
 
     scatter_carried, staged_scatter_carried = scatters(group), scatters(staged)
+    # FSDP2 on a mesh of the int32 group: its reduce-scatters carry
+    from torch.distributed.device_mesh import DeviceMesh
+
+    before = stats.scales_carried, stats.scales_unsteady, stats.chunks_sent_again
+    fsdp = _fsdp_train(rank, world, DeviceMesh.from_group(group, "cpu"))
+    fsdp_counts = [now - then for now, then in zip((stats.scales_carried, stats.scales_unsteady,
+                                                    stats.chunks_sent_again), before)]
     # ranks that set AGGNET_PREDICT_SCALE differently: one keys, the other not
     mixed = dist.new_group(backend="aggnet", pg_options=dataclasses.replace(config, predict_scale=rank == 0))
     t0 = time.monotonic()
@@ -375,7 +382,8 @@ def _int32_part(rank: int, world: int, gloo) -> dict:
     return {"got": got, "want": want, "loop_carried": carried, "loop_awaited": awaited,
             "pair_awaited": pair_awaited, "carried": all_carried, "awaited": all_awaited,
             "staged_carried": staged_carried, "scatter_carried": scatter_carried,
-            "staged_scatter_carried": staged_scatter_carried, "mismatch": mismatch,
+            "staged_scatter_carried": staged_scatter_carried, "fsdp": fsdp, "fsdp_counts": fsdp_counts,
+            "mismatch": mismatch,
             "mismatch_s": time.monotonic() - t0}
 
 

@@ -191,6 +191,13 @@ def test_int32_all_reduces_carry_their_exponents_from_an_earlier_call_of_their_s
         # a loop of reduce-scatters of one size alternates two keys, each
         # carried from two calls back, host memory or staged
         assert got["scatter_carried"] == got["staged_scatter_carried"] == B.INT32_STEPS - 2
+        # FSDP2 on the int32 group trains as on gloo, within the codec's
+        # quantization (2**-30 of each chunk's largest value a step), and
+        # after its first step every reduce-scatter of its three units carries
+        # (or agrees, where carrying would have sent most of it again)
+        assert rel_diff(got["fsdp"], res[r]["fsdp"]["gloo"]) <= 1e-5
+        carried, unsteady, _ = got["fsdp_counts"]
+        assert carried + unsteady == 3 * (B.STEPS - 1) and unsteady <= 3
         # ranks whose AGGNET_PREDICT_SCALE differs are told so at once
         assert got["mismatch"].startswith("JobMismatch") and got["mismatch_s"] < 10, got["mismatch"]
         assert "set it alike on every rank" in got["mismatch"] and "AGGNET_PREDICT_SCALE=0" in got["mismatch"]

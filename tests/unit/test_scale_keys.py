@@ -43,14 +43,22 @@ def test_a_step_of_fewer_calls_than_the_lag_carries_from_as_far_back_as_the_lag(
     assert keys_of([7] * 5, lag=1) == [0] * 5
 
 
-def test_equal_layers_among_others_take_a_key_last_used_at_least_lag_calls_back():
+def test_equal_layers_among_others_take_the_key_used_longest_ago_of_those_lag_calls_back():
     # a step: two equal layers, a bias, two more equal layers, over three steps
     sizes = [1000, 1000, 10, 1000, 1000] * 3
     keys = keys_of(sizes)
-    assert keys == [0, 1, 2, 1, 0, 1, 0, 2, 0, 1, 0, 1, 2, 1, 0]
+    assert keys == [0, 1, 2, 0, 1] * 3
     for i, prev in enumerate(last_use(sizes, keys)):
         if prev is not None:
             assert sizes[prev] == sizes[i] and i - prev >= 2
+
+
+def test_two_tensors_of_one_size_a_step_each_carry_from_themselves():
+    # FSDP2's two equal layers and its root, in the order backward reduces them
+    sizes = [500, 500, 900] * 4
+    keys = keys_of(sizes)
+    assert keys == [0, 1, 2] * 4
+    assert last_use(sizes, keys)[3:] == list(range(9))
 
 
 def test_the_keys_depend_only_on_the_sizes_in_order():
