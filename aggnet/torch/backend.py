@@ -240,8 +240,9 @@ class AggnetProcessGroup(dist.ProcessGroup):
             self._delegate._register_backend(cuda, NCCL, nccl)
             self._delegate._set_default_backend(GLOO)
         self._stagers: dict = {}
-        #: the keys of int32 all-reduces (the order and sizes of the calls,
-        #: alike on every rank), so that they carry their exponents
+        #: the keys of int32 all-reduces and reduce-scatters (the order and
+        #: sizes of the calls, alike on every rank), so that they carry
+        #: their exponents
         self._scale_keys = ScaleKeys()
         #: the order collectives reach the client in: a device tensor's
         #: waits on a thread for its copy to the host, and a CPU tensor's,

@@ -1,11 +1,12 @@
-"""Keys for the backend's int32 all-reduces, so that they carry their
-exponents from an earlier round as the DDP hook's buckets do.
+"""Keys for the backend's int32 all-reduces and reduce-scatters, so that
+they carry their exponents from an earlier round as the DDP hook's
+buckets do.
 
 torch.distributed names no buffer: an ``all_reduce`` is a tensor and an
 op. A round without a key agrees every chunk's exponent before any value
-is quantized (a MAX over the workers: one more round trip, which at a
-megabyte costs about a third of the all-reduce); a round under a key
-carries them from its key's last round instead. The backend names its
+is quantized (a MAX over the workers: one more round trip, about a sixth
+of a 64 KiB or 1 MiB all-reduce on one host, docs/benchmarks.md); a
+round under a key carries them from its key's last round instead. The backend names its
 rounds by what every rank sees alike, the sizes of its calls in their
 order (the collectives of one group run in the same order on every rank,
 or they mismatch):
