@@ -102,6 +102,14 @@ def plan_key(key: int | None) -> int:
     return NO_KEY_PLAN if key is None else key & 0x7FFFFFFF
 
 
+def _fits(carried, agreed):
+    """Whether a chunk quantized with exponent ``carried`` sums right when
+    the workers' MAX exponent of it is ``agreed``: no value reached
+    ``2**carried`` and the step is at most ``2**SCALE_SLACK`` times the
+    agreed one's (all zeros sum to zero at any scale). Scalars or arrays."""
+    return ((carried - SCALE_SLACK <= agreed) & (agreed <= carried)) | (agreed == EXPONENT_ZERO)
+
+
 def _steady(before: tuple | None, maxima: np.ndarray) -> bool:
     """Whether a round whose chunks' MAX exponents were ``maxima`` would
     have sent at most 1/UNSTEADY of them again had it carried the
@@ -109,9 +117,7 @@ def _steady(before: tuple | None, maxima: np.ndarray) -> bool:
     every worker has both, so every worker decides alike."""
     if before is None or before[1] is None or before[1].size != maxima.size:
         return True
-    carried = before[1].astype(np.int32)
-    fits = ((carried - SCALE_SLACK <= maxima) & (maxima <= carried)) | (maxima == EXPONENT_ZERO)
-    return int((~fits).sum()) * UNSTEADY <= maxima.size
+    return int((~_fits(before[1].astype(np.int32), maxima)).sum()) * UNSTEADY <= maxima.size
 
 
 @dataclass(eq=False)
@@ -930,9 +936,8 @@ class ChunkClient(Client):
             return True
         if not req.carried:
             return False
-        carried = int(req.exponents[c.index])
-        if carried - SCALE_SLACK <= agreed <= carried or agreed == EXPONENT_ZERO:
-            return False  # (all zeros sum to zero at any scale)
+        if _fits(int(req.exponents[c.index]), agreed):
+            return False
         req.exponents[c.index] = agreed
         if req.quantized is not None:
             try:
