@@ -782,6 +782,29 @@ def test_printed_keys_survive_a_paste_into_a_shell_and_a_job_key_is_not_replaced
     assert missing.returncode == 1 and "aggnet job create other" in missing.stderr
 
 
+def _port_after_two_free(held: socket.socket) -> int:
+    """Bind ``held`` to a port whose two below are free (a service that
+    listens there takes them, and the port held: the collision this test
+    wants); another test's service on one of them would be a different
+    error."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port < 1026:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port - 2))
+                b.bind(("127.0.0.1", port - 1))
+            held.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        held.listen()
+        return port
+    raise AssertionError("no port with its two below free in 50 tries")
+
+
 def test_a_second_service_on_a_port_in_use_is_named_as_such():
     """A second `aggnet serve` at a running service's address says a
     service runs there; one whose shard ports collide says which ports a
@@ -792,9 +815,7 @@ def test_a_second_service_on_a_port_in_use_is_named_as_such():
         assert r.returncode != 0
         assert f"an aggnet service already runs at {svc.address}" in r.stderr and "Traceback" not in r.stderr
     with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
+        port = _port_after_two_free(held)
         r = subprocess.run([sys.executable, "-m", "aggnet", "serve", "--listen", f"zmq+tcp://127.0.0.1:{port - 2}",
                             "--shards", "4"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
