@@ -602,9 +602,6 @@ class ChunkClient(Client):
                 mine = "without a key" if req.key is None else f"under key {req.key}"
                 text = (f"this worker all-reduces it {mine}, another worker otherwise: give each buffer the same "
                         f"key on every worker")
-                if int(agreed[3]) == NO_KEY_PLAN and req.enc.quantized:  # some worker gave none
-                    text += (" (the torch backend keys its int32 all-reduces unless AGGNET_PREDICT_SCALE=0: set it "
-                             "alike on every rank)")
             else:
                 text = "the workers disagree on the buffer's dtype or codec"
             if lo == hi == req.buf.size and int(agreed[2]) ^ int(-agreed[n + 2]) == CARRIED_PLAN_FLAG:

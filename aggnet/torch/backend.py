@@ -410,8 +410,11 @@ class AggnetProcessGroup(dist.ProcessGroup):
         reduce-scatter's share bounds) under ``codec``: an int32 one carries
         its exponents from an earlier round of its size
         (:mod:`aggnet.torch.scale_keys`); others need none (without a key,
-        rounds spread over the shards by their number)."""
-        if codec != "int32" or not self.config.predict_scale:
+        rounds spread over the shards by their number). Keyed whatever
+        ``predict_scale`` says, as the DDP hook's buckets are: ranks that set
+        it differently then meet the client's carry-or-agree check, which
+        names the setting, instead of a key mismatch."""
+        if codec != "int32":
             return None
         return self._scale_keys.key(size)
 

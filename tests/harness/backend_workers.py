@@ -371,11 +371,18 @@ def _int32_part(rank: int, world: int, gloo) -> dict:
     fsdp = _fsdp_train(rank, world, DeviceMesh.from_group(group, "cpu"))
     fsdp_counts = [now - then for now, then in zip((stats.scales_carried, stats.scales_unsteady,
                                                     stats.chunks_sent_again), before)]
-    # ranks that set AGGNET_PREDICT_SCALE differently: one keys, the other not
+    # ranks that set AGGNET_PREDICT_SCALE differently: both key the rounds;
+    # the first of each key (two of one size in a row take two) agrees on
+    # both, the next of a key carries on one only
     mixed = dist.new_group(backend="aggnet", pg_options=dataclasses.replace(config, predict_scale=rank == 0))
+    mixed_first = []
+    for seed in (99, 98):
+        first = _ints(seed, rank, n)
+        dist.all_reduce(first, group=mixed)
+        mixed_first.append([first.numpy(), (_ints(seed, 0, n) + _ints(seed, 1, n)).numpy()])
     t0 = time.monotonic()
     try:
-        dist.all_reduce(_ints(99, rank, n), group=mixed)
+        dist.all_reduce(_ints(97, rank, n), group=mixed)
         mismatch = "no error"
     except Exception as exc:
         mismatch = f"{type(exc).__name__}: {exc}"
@@ -383,7 +390,7 @@ def _int32_part(rank: int, world: int, gloo) -> dict:
             "pair_awaited": pair_awaited, "carried": all_carried, "awaited": all_awaited,
             "staged_carried": staged_carried, "scatter_carried": scatter_carried,
             "staged_scatter_carried": staged_scatter_carried, "fsdp": fsdp, "fsdp_counts": fsdp_counts,
-            "mismatch": mismatch,
+            "mixed_first": mixed_first, "mismatch": mismatch,
             "mismatch_s": time.monotonic() - t0}
 
 
