@@ -108,18 +108,18 @@ def _fill(buf: np.ndarray, rank: int) -> None:
     buf[...] = rank + 1
 
 
-def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_port: int | None, barrier, out,
-            *, aggregator: list | None = None) -> None:
+def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo: bool, aggregator: list | None,
+            port: int, barrier) -> list:
     from aggnet import Client, shared_array
     from aggnet.bench.floor import FloorClient
 
     results = []
-    if gloo_port is not None:
+    if gloo:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     clients: dict = {}
     try:
         for point in plan:
@@ -193,11 +193,11 @@ def _worker(rank: int, world: int, plan: list, services: dict, reps: int, gloo_p
     finally:
         for c in clients.values():
             c.close()
-        if gloo_port is not None:
+        if gloo:
             import torch.distributed as dist
 
             dist.destroy_process_group()
-    out.put((rank, results))
+    return results
 
 
 DTYPES = ("float32", "int32", "q-int32", "q-int32-carried", "o-int32", "o-int32-carried")
@@ -300,23 +300,21 @@ def _record(point: dict, workers: int, times: list[float], cpu: list[float] | No
     return r
 
 
-def _run_group(world: int, plan: list, services: dict, reps: int, gloo_port: int | None,
+def _run_group(world: int, plan: list, services: dict, reps: int, gloo: bool,
                aggregator: list | None = None) -> dict:
-    ctx = fork_server()
-    barrier = ctx.Barrier(world)
-    out = ctx.Queue()
-    ps = [ctx.Process(target=_worker, args=(r, world, plan, services, reps, gloo_port, barrier, out),
-                      kwargs={"aggregator": aggregator}, daemon=True)
-          for r in range(world)]
-    for p in ps:
-        p.start()
-    per_rank = {}
-    for _ in ps:
-        rank, res = out.get(timeout=3600)
-        per_rank[rank] = res
-    for p in ps:
-        p.join(60)
-    return per_rank
+    """{rank: its records' times} of one system's workers; a worker that
+    fails stops the benchmark at once with its error (a dead one was
+    waited for an hour)."""
+    return spawn_workers(_worker, world, (plan, services, reps, gloo, aggregator), 3600, "aggnet bench")
+
+
+class WorkerFailed(RuntimeError):
+    """A benchmark worker's error, in one line; ``details`` holds its
+    traceback for whoever debugs the benchmark itself."""
+
+    def __init__(self, text: str, details: str = ""):
+        super().__init__(text)
+        self.details = details
 
 
 def _report(target, rank: int, world: int, args: tuple, port: int, barrier, out) -> None:
@@ -325,8 +323,9 @@ def _report(target, rank: int, world: int, args: tuple, port: int, barrier, out)
     except BaseException as exc:  # the parent must hear of it rather than wait out its timeout
         import traceback
 
-        out.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise
+        out.put((rank, None, (f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc())))
+        # the parent says it once, in one line: no traceback from every worker
+        raise SystemExit(1) from None
 
 
 def _round_timeout() -> float:
@@ -367,7 +366,7 @@ def spawn_workers(target, world: int, args: tuple, timeout: float, what: str, hi
                 raise RuntimeError(f"{what}: the N={world} workers gave no result within {timeout:g}s{hint}") \
                     from None
             if err is not None:
-                raise RuntimeError(f"{what}: worker {rank} of {world} failed: {err}")
+                raise WorkerFailed(f"{what}: worker {rank} of {world} failed: {err[0]}", err[1])
             per_rank[rank] = res
     finally:
         for p in ps:
@@ -388,6 +387,22 @@ def _service_stats(address: str) -> dict:
 
 
 def main(args) -> int:
+    timeout = os.environ.get("AGGNET_TIMEOUT")
+    try:
+        if timeout and float(timeout) <= 0:
+            raise ValueError
+    except ValueError:
+        print(f"aggnet bench: AGGNET_TIMEOUT={timeout!r} is not a number of seconds above 0 (e.g. 120, how long "
+              f"an all-reduce may go without progress); set it so, or unset it", file=sys.stderr)
+        return 2
+    try:
+        return _main(args)
+    except WorkerFailed as exc:  # one line; the worker's traceback is exc.details
+        print(exc, file=sys.stderr)
+        return 1
+
+
+def _main(args) -> int:
     if getattr(args, "collective", "allreduce") == "reduce_scatter":
         from aggnet.bench.collectives import main as collectives_main
 
@@ -487,8 +502,7 @@ def _time_group(group: str, world: int, plan: list[dict], listen: str | None, ar
     service = None if group == "gloo" else ServiceProcess(listen, args.shards)
     try:
         services = {group: service.address} if service else {}
-        per_rank = _run_group(world, plan, services, args.reps, free_port() if group == "gloo" else None,
-                              [service.pid] if service else None)
+        per_rank = _run_group(world, plan, services, args.reps, group == "gloo", [service.pid] if service else None)
         if service is not None:
             totals = _service_stats(service.address).get("totals", {})
             acc = sums.setdefault(group, {})
@@ -507,7 +521,7 @@ def _time_floor(world: int, plan: list[dict], args) -> list[dict]:
 
     shards, ports = start_shards(fork_server(), world, args.shards or os.cpu_count() or 1)
     try:
-        per_rank = _run_group(world, plan, {"floor": ports}, args.reps, None, [p.pid for p in shards])
+        per_rank = _run_group(world, plan, {"floor": ports}, args.reps, False, [p.pid for p in shards])
     finally:
         for p in shards:
             p.join(10)  # a shard ends when its workers close

@@ -139,3 +139,23 @@ def test_bench_of_the_backend_s_reduce_scatter_times_its_staged_form_beside_gloo
         r = subprocess.run([sys.executable, "-m", "aggnet", "bench", "--collective", "reduce_scatter", "--memory",
                             "cuda"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_worker_that_fails_stops_the_bench_at_once_in_one_line():
+    # a client that refuses its chunk size fails in the worker, past the
+    # parent's checks: the parent waited an hour for a result that never came
+    r = _bench("--workers", "2", "--sizes", "64KiB", "--transports", "tcp", "--dtypes", "float32", "--reps", "2",
+               "--no-floor", "--no-gloo", "--chunk-bytes", "3B", timeout=60)
+    assert r.returncode == 1, (r.stdout[-2000:], r.stderr[-2000:])
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith("aggnet bench: worker ") and "chunk_bytes must be between" in lines[-1], lines
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def test_a_bad_aggnet_timeout_is_refused_before_anything_starts():
+    for bad in ("soon", "0", "-5"):
+        r = _bench("--workers", "2", "--sizes", "64KiB", "--transports", "tcp", "--reps", "1",
+                   env={**os.environ, "AGGNET_TIMEOUT": bad}, timeout=30)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert r.stderr.strip() == (f"aggnet bench: AGGNET_TIMEOUT={bad!r} is not a number of seconds above 0 (e.g. "
+                                    f"120, how long an all-reduce may go without progress); set it so, or unset it")
