@@ -36,6 +36,8 @@ MODULE_COMMANDS = (
     ("fuzz", "aggnet.cli.fuzz", "send hostile datagrams or messages at an aggregator, then show its drop counters"),
     ("sim", "aggnet.sim.cli",
      "predict all-reduce and step times for aggnet and its peers on fabrics of thousands of workers"),
+    ("compare", "aggnet.bench.compare",
+     "one benchmark under two or more settings or revisions, alternated, with the ratio of each pair of runs"),
     ("plot", "aggnet.bench.plots", "draw a benchmark's figure from the JSON it wrote (needs aggnet[plot])"),
 )
 
