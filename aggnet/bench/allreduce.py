@@ -335,14 +335,16 @@ def _round_timeout() -> float:
     return float(os.environ.get("AGGNET_TIMEOUT") or 120)
 
 
-def spawn_workers(target, world: int, args: tuple, timeout: float, what: str, hint: str = "") -> dict:
+def spawn_workers(target, world: int, args: tuple, timeout: float, what: str, hint: str = "",
+                  preload: tuple | None = None) -> dict:
     """Run ``target(rank, world, *args, port, barrier)`` in ``world`` fresh
     processes (:func:`aggnet.processes.fork_server`) that share a free TCP
     port for their process group and a barrier; {rank: what target
     returned}. A worker that fails, or
     none answering within ``timeout``, raises RuntimeError naming ``what``
-    (and ``hint``, what to try): the benchmark never waits on a dead one."""
-    ctx = fork_server()
+    (and ``hint``, what to try): the benchmark never waits on a dead one.
+    ``preload``: what the fork server imports (its default otherwise)."""
+    ctx = fork_server() if preload is None else fork_server(preload)
     barrier = ctx.Barrier(world)
     out = ctx.Queue()
     port = free_port()

@@ -27,12 +27,14 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 from contextlib import nullcontext
 
+from aggnet.bench.allreduce import WorkerFailed, spawn_workers
 from aggnet.bench.cpu import own_cpu_seconds
 from aggnet.progress import Progress
-from aggnet.processes import DDP_WORKER_PRELOAD, fork_server, free_port
+from aggnet.processes import DDP_WORKER_PRELOAD
 
 
 def add_arguments(p) -> None:
@@ -192,10 +194,23 @@ def _time_system(system: str, model, x, y, args, rank: int, world: int, port) ->
     return times, cpu, stats
 
 
-def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
+def _spawned(rank: int, world: int, args, systems: list, port: int, barrier) -> tuple:
+    """One worker of this machine's (:func:`aggnet.bench.allreduce.spawn_workers`)."""
+    params, results, cpu, _ = _measure(rank, world, port, args, systems)
+    return rank, params, results, cpu
+
+
+def _worker(rank: int, world: int, port, args, systems: list) -> None:
+    """One DDP worker where its peers run elsewhere (an emulated rack's
+    namespaces): its result as one JSON line."""
+    params, results, cpu, client_stats = _measure(rank, world, port, args, systems)
+    print(json.dumps({"rank": rank, "parameters": params, "times": results, "cpu": cpu, "client": client_stats}),
+          flush=True)
+
+
+def _measure(rank: int, world: int, port, args, systems: list) -> tuple:
     """One DDP worker timing every system; ``port`` is a local port or a
-    rendezvous ``host:port`` (one worker per namespace); ``out`` a queue,
-    or None to print the result as one JSON line."""
+    rendezvous ``host:port`` (one worker per namespace)."""
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -221,11 +236,7 @@ def _worker(rank: int, world: int, port, args, systems: list, out) -> None:
             if progress is not None:
                 progress.step(f"{system}: {args.steps} steps")
     dist.destroy_process_group()
-    if out is None:
-        print(json.dumps({"rank": rank, "parameters": params, "times": results, "cpu": cpu, "client": client_stats}),
-              flush=True)
-    else:
-        out.put((rank, params, results, cpu))
+    return params, results, cpu, client_stats
 
 
 def worker_main(argv=None) -> int:
@@ -241,7 +252,7 @@ def worker_main(argv=None) -> int:
     p.add_argument("--master", required=True)
     args = p.parse_args(argv)
     systems = [check_system(s.strip()) for s in args.systems.split(",") if s.strip()]
-    _worker(args.rank, args.world, args.master, args, systems, None)
+    _worker(args.rank, args.world, args.master, args, systems)
     return 0
 
 
@@ -272,16 +283,15 @@ def main(args) -> int:
     records = []
     for world in [int(w) for w in args.workers.split(",")]:
         os.environ.setdefault("AGGNET_TIMEOUT", "120")  # before the fork server starts: it keeps this environment
-        ctx = fork_server(DDP_WORKER_PRELOAD)
-        out = ctx.Queue()
-        port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, args, systems, out)) for r in range(world)]
-        for p in procs:
-            p.start()
-        got = [out.get(timeout=3600) for _ in procs]
-        for p in procs:
-            p.join(60)
-        records += summarize(got, systems, args.steps, world, args.batch)
+        try:
+            # a worker that fails stops the run at once, in one line (a dead
+            # one was waited for an hour)
+            got = spawn_workers(_spawned, world, (args, systems), 3600, "aggnet bench-ddp",
+                                preload=DDP_WORKER_PRELOAD)
+        except WorkerFailed as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        records += summarize([got[r] for r in range(world)], systems, args.steps, world, args.batch)
     print(f"{'N':>2} {'system':>15} {'params':>11} {'step ms (median)':>17} {'min':>7} {'max':>7} {'gloo/this':>9} "
           f"{'cpu s/step':>10}")
     for r in records:

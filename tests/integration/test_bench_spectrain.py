@@ -97,3 +97,16 @@ def test_ddp_bench_times_ddp_over_the_aggnet_backend(tmp_path):
                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert run.returncode != 0 and "Traceback" not in run.stderr
     assert "unknown system 'backend-int32-sync'" in run.stderr and "backend-CODEC" in run.stderr
+
+
+def test_a_ddp_bench_worker_that_fails_stops_the_run_at_once_in_one_line(tmp_path):
+    # a chunk size the client refuses fails inside the workers, once gloo
+    # is timed: the parent waited an hour for results that never came
+    import os
+
+    run = subprocess.run([sys.executable, "-m", "aggnet", "bench-ddp", "--workers", "2", "--width", "64", "--batch",
+                          "4", "--steps", "2", "--systems", "gloo,aggnet-int32"], capture_output=True, text=True,
+                         timeout=90, cwd=tmp_path, env={**os.environ, "AGGNET_CHUNK_BYTES": "3"})
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("aggnet bench-ddp: worker ") and "chunk_bytes must be between" in last, last
