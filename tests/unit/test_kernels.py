@@ -87,6 +87,9 @@ def test_block_stats(dev, n):
         x[0] = -np.inf
         assert dev.k.block_stats(dev.put(x)) == ref.block_stats(x)
         assert ref.block_stats(x)[1] == (2 if n > 1 else 1)
+        # every value non-finite: each counted, no finite maximum
+        x[::2], x[1::2] = np.nan, -np.inf
+        assert dev.k.block_stats(dev.put(x)) == ref.block_stats(x) == (0, n)
 
 
 def test_exponent_of_bounds_every_value():
