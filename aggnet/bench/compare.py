@@ -247,7 +247,8 @@ def _cell(k: str, v) -> str:
     return f"{k}={v}"
 
 
-def _is_peer(row: dict) -> bool:
+def is_peer(row: dict) -> bool:
+    """Whether a row is one of the peers aggnet is measured beside (the same code under every arm)."""
     system = str(row.get("system", row.get("transport", "")))
     return any(p in system for p in ("gloo", "memcpy", "floor", "raw"))
 
@@ -267,7 +268,7 @@ def _print(pairs: list[dict], arms: list[str]) -> None:
         for e in entries:
             cells = [f"{a} {_num(e['arms'][a]['median'], 1e3 if seconds else 1)}" for a in arms]
             ratios = [f"{a}/{arms[0]} {spread(e['arms'][a]['ratios'])}" for a in arms[1:]]
-            peer = "  (a peer: the machine's noise)" if _is_peer(e["row"]) else ""
+            peer = "  (a peer: the machine's noise)" if is_peer(e["row"]) else ""
             print(f"  {e['label']}: {'  '.join(cells)}  {'  '.join(ratios)}{peer}")
 
 

@@ -7,6 +7,7 @@ link rates, sizes or α than read its table.
     aggnet plot udp udp.json --out udp.png            # aggnet bench-udp
     aggnet plot sparse sparse.json --out sparse.png   # aggnet bench-sparse
     aggnet plot racks racks.json --out racks.png      # aggnet emulate --topology ... bench
+    aggnet plot compare cmp.json --out cmp.png        # aggnet compare: each pair's ratio beside the peers'
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ from __future__ import annotations
 import json
 import sys
 
-KINDS = ("rack", "udp", "sparse", "racks")
+KINDS = ("rack", "udp", "sparse", "racks", "compare")
 
 
 def add_arguments(p) -> None:
     p.add_argument("kind", choices=KINDS, help="which benchmark's JSON: rack (emulate bench, one file per rate and "
                                                "size), udp (bench-udp), sparse (bench-sparse), racks (emulate "
-                                               "--topology ... bench)")
+                                               "--topology ... bench), compare (aggnet compare)")
     p.add_argument("files", nargs="+", help="the JSON files the benchmark wrote with --json")
     p.add_argument("--out", required=True, help="the PNG to write")
 
@@ -41,7 +42,7 @@ def main(args) -> int:
             print(f"aggnet plot: cannot read {path}: {exc}", file=sys.stderr)
             return 2
     try:
-        fig = {"rack": rack, "udp": udp, "sparse": sparse, "racks": racks}[args.kind](runs)
+        fig = {"rack": rack, "udp": udp, "sparse": sparse, "racks": racks, "compare": compare}[args.kind](runs)
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         print(f"aggnet plot: {args.files[0]} and the rest are not {args.kind} results ({type(exc).__name__}: "
               f"{exc}); give the JSON of the matching benchmark", file=sys.stderr)
@@ -164,4 +165,48 @@ def racks(runs: list[dict]):
         ax.grid(alpha=0.3, axis="y")
     shapes = sorted({f"{run['racks']} racks of {run['workers']} workers, {_mib(run['bytes'])}" for run in runs})
     fig.suptitle(f"racks under a root beside gloo's ring: {'; '.join(shapes)} (aggnet emulate --topology ... bench)")
+    return fig
+
+
+def compare(runs: list[dict]):
+    """Each arm's ratio to the first, pair by pair (the median a dot, the
+    range a bar), for every row of a comparison's time and worker CPU;
+    the peers' bars, grey, are the machine's noise to read aggnet's
+    against."""
+    import matplotlib.pyplot as plt
+
+    from aggnet.bench.compare import is_peer
+
+    run = runs[0]
+    arms = [a["name"] for a in run["arms"]]
+    measures = [m for m in ("median_s", "worker_cpu_s_per_gb", "worker_cpu_s_per_step")
+                if any(e["measure"] == m for e in run["paired"])]
+    if not measures or len(arms) < 2:
+        raise ValueError("no paired times of two arms")
+    rows = [e["label"] for e in run["paired"] if e["measure"] == measures[0]]
+    fig, axes = plt.subplots(1, len(measures), figsize=(5 + 3 * len(measures), 1.2 + 0.35 * len(rows) * (len(arms) - 1)),
+                             sharey=True, squeeze=False)
+    for ax, measure in zip(axes[0], measures):
+        entries = {e["label"]: e for e in run["paired"] if e["measure"] == measure}
+        named = set()
+        for i, label in enumerate(rows):
+            e = entries.get(label)
+            for j, arm in enumerate(arms[1:]):
+                ratios = e["arms"][arm]["ratios"] if e else []
+                if not ratios:
+                    continue
+                y = i + j / len(arms)
+                peer = is_peer(e["row"])
+                color = "0.6" if peer else f"C{j}"
+                ax.plot([min(ratios), max(ratios)], [y, y], "-", color=color, lw=2)
+                ax.plot([e["arms"][arm]["median_ratio"]], [y], "o", color=color,
+                        label=f"{arm}/{arms[0]}" if not peer and arm not in named else None)
+                named |= set() if peer else {arm}
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set(xlabel=f"{measure}: each arm over {arms[0]}, pair by pair", title=measure)
+        ax.grid(alpha=0.3, axis="x")
+    axes[0][0].set_yticks(range(len(rows)), rows, fontsize=7)
+    axes[0][0].invert_yaxis()
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{' '.join(run['command'])}: {run['pairs']} pairs (grey: peers, the machine's noise)", fontsize=8)
     return fig

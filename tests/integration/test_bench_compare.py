@@ -54,6 +54,13 @@ def test_compare_alternates_the_arms_and_gives_each_pairs_ratio(tmp_path):
     assert ("aggnet", "worker_cpu_s_per_gb") in paired
     assert "b/a" in r.stdout and "(a peer: the machine's noise)" in r.stdout
     assert "arm b (AGGNET_PREDICT_SCALE=0): aggnet from" in r.stdout
+    # and its figure
+    pytest.importorskip("matplotlib", reason="the figure needs matplotlib (pip install 'aggnet[plot]')")
+    png = tmp_path / "compare.png"
+    drawn = subprocess.run([sys.executable, "-m", "aggnet", "plot", "compare", str(out), "--out", str(png)],
+                           capture_output=True, text=True, timeout=120)
+    assert drawn.returncode == 0, drawn.stderr
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and png.stat().st_size > 10_000
 
 
 def test_an_arm_whose_run_fails_is_named_with_the_run_s_error_in_one_line():
