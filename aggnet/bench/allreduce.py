@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from aggnet.bench import rounds
+from aggnet.bench.args import at_least_one, count_list, size_list
 from aggnet.bench.cpu import own_cpu_seconds, per_gb, tree_cpu_seconds
 from aggnet.progress import Progress
 from aggnet.processes import fork_server, free_port
@@ -38,8 +39,8 @@ DEFAULT_SIZES = "1MiB,16MiB,100MiB"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--workers", default="2,4", help="worker counts, comma-separated (default %(default)s)")
-    p.add_argument("--sizes", default=DEFAULT_SIZES, help="buffer sizes (default %(default)s)")
+    p.add_argument("--workers", type=count_list, default="2,4", help="worker counts, comma-separated (default %(default)s)")
+    p.add_argument("--sizes", type=size_list, default=DEFAULT_SIZES, help="buffer sizes (default %(default)s)")
     p.add_argument("--transports", default="shm,ipc,tcp",
                    help="aggnet transports: shm (shared-memory payloads), ipc, tcp, ucx (default %(default)s)")
     p.add_argument("--dtypes", default="float32,int32",
@@ -51,9 +52,9 @@ def add_arguments(p) -> None:
                         "s-DTYPE: the same in shared memory (aggnet.shared_array), which an shm service reads in "
                         "place, as a GPU bucket's staging buffer is")
     p.add_argument("--chunk-bytes", default=None, help="aggnet chunk sizes to compare (default: the default chunk)")
-    p.add_argument("--shards", type=int, default=None, help="aggregator shards (default: one per core)")
-    p.add_argument("--reps", type=int, default=7, help="timed repetitions per point (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--shards", type=at_least_one, default=None, help="aggregator shards (default: one per core)")
+    p.add_argument("--reps", type=at_least_one, default=7, help="timed repetitions per point (default %(default)s)")
+    p.add_argument("--rounds", type=at_least_one, default=1,
                    help="time every system this many times, alternating (each round rotates the order), and give "
                         "each round's ratios: systems timed side by side share the machine's drift "
                         "(default %(default)s)")

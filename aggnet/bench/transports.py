@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from aggnet.bench.args import at_least_one, one_size, size_list
 from aggnet.client.config import format_size, parse_size
 from aggnet.processes import NUMPY_WORKER_PRELOAD, fork_server
 from aggnet.progress import Progress
@@ -31,11 +32,11 @@ SILENCE = 60.0
 def add_arguments(p) -> None:
     p.add_argument("--transports", default="ucx,zmq+tcp,zmq+ipc",
                    help="message transports to compare on loopback (default %(default)s)")
-    p.add_argument("--sizes", default="32KiB,256KiB,1MiB,16MiB,64MiB",
+    p.add_argument("--sizes", type=size_list, default="32KiB,256KiB,1MiB,16MiB,64MiB",
                    help="message sizes (default %(default)s)")
-    p.add_argument("--volume", default="512MiB", help="bytes moved per point (at least 8 messages; default "
+    p.add_argument("--volume", type=one_size, default="512MiB", help="bytes moved per point (at least 8 messages; default "
                                                       "%(default)s)")
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions per point (default %(default)s)")
+    p.add_argument("--reps", type=at_least_one, default=3, help="timed repetitions per point (default %(default)s)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the records here")
 
 

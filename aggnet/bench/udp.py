@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from aggnet.bench.args import at_least_one, count_list, one_size, positive_seconds
 from aggnet.bench.cpu import own_cpu_seconds, tree_cpu_seconds
 
 from aggnet.client.config import format_size, parse_size
@@ -35,14 +36,27 @@ from aggnet.progress import Progress
 SOL_UDP, UDP_SEGMENT, UDP_GRO = 17, 103, 104
 
 
+def _element_counts(text: str) -> str:
+    """Values per datagram, each as many as a datagram holds at most."""
+    import argparse
+
+    from aggnet.protocol.limits import MAX_ELEMENTS
+
+    count_list(text)
+    for part in text.split(","):
+        if int(part) > MAX_ELEMENTS:
+            raise argparse.ArgumentTypeError(f"{part}: a datagram holds at most {MAX_ELEMENTS} values")
+    return text
+
+
 def add_arguments(p) -> None:
-    p.add_argument("--elements", default="64,2048",
+    p.add_argument("--elements", type=_element_counts, default="64,2048",
                    help="int32 values per packet to try (64: the P4 program's; 2048: a host's default)")
-    p.add_argument("--size", default="64MiB", help="all-reduce size for the aggnet client")
-    p.add_argument("--reps", type=int, default=5, help="timed all-reduces per setting (the median is reported)")
-    p.add_argument("--seconds", type=float, default=2.0, help="duration of each raw loop")
+    p.add_argument("--size", type=one_size, default="64MiB", help="all-reduce size for the aggnet client")
+    p.add_argument("--reps", type=at_least_one, default=5, help="timed all-reduces per setting (the median is reported)")
+    p.add_argument("--seconds", type=positive_seconds, default=2.0, help="duration of each raw loop")
     p.add_argument("--io", default="auto", help="UDP I/O of the aggnet rows: auto, or a list of gso,mmsg,plain")
-    p.add_argument("--shards", type=int, default=1,
+    p.add_argument("--shards", type=at_least_one, default=1,
                    help="aggregator shard processes (default 1: on 2 cores the client needs the other)")
     p.add_argument("--json", default=None, help="write the records here")
 
