@@ -19,16 +19,17 @@ import os
 import sys
 import time
 
+from aggnet.bench.args import at_least_one, positive_number
 from aggnet.errors import AggnetError
 from aggnet.processes import DDP_WORKER_PRELOAD, fork_server, free_port, interrupted
 
 
 def add_arguments(p) -> None:
     p.add_argument("--workers", type=int, default=2, help="DDP worker processes (default %(default)s)")
-    p.add_argument("--epochs", type=int, default=25, help="training epochs (default %(default)s)")
-    p.add_argument("--batch", type=int, default=32, help="batch size per worker (default %(default)s)")
-    p.add_argument("--hidden", type=int, default=1024, help="hidden layer width (default %(default)s)")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default %(default)s)")
+    p.add_argument("--epochs", type=at_least_one, default=25, help="training epochs (default %(default)s)")
+    p.add_argument("--batch", type=at_least_one, default=32, help="batch size per worker (default %(default)s)")
+    p.add_argument("--hidden", type=at_least_one, default=1024, help="hidden layer width (default %(default)s)")
+    p.add_argument("--lr", type=positive_number, default=0.05, help="SGD learning rate (default %(default)s)")
     p.add_argument("--codec", default="float32", choices=["float32", "int32", "fp16", "bf16"],
                    help="how gradients travel to the aggregator (default %(default)s)")
     p.add_argument("--address", default=None, help="aggregator service (default: embedded local aggregator)")

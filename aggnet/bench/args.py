@@ -1,7 +1,7 @@
-"""Argument types the benchmarks share: a bad value is refused by argparse
-in one line naming the option, before any process starts (a zero count
-or an empty buffer used to fail deep in a worker, or after every run,
-with a traceback)."""
+"""Argument types the benchmarks, the demo and the simulator share: a bad
+value is refused by argparse in one line naming the option, before any
+process starts (a zero count or an empty buffer used to fail deep in a
+worker, or after every run, with a traceback)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import argparse
 
 from aggnet.client.config import parse_size
 
-__all__ = ["at_least_one", "count_list", "one_size", "positive_seconds", "size_list"]
+__all__ = ["at_least_one", "count_list", "one_size", "positive_number", "positive_seconds", "size_list"]
 
 
 def at_least_one(text: str) -> int:
@@ -63,4 +63,15 @@ def positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not x > 0:
         raise argparse.ArgumentTypeError(f"{text}: give a duration above 0 seconds")
+    return x
+
+
+def positive_number(text: str) -> float:
+    """A number above 0 (a learning rate)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"{text}: give a number above 0")
     return x

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+from aggnet.bench.args import one_size
 from aggnet.client.config import format_size, parse_size
 from aggnet.sim import hardware, model, published, validate
 
@@ -49,7 +50,7 @@ def add_arguments(p) -> None:
     p.add_argument("--oversubscription", type=float, default=1.0,
                    help="a rack's host links over its uplink (1: non-blocking; default %(default)g)")
     p.add_argument("--loss", type=float, default=0.0, help="packet loss per link crossed (default 0)")
-    p.add_argument("--size", default=None,
+    p.add_argument("--size", type=one_size, default=None,
                    help="all-reduce buffer (default 100MiB; validate: 16MiB; calibrate: 32MiB)")
     p.add_argument("--systems", default=",".join(model.SYSTEMS),
                    help="what to predict, comma-separated (default: all of them)")

@@ -1,7 +1,7 @@
-"""The benchmarks refuse a value they cannot run with in one line naming
-the option, before any process starts: a zero count, an empty buffer or
-a zero duration used to fail in a worker, or after every run, with a
-traceback."""
+"""The benchmarks, the demo and the simulator refuse a value they cannot
+run with in one line naming the option, before any process starts: a
+zero count, an empty buffer or a zero duration used to fail in a worker,
+or after every run, with a traceback."""
 
 from __future__ import annotations
 
@@ -26,8 +26,12 @@ import pytest
     (["bench-udp", "--elements", "99999"], "--elements", "a datagram holds at most 16364 values"),
     (["bench-udp", "--seconds", "0"], "--seconds", "give a duration above 0 seconds"),
     (["bench-udp", "--size", "0"], "--size", "holds no float32 value"),
+    (["demo", "--epochs", "0"], "--epochs", "0: give 1 or more"),
+    (["demo", "--batch", "0"], "--batch", "0: give 1 or more"),
+    (["demo", "--lr", "-1"], "--lr", "-1: give a number above 0"),
+    (["sim", "--size", "0"], "--size", "holds no float32 value"),
 ])
-def test_a_value_a_benchmark_cannot_run_with_is_refused_in_one_line(args, option, said):
+def test_a_value_a_command_cannot_run_with_is_refused_in_one_line(args, option, said):
     r = subprocess.run([sys.executable, "-m", "aggnet", *args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
