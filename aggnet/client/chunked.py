@@ -478,8 +478,9 @@ class ChunkClient(Client):
         # a keyed buffer's chunks meet the same shards every round, whose
         # memory for them stays warm: rotating a one-chunk buffer by round
         # instead, to meet its buffer-size agreement's shard (one shard
-        # process woken, not two), made it 1.26x slower over shm at 1 MiB
-        # (aggnet compare, 4 pairs, 1.08-1.52)
+        # process woken, not two), read 1.26x slower over shm at 1 MiB
+        # (aggnet compare, 4 pairs: 1.08-1.52, where the same code against
+        # itself read 0.62-1.18) and no faster over tcp
         rotation = req.round if req.key is None else req.key
         elements = self.chunk_bytes // req.enc.wire_itemsize
         req.chunks = (chunking.plan(req.buf.size, elements, len(self.shards), rotation) if req.bounds is None
