@@ -39,7 +39,8 @@ DEFAULT_SIZES = "1MiB,16MiB,100MiB"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--workers", type=count_list, default="2,4", help="worker counts, comma-separated (default %(default)s)")
+    p.add_argument("--workers", type=count_list, default="2,4",
+                   help="worker counts, comma-separated (default %(default)s)")
     p.add_argument("--sizes", type=size_list, default=DEFAULT_SIZES, help="buffer sizes (default %(default)s)")
     p.add_argument("--transports", default="shm,ipc,tcp",
                    help="aggnet transports: shm (shared-memory payloads), ipc, tcp, ucx (default %(default)s)")
@@ -341,9 +342,9 @@ def spawn_workers(target, world: int, args: tuple, timeout: float, what: str, hi
     """Run ``target(rank, world, *args, port, barrier)`` in ``world`` fresh
     processes (:func:`aggnet.processes.fork_server`) that share a free TCP
     port for their process group and a barrier; {rank: what target
-    returned}. A worker that fails, or
-    none answering within ``timeout``, raises RuntimeError naming ``what``
-    (and ``hint``, what to try): the benchmark never waits on a dead one.
+    returned}. A worker that fails, or none answering within ``timeout``,
+    raises :class:`WorkerFailed` naming ``what`` (and ``hint``, what to
+    try): the benchmark never waits on a dead one.
     ``preload``: what the fork server imports (its default otherwise)."""
     ctx = fork_server() if preload is None else fork_server(preload)
     barrier = ctx.Barrier(world)
@@ -366,7 +367,7 @@ def spawn_workers(target, world: int, args: tuple, timeout: float, what: str, hi
                 ps = []
                 raise
             except Exception:
-                raise RuntimeError(f"{what}: the N={world} workers gave no result within {timeout:g}s{hint}") \
+                raise WorkerFailed(f"{what}: the N={world} workers gave no result within {timeout:g}s{hint}") \
                     from None
             if err is not None:
                 raise WorkerFailed(f"{what}: worker {rank} of {world} failed: {err[0]}", err[1])

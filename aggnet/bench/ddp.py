@@ -40,7 +40,8 @@ from aggnet.processes import DDP_WORKER_PRELOAD
 
 def add_arguments(p) -> None:
     p.add_argument("--workers", type=count_list, default="2,4", help="worker counts (default %(default)s)")
-    p.add_argument("--width", type=at_least_one, default=4096, help="hidden width; parameters ~ 2*width*1024 + width**2")
+    p.add_argument("--width", type=at_least_one, default=4096,
+                   help="hidden width; parameters ~ 2*width*1024 + width**2")
     p.add_argument("--batch", type=at_least_one, default=8, help="batch per worker (default %(default)s)")
     p.add_argument("--steps", type=at_least_one, default=10, help="timed steps per system (default %(default)s)")
     p.add_argument("--systems", default="gloo,aggnet-float32,aggnet-int32",

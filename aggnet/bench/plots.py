@@ -184,8 +184,8 @@ def compare(runs: list[dict]):
     if not measures or len(arms) < 2:
         raise ValueError("no paired times of two arms")
     rows = [e["label"] for e in run["paired"] if e["measure"] == measures[0]]
-    fig, axes = plt.subplots(1, len(measures), figsize=(5 + 3 * len(measures), 1.2 + 0.35 * len(rows) * (len(arms) - 1)),
-                             sharey=True, squeeze=False)
+    height = 1.2 + 0.35 * len(rows) * (len(arms) - 1)
+    fig, axes = plt.subplots(1, len(measures), figsize=(5 + 3 * len(measures), height), sharey=True, squeeze=False)
     for ax, measure in zip(axes[0], measures):
         entries = {e["label"]: e for e in run["paired"] if e["measure"] == measure}
         named = set()

@@ -34,8 +34,8 @@ def add_arguments(p) -> None:
                    help="message transports to compare on loopback (default %(default)s)")
     p.add_argument("--sizes", type=size_list, default="32KiB,256KiB,1MiB,16MiB,64MiB",
                    help="message sizes (default %(default)s)")
-    p.add_argument("--volume", type=one_size, default="512MiB", help="bytes moved per point (at least 8 messages; default "
-                                                      "%(default)s)")
+    p.add_argument("--volume", type=one_size, default="512MiB",
+                   help="bytes moved per point (at least 8 messages; default %(default)s)")
     p.add_argument("--reps", type=at_least_one, default=3, help="timed repetitions per point (default %(default)s)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the records here")
 

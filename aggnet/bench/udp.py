@@ -53,7 +53,8 @@ def add_arguments(p) -> None:
     p.add_argument("--elements", type=_element_counts, default="64,2048",
                    help="int32 values per packet to try (64: the P4 program's; 2048: a host's default)")
     p.add_argument("--size", type=one_size, default="64MiB", help="all-reduce size for the aggnet client")
-    p.add_argument("--reps", type=at_least_one, default=5, help="timed all-reduces per setting (the median is reported)")
+    p.add_argument("--reps", type=at_least_one, default=5,
+                   help="timed all-reduces per setting (the median is reported)")
     p.add_argument("--seconds", type=positive_seconds, default=2.0, help="duration of each raw loop")
     p.add_argument("--io", default="auto", help="UDP I/O of the aggnet rows: auto, or a list of gso,mmsg,plain")
     p.add_argument("--shards", type=at_least_one, default=1,
