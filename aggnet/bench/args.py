@@ -55,23 +55,21 @@ def one_size(text: str) -> str:
     return size_list(text)
 
 
-def positive_seconds(text: str) -> float:
-    """A duration above 0 seconds."""
+def _above_zero(text: str, what: str) -> float:
     try:
         x = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a {what}") from None
     if not x > 0:
-        raise argparse.ArgumentTypeError(f"{text}: give a duration above 0 seconds")
+        raise argparse.ArgumentTypeError(f"{text}: give a {what} above 0")
     return x
+
+
+def positive_seconds(text: str) -> float:
+    """A duration above 0 seconds."""
+    return _above_zero(text, "duration in seconds")
 
 
 def positive_number(text: str) -> float:
     """A number above 0 (a learning rate)."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"{text}: give a number above 0")
-    return x
+    return _above_zero(text, "number")

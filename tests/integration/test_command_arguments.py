@@ -24,7 +24,7 @@ import pytest
     (["bench-transport", "--sizes", "0"], "--sizes", "holds no float32 value"),
     (["bench-transport", "--volume", "1MiB,2MiB"], "--volume", "give one size"),
     (["bench-udp", "--elements", "99999"], "--elements", "a datagram holds at most 16364 values"),
-    (["bench-udp", "--seconds", "0"], "--seconds", "give a duration above 0 seconds"),
+    (["bench-udp", "--seconds", "0"], "--seconds", "0: give a duration in seconds above 0"),
     (["bench-udp", "--size", "0"], "--size", "holds no float32 value"),
     (["demo", "--epochs", "0"], "--epochs", "0: give 1 or more"),
     (["demo", "--batch", "0"], "--batch", "0: give 1 or more"),
