@@ -40,6 +40,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aggnet.bench.args import at_least_one, positive_seconds
 from aggnet.progress import Progress
 
 __all__ = ["Arm", "parse_arm", "pair_records", "main"]
@@ -95,9 +96,9 @@ def add_arguments(p) -> None:
                    help="a setting to run the command under, at least two; the first is the baseline the others' "
                         "ratios are to (e.g. --arm before@HEAD~1 --arm after, or --arm off:AGGNET_PREDICT_SCALE=0 "
                         "--arm on:AGGNET_PREDICT_SCALE=1)")
-    p.add_argument("--pairs", type=int, default=3,
+    p.add_argument("--pairs", type=at_least_one, default=3,
                    help="runs of every arm, alternated (default %(default)s)")
-    p.add_argument("--timeout", type=float, default=1800.0,
+    p.add_argument("--timeout", type=positive_seconds, default=1800.0,
                    help="seconds one run of the command may take (default %(default)s)")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="write every run's records and the paired ratios here")
@@ -334,8 +335,6 @@ def main(args) -> int:
         if len(args.arm) < 2:
             raise CompareError("name at least two arms to compare (--arm before@HEAD~1 --arm after, or "
                                "--arm off:AGGNET_PREDICT_SCALE=0 --arm on:AGGNET_PREDICT_SCALE=1)")
-        if args.pairs < 1:
-            raise CompareError(f"--pairs must be at least 1, got {args.pairs}")
         if command[0] not in COMMANDS:
             raise CompareError(f"aggnet compare pairs the records of {', '.join(COMMANDS)}; got {command[0]!r} "
                                f"(aggnet compare --arm A --arm B -- bench ...)")

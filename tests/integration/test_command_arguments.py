@@ -30,6 +30,9 @@ import pytest
     (["demo", "--batch", "0"], "--batch", "0: give 1 or more"),
     (["demo", "--lr", "-1"], "--lr", "-1: give a number above 0"),
     (["sim", "--size", "0"], "--size", "holds no float32 value"),
+    (["compare", "--pairs", "0", "--arm", "a", "--arm", "b", "--", "bench"], "--pairs", "0: give 1 or more"),
+    (["compare", "--timeout", "-1", "--arm", "a", "--arm", "b", "--", "bench"], "--timeout",
+     "-1: give a duration in seconds above 0"),
 ])
 def test_a_value_a_command_cannot_run_with_is_refused_in_one_line(args, option, said):
     r = subprocess.run([sys.executable, "-m", "aggnet", *args], capture_output=True, text=True, timeout=60)
