@@ -418,9 +418,6 @@ def _main(args) -> int:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     # None: each transport's own default chunk size
     chunks = [parse_size(c) for c in args.chunk_bytes.split(",")] if args.chunk_bytes else [None]
-    if args.rounds < 1:
-        print(f"aggnet bench: --rounds must be at least 1, got {args.rounds}", file=sys.stderr)
-        return 2
     for d in dtypes:
         if d.removeprefix(SHARED) not in DTYPES:
             print(f"aggnet bench: unknown dtype {d!r}; choose from {', '.join(DTYPES)}", file=sys.stderr)

@@ -6,10 +6,10 @@ torch.distributed names no buffer: an ``all_reduce`` is a tensor and an
 op. A round without a key agrees every chunk's exponent before any value
 is quantized (a MAX over the workers: one more round trip, about a sixth
 of a 64 KiB or 1 MiB all-reduce on one host, docs/benchmarks.md); a
-round under a key carries them from its key's last round instead. The backend names its
-rounds by what every rank sees alike, the sizes of its calls in their
-order (the collectives of one group run in the same order on every rank,
-or they mismatch):
+round under a key carries them from its key's last round instead. The
+backend names its rounds by what every rank sees alike, the sizes of its
+calls in their order (the collectives of one group run in the same order
+on every rank, or they mismatch):
 
 * a round takes, of the keys of its size whose last round is at least
   ``LAG`` calls older, the one used longest ago, or a new key when there
