@@ -33,6 +33,7 @@ import numpy as np
 from aggnet.protocol import keys
 from aggnet.protocol.address import parse
 from aggnet.client import device
+from aggnet.client.arrays import host_view
 from aggnet.client.codec import Encoding, Quantized
 from aggnet.client.config import ClientConfig
 from aggnet.errors import ClientClosed
@@ -347,10 +348,11 @@ class Client(ABC):
             if not direct:
                 return device.staged(buf, caller, self._pinned, lambda host: self.allreduce(
                     host, op, codec, dtype=dtype, key=key, _wire_hint=_wire_hint, _scratch=True))
+        else:
+            buf, hint = host_view(buf, "allreduce")
+            _wire_hint = _wire_hint or hint
         if dtype is not None:
             codec = _codec_for_dtype(buf, dtype, codec)
-        if not on_device and not isinstance(buf, np.ndarray):
-            raise TypeError(f"allreduce takes a NumPy array, got {type(buf).__name__}")
         if not buf.flags.c_contiguous or not getattr(buf.flags, "writeable", True):
             raise ValueError("allreduce needs a C-contiguous, writable buffer (results are written in place)")
         if _quantized is not None:
@@ -441,16 +443,18 @@ class Client(ABC):
                 raise TypeError(f"reduce_scatter takes buf and out both in device memory or both in host memory, "
                                 f"got buf in {where[0]} memory and out in {where[1]} memory")
             return self._reduce_scatter_staged(buf, out, bounds, op, codec, dtype, key)
+        caller_out = out
+        buf, hint = host_view(buf, "reduce_scatter")
+        out, _ = host_view(out, "reduce_scatter", "out")
+        _wire_hint = _wire_hint or hint
         if dtype is not None:
             codec = _codec_for_dtype(buf, dtype, codec)
-        for name, a in (("buf", buf), ("out", out)):
-            if not isinstance(a, np.ndarray):
-                raise TypeError(f"reduce_scatter takes NumPy arrays, got {type(a).__name__} for {name}")
         bounds = self._check_share(buf, out, bounds)
         if _quantized is not None:
             return self._submit_quantized(buf, codec, op, key, _quantized, _scratch, bounds=bounds, out=out)
         enc = self._encoding(buf, codec, op, _wire_hint)
-        return self._submit(buf.reshape(-1), out, enc, key, bounds=bounds, out=out.reshape(-1), scratch=_scratch)
+        return self._submit(buf.reshape(-1), caller_out, enc, key, bounds=bounds, out=out.reshape(-1),
+                            scratch=_scratch)
 
     def _check_share(self, buf, out, bounds: list[int] | None) -> list[int]:
         """The shares' bounds (equal shares by default), once ``buf`` and

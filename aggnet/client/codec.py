@@ -7,6 +7,7 @@ the requested codec:
 buffer            codec       on the wire
 ================  ==========  ================================================
 float32           ``None``    float32, sent zero-copy from the buffer
+                  (``"float32"`` says the same)
 float32           ``int32``   int32 quantized with a per-chunk exponent agreed
                               by all workers (MAX), so N * max never overflows
 float32           ``fp16``    IEEE half, summed in float32 by the aggregator
@@ -41,7 +42,7 @@ from aggnet.protocol.wire import DType
 
 __all__ = ["CODECS", "OPS", "Encoding", "Quantized"]
 
-CODECS = (None, "int32", "fp16", "bf16")
+CODECS = (None, "float32", "int32", "fp16", "bf16")
 OPS = ("sum", "avg")
 
 
@@ -88,12 +89,17 @@ class Encoding:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
+        dt = buf.dtype
+        if codec == "float32":  # the wire type named, as AggnetState and ClientConfig name it
+            if dt != np.float32:
+                raise ValueError(f"codec 'float32' sends a float32 buffer as it is; this buffer is {dt}: "
+                                 f"leave codec out to send it as it is")
+            codec = None
         self.k = kernels.for_array(buf)
         #: CuPy on the buffer's device; None for host buffers
         self.device = _cupy_of(buf)
         self.world = world
         self.avg = op == "avg"
-        dt = buf.dtype
         self.half_fmt: str | None = None
         self.native_half = False
         self.quantized = False

@@ -86,6 +86,46 @@ def test_sums_identical_across_chunk_sizes_and_shard_counts(shared_service, kind
     _check_exact(results, 3, 7)
 
 
+def _tensor_worker(rank, address, world, job):
+    import torch
+
+    n = 4096 * world + 3 * world
+    with Client(address, job=job, rank=rank, world_size=world, chunk_bytes=4096, timeout=20) as c:
+        flat = torch.arange(n, dtype=torch.float32) * (rank + 1)
+        half = torch.full((1000,), rank + 1.0, dtype=torch.bfloat16)
+        ints = torch.full((777,), rank - 5, dtype=torch.int32)
+        grad = torch.full((10, 10), 2.0, requires_grad=True)  # a parameter: summed outside autograd
+        named = np.full(100, rank + 1.0, np.float32)  # codec "float32": the buffer as it is
+        futures = [c.allreduce(flat), c.allreduce(half, op="avg"), c.allreduce(ints), c.allreduce(grad),
+                   c.allreduce(named, codec="float32")]
+        same = [f.result(30) is t for f, t in zip(futures, (flat, half, ints, grad, named))]
+        whole = torch.arange(n, dtype=torch.float32)
+        share = torch.empty(n // world)
+        scattered = c.reduce_scatter(whole, share).result(30)
+        return (same, scattered is share, flat.numpy(), half.float().numpy(), ints.numpy(), grad.detach().numpy(),
+                named, share.numpy(), grad.grad)
+
+
+def test_torch_tensors_are_all_reduced_in_place_as_numpy_arrays_are(shared_service):
+    """A torch CPU tensor is its own NumPy view: summed where it lies (bfloat16
+    included), and its future resolves to the tensor itself."""
+    svc, world = shared_service("zmq+ipc"), 2
+    results = run_workers(svc.address, world, _tensor_worker, svc.address, world, f"tensors-{uuid.uuid4().hex[:6]}",
+                          start_method="spawn")
+    n = 4096 * world + 3 * world
+    rank_sum = sum(range(1, world + 1))
+    for rank, (same, scattered_same, flat, half, ints, grad, named, share, grad_of_grad) in enumerate(results):
+        assert same == [True] * 5 and scattered_same
+        np.testing.assert_array_equal(flat, np.arange(n, dtype=np.float32) * rank_sum)
+        np.testing.assert_array_equal(half, np.full(1000, rank_sum / world, np.float32))
+        np.testing.assert_array_equal(ints, np.full(777, sum(r - 5 for r in range(world)), np.int32))
+        np.testing.assert_array_equal(grad, np.full((10, 10), 2.0 * world, np.float32))
+        np.testing.assert_array_equal(named, np.full(100, rank_sum, np.float32))
+        lo = rank * (n // world)
+        np.testing.assert_array_equal(share, np.arange(lo, lo + n // world, dtype=np.float32) * world)
+        assert grad_of_grad is None
+
+
 def _codec_worker(rank, address, world, job, codec, op):
     rng = np.random.default_rng(rank)
     x = (rng.standard_normal(50000) * np.exp(rng.uniform(-8, 8, 50000))).astype(np.float32)
@@ -592,6 +632,18 @@ def test_bad_settings_fail_with_the_bad_value(service):
             c.allreduce(np.ones(3, np.int32), op="avg")
         with pytest.raises(ValueError, match="codec must be one of"):
             c.allreduce(np.ones(3, np.float32), codec="int8")
+        with pytest.raises(ValueError, match="codec 'float32' sends a float32 buffer as it is; this buffer is int32"):
+            c.allreduce(np.ones(3, np.int32), codec="float32")
+        with pytest.raises(TypeError, match="allreduce takes a NumPy array, a torch tensor, .*; got list for buf"):
+            c.allreduce([1.0, 2.0])
+        import torch
+
+        with pytest.raises(TypeError, match="reduce_scatter takes dense tensors; buf is torch.sparse_coo"):
+            c.reduce_scatter(torch.eye(4).to_sparse(), torch.empty(4))
+        with pytest.raises(TypeError, match="allreduce takes CPU and CUDA tensors; buf is on meta"):
+            c.allreduce(torch.empty(4, device="meta"))
+        with pytest.raises(ValueError, match="float32, int32, float16 and bfloat16 buffers, not float64"):
+            c.allreduce(torch.ones(3, dtype=torch.float64))
         with pytest.raises(ValueError, match="dtype must be one of .* got 'int8'"):
             c.allreduce(np.ones(3, np.float32), dtype="int8")
         # dtype names what travels: float32 quantized to int32, then back
