@@ -21,6 +21,7 @@ Either way they are averaged or summed as ``sparse_op`` says.
 
 import atexit
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -44,6 +45,7 @@ _CODECS = {None: None, "float32": None, "int32": "int32", "fp16": "fp16", "bf16"
 _OPS = ("avg", "sum")
 _ON_NONFINITE = ("raise", "propagate")
 _state_counter = itertools.count()
+log = logging.getLogger("aggnet.torch")
 _CPU_KERNELS = kernels.load("cpu")
 
 
@@ -55,6 +57,8 @@ class BucketStats:
     chunks: int = 0  #: chunks (or switch packets) the bucket travelled in
     seconds: float = 0.0  #: hook call to aggregated bucket, summed
     last_seconds: float = 0.0  #: the same, of the latest call
+    #: calls all-reduced by the DDP group instead (a type aggnet does not carry)
+    delegated: int = 0
 
 
 
@@ -192,6 +196,8 @@ class AggnetState:
 
             self.stale_queue = StaleQueue(staleness)
         self.buckets: dict[int, BucketStats] = {}
+        #: gradient types met that the DDP group all-reduces (told once each)
+        self.delegated_dtypes: set[torch.dtype] = set()
         self.staging = staging
         self._stagers: dict[torch.device, Stager] = {}
         #: the order collectives reach the client in: staged buckets wait on
@@ -307,6 +313,7 @@ class AggnetState:
             total.wire_bytes += b.wire_bytes
             total.chunks += b.chunks
             total.seconds += b.seconds
+            total.delegated += b.delegated
         return {"total": total, "buckets": dict(self.buckets), "routes": dict(self.routes)}
 
     def close(self) -> None:
@@ -357,6 +364,8 @@ def allreduce_hook(state: AggnetState, bucket: dist.GradBucket) -> torch.futures
 
             routing.mark_sparse(state, bucket.index())
         return _sparse_allreduce(state, buf)
+    if buf.dtype not in _CARRIED:
+        return _delegated_allreduce(state, bucket.index(), buf)
     if state.alpha_threshold is not None:
         from aggnet.torch import routing
 
@@ -364,6 +373,40 @@ def allreduce_hook(state: AggnetState, bucket: dist.GradBucket) -> torch.futures
         if fut is not None:
             return fut
     return _dense_allreduce(state, bucket.index(), buf, bucket)
+
+
+#: the gradient types aggnet's wire carries; a model of another (float64)
+#: has its buckets all-reduced by torch.distributed on the DDP group
+_CARRIED = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _delegated_allreduce(state: "AggnetState", index: int, buf: torch.Tensor) -> torch.futures.Future:
+    """A bucket of a type aggnet does not carry, summed (or averaged) by
+    the DDP group's own all-reduce, as DDP's default hook would: training
+    goes on, at that group's speed, and the user is told once."""
+    if buf.dtype not in state.delegated_dtypes:
+        state.delegated_dtypes.add(buf.dtype)
+        log.warning("aggnet DDP hook: bucket %d holds %s gradients, which aggnet does not carry (it carries "
+                    "float32, float16 and bfloat16): buckets of that type go through torch.distributed's "
+                    "all_reduce on the DDP group instead; train in float32 to aggregate them with aggnet",
+                    index, str(buf.dtype).replace("torch.", ""))
+    stats = state.buckets.setdefault(index, BucketStats())
+    world = state.world_size
+    t0 = time.perf_counter()
+
+    def finish(f) -> torch.Tensor:
+        result = f.value()[0]
+        if state.op == "avg":
+            result.div_(world)
+        stats.calls += 1
+        stats.delegated += 1
+        stats.elements += result.numel()
+        stats.last_seconds = time.perf_counter() - t0
+        stats.seconds += stats.last_seconds
+        return result
+
+    work = dist.all_reduce(buf, group=state.process_group, async_op=True)
+    return work.get_future().then(finish)
 
 
 def _dense_allreduce(state: "AggnetState", index: int, buf: torch.Tensor, bucket) -> torch.futures.Future:

@@ -51,14 +51,14 @@ def optimizer(model, sparse: bool):
 
 
 def train(model, steps: int, world: int, rank: int, sparse: bool, clip: float | None, ddp=None, device="cpu",
-          on_step=None):
+          on_step=None, dtype=torch.float32):
     opt = optimizer(model, sparse)
     net = ddp or model
     for step in range(steps):
         x, y = batch(step, PER_RANK * world, sparse)
         if ddp is not None:
             x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
-        x, y = x.to(device), y.to(device)
+        x, y = x.to(device, dtype if x.is_floating_point() else x.dtype), y.to(device)
         opt.zero_grad()
         loss = nn.functional.cross_entropy(net(x), y)
         loss.backward()
@@ -70,10 +70,11 @@ def train(model, steps: int, world: int, rank: int, sparse: bool, clip: float | 
     return [p.detach().cpu().numpy().copy() for p in model.parameters()]
 
 
-def single_process(world: int, steps: int, sparse=False, unused=False, clip=None, device="cpu"):
+def single_process(world: int, steps: int, sparse=False, unused=False, clip=None, device="cpu",
+                   dtype=torch.float32):
     torch.set_num_threads(1)
-    model = make_model(0, sparse, unused).to(device)
-    return train(model, steps, world, 0, sparse, clip, device=device)
+    model = make_model(0, sparse, unused).to(device, dtype)
+    return train(model, steps, world, 0, sparse, clip, device=device, dtype=dtype)
 
 
 @ends_process_group
@@ -94,9 +95,10 @@ def ddp_run(rank: int, world: int, port: int, mode: str, options: dict):
     out = []
     states = []
     device = options.get("device", "cpu")
+    dtype = getattr(torch, options.get("dtype", "float32"))
     allocations = []
     for m in range(options.get("models", 1)):
-        model = make_model(m, options.get("sparse", False), options.get("unused", False)).to(device)
+        model = make_model(m, options.get("sparse", False), options.get("unused", False)).to(device, dtype)
         ddp = DDP(model, gradient_as_bucket_view=options.get("bucket_view", False),
                   static_graph=options.get("static_graph", False),
                   find_unused_parameters=options.get("unused", False), bucket_cap_mb=options.get("bucket_mb", 25))
@@ -116,9 +118,10 @@ def ddp_run(rank: int, world: int, port: int, mode: str, options: dict):
                             if torch.device(device).type == "cuda" else 0)
                 allocations.append({"pools": pools, "cuda_segments": segments})
         out.append(train(model, options.get("steps", 20), world, rank, options.get("sparse", False),
-                         options.get("clip"), ddp=ddp, device=device, on_step=count))
+                         options.get("clip"), ddp=ddp, device=device, on_step=count, dtype=dtype))
     jobs = [s.job for s in states]
     stats = [s.stats()["total"].calls for s in states]
+    delegated = [s.stats()["total"].delegated for s in states]
     routes = [{i: vars(r) for i, r in s.stats()["routes"].items()} for s in states]
     # chunks the aggregator read in place from the stager's shared memory
     shared = [s.client.stats.chunks_shared if s.resolved else 0 for s in states]
@@ -127,7 +130,7 @@ def ddp_run(rank: int, world: int, port: int, mode: str, options: dict):
     for s in states:
         s.close()
     return {"params": out, "jobs": jobs, "calls": stats, "allocations": allocations, "routes": routes,
-            "chunks_shared": shared, "sparse_tables": sparse_tables}
+            "chunks_shared": shared, "sparse_tables": sparse_tables, "delegated": delegated}
 
 
 def max_grad_magnitudes(world: int, steps: int):

@@ -42,9 +42,22 @@ def test_float32_hook_matches_single_process_and_gloo(service, world):
     for r in agg:
         # every rank holds the same parameters
         assert rel_diff(r["params"][0], agg[0]["params"][0]) == 0.0
-        assert r["calls"] == [STEPS]  # one bucket per step, through aggnet
+        assert r["calls"] == [STEPS] and r["delegated"] == [0]  # one bucket per step, through aggnet
     assert rel_diff(agg[0]["params"][0], reference) <= 1e-6
     assert rel_diff(agg[0]["params"][0], gloo[0]["params"][0]) <= 1e-6
+
+
+def test_a_float64_model_trains_through_the_ddp_group_like_single_process(service):
+    """aggnet's wire carries no float64: those buckets go to the DDP group's
+    own all-reduce (as DDP's default hook would send them), and training
+    goes on exactly."""
+    world = 2
+    reference = W.single_process(world, STEPS, dtype=torch.float64)
+    agg = ddp(world, "aggnet", address=service.address, dtype="float64")
+    for r in agg:
+        assert r["params"][0][0].dtype == np.float64
+        assert r["calls"] == [STEPS] and r["delegated"] == [STEPS]
+        assert rel_diff(r["params"][0], reference) <= 1e-12
 
 
 def test_a_state_built_before_init_process_group_resolves_on_the_first_bucket(service):
