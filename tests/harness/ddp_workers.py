@@ -35,6 +35,15 @@ def make_model(seed: int, sparse=False, unused=False) -> Net:
     return Net(sparse, unused)
 
 
+def with_float64_head(model: Net) -> Net:
+    """The model's last layer in float64 (inputs widened, outputs narrowed):
+    DDP gives its gradients a bucket of their own."""
+    head = model.body[-1].double()
+    head.register_forward_pre_hook(lambda m, args: tuple(a.double() for a in args))
+    head.register_forward_hook(lambda m, args, out: out.float())
+    return model
+
+
 def batch(step: int, n: int, sparse: bool):
     g = torch.Generator().manual_seed(1000 + step)
     if sparse:
@@ -71,9 +80,11 @@ def train(model, steps: int, world: int, rank: int, sparse: bool, clip: float | 
 
 
 def single_process(world: int, steps: int, sparse=False, unused=False, clip=None, device="cpu",
-                   dtype=torch.float32):
+                   dtype=torch.float32, float64_head=False):
     torch.set_num_threads(1)
     model = make_model(0, sparse, unused).to(device, dtype)
+    if float64_head:
+        with_float64_head(model)
     return train(model, steps, world, 0, sparse, clip, device=device, dtype=dtype)
 
 
@@ -99,6 +110,8 @@ def ddp_run(rank: int, world: int, port: int, mode: str, options: dict):
     allocations = []
     for m in range(options.get("models", 1)):
         model = make_model(m, options.get("sparse", False), options.get("unused", False)).to(device, dtype)
+        if options.get("float64_head"):
+            with_float64_head(model)
         ddp = DDP(model, gradient_as_bucket_view=options.get("bucket_view", False),
                   static_graph=options.get("static_graph", False),
                   find_unused_parameters=options.get("unused", False), bucket_cap_mb=options.get("bucket_mb", 25))

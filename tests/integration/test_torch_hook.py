@@ -60,6 +60,17 @@ def test_a_float64_model_trains_through_the_ddp_group_like_single_process(servic
         assert rel_diff(r["params"][0], reference) <= 1e-12
 
 
+def test_a_float64_head_goes_to_the_ddp_group_while_the_float32_buckets_go_through_aggnet(service):
+    """Two streams of collectives from one backward pass, each in bucket
+    order on every rank: neither waits for the other."""
+    world = 2
+    reference = W.single_process(world, STEPS, float64_head=True)
+    agg = ddp(world, "aggnet", address=service.address, float64_head=True)
+    for r in agg:
+        assert r["calls"] == [2 * STEPS] and r["delegated"] == [STEPS]
+        assert rel_diff(r["params"][0], reference) <= 1e-6
+
+
 def test_a_state_built_before_init_process_group_resolves_on_the_first_bucket(service):
     world = 2
     reference = W.single_process(world, STEPS)
