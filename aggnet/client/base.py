@@ -329,9 +329,12 @@ class Client(ABC):
                   _quantized: Quantized | None = None, _scratch: bool = False) -> Future:
         """Sum (or average) ``buf`` over every worker of the job, in place.
 
-        Returns a :class:`concurrent.futures.Future` that resolves to ``buf``
-        once every element holds the result. ``codec`` compresses float32
-        buffers on the wire (``"int32"``, ``"fp16"``, ``"bf16"``); ``dtype``
+        ``buf`` is a NumPy array, a torch tensor (CPU or CUDA; its own
+        memory receives the result), a CuPy array, or another array with
+        ``__dlpack__``. Returns a :class:`concurrent.futures.Future` that
+        resolves to ``buf`` once every element holds the result. ``codec``
+        compresses float32 buffers on the wire (``"int32"``, ``"fp16"``,
+        ``"bf16"``; ``"float32"`` or None sends them as they are); ``dtype``
         says the same as the type that travels (``"float32"``, ``"int32"``,
         ``"float16"``, ``"bfloat16"``). ``key`` names the buffer for
         placement on aggregator shards (e.g. a DDP bucket index) and, with
