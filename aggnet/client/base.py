@@ -353,7 +353,7 @@ class Client(ABC):
                     host, op, codec, dtype=dtype, key=key, _wire_hint=_wire_hint, _scratch=True))
         else:
             buf, hint = host_view(buf, "allreduce")
-            _wire_hint = _wire_hint or hint
+            _wire_hint = hint if _wire_hint is None else _wire_hint
         if dtype is not None:
             codec = _codec_for_dtype(buf, dtype, codec)
         if not buf.flags.c_contiguous or not getattr(buf.flags, "writeable", True):
@@ -449,7 +449,7 @@ class Client(ABC):
         caller_out = out
         buf, hint = host_view(buf, "reduce_scatter")
         out, _ = host_view(out, "reduce_scatter", "out")
-        _wire_hint = _wire_hint or hint
+        _wire_hint = hint if _wire_hint is None else _wire_hint
         if dtype is not None:
             codec = _codec_for_dtype(buf, dtype, codec)
         bounds = self._check_share(buf, out, bounds)
