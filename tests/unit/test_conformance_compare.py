@@ -17,8 +17,8 @@ def junit(path: pathlib.Path, outcomes: dict[str, str]) -> str:
 
 
 def compare(tmp_path, gloo, aggnet):
-    r = subprocess.run([sys.executable, str(COMPARE), junit(tmp_path / "g.xml", gloo), junit(tmp_path / "a.xml", aggnet)],
-                       capture_output=True, text=True, timeout=60)
+    files = [junit(tmp_path / "g.xml", gloo), junit(tmp_path / "a.xml", aggnet)]
+    r = subprocess.run([sys.executable, str(COMPARE), *files], capture_output=True, text=True, timeout=60)
     return r.returncode, r.stdout
 
 
