@@ -16,7 +16,7 @@ import numpy as np
 
 from aggnet.protocol.wire import DType
 
-__all__ = ["host_view"]
+__all__ = ["host_view", "tensor_view"]
 
 _TAKES = "a NumPy array, a torch tensor, or another array with __dlpack__ (CUDA ones with __cuda_array_interface__)"
 
@@ -27,7 +27,7 @@ def host_view(buf, call: str, name: str = "buf") -> tuple[np.ndarray, DType | No
         return buf, None
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(buf, torch.Tensor):
-        return _torch_view(buf, call, name)
+        return _torch_view(torch, buf, call, name)
     if hasattr(buf, "__dlpack__"):
         try:
             return np.from_dlpack(buf), None
@@ -36,18 +36,25 @@ def host_view(buf, call: str, name: str = "buf") -> tuple[np.ndarray, DType | No
     raise TypeError(f"{call} takes {_TAKES}; got {type(buf).__name__} for {name}")
 
 
-def _torch_view(t, call: str, name: str) -> tuple[np.ndarray, DType | None]:
-    import torch
+def tensor_view(t) -> tuple[np.ndarray, DType | None]:
+    """(NumPy view sharing host tensor ``t``'s memory, wire type hint): the
+    one place a torch tensor becomes a client's buffer (the DDP hook's
+    buckets, the backend's tensors, the stager's pinned memory, a caller's
+    tensor)."""
+    torch = sys.modules["torch"]  # a tensor exists, so torch is loaded
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16), DType.BFLOAT16
+    return t.numpy(), None
 
+
+def _torch_view(torch, t, call: str, name: str) -> tuple[np.ndarray, DType | None]:
     if t.layout != torch.strided:
         raise TypeError(f"{call} takes dense tensors; {name} is {t.layout} (sparse rows go to "
                         f"aggnet.torch's sparse path, docs/sparse.md)")
     if t.device.type != "cpu":
         raise TypeError(f"{call} takes CPU and CUDA tensors; {name} is on {t.device}: copy it to one of them first")
-    t = t.detach()  # all-reduced in place as torch.distributed does, outside autograd
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16), DType.BFLOAT16
     try:
-        return t.numpy(), None
+        # all-reduced in place as torch.distributed does, outside autograd
+        return tensor_view(t.detach())
     except TypeError as exc:  # a dtype NumPy lacks
         raise TypeError(f"{call} cannot take a {t.dtype} tensor: {exc}") from None

@@ -100,11 +100,12 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
+from aggnet.client.arrays import tensor_view
 from aggnet.client.base import Client
 from aggnet.client.config import ClientConfig
 from aggnet.errors import AggnetError, AggregatorUnreachable
 from aggnet.torch.futures import torch_future, when_all
-from aggnet.torch.hook import _CODECS, _numpy_view
+from aggnet.torch.hook import _CODECS
 from aggnet.torch.scale_keys import ScaleKeys
 from aggnet.torch.staging import ClientQueue, Stager, quantize_block
 
@@ -423,7 +424,7 @@ class AggnetProcessGroup(dist.ProcessGroup):
         if self._staged(t):
             return self._allreduce_staged(t, op)
         work = _contiguous(t.detach())
-        arr, hint = _numpy_view(work)
+        arr, hint = tensor_view(work)
         client, codec = self.client, self.codec if t.dtype == torch.float32 else None
         key = self._key(codec, arr.size)
         fut = self._order.call(lambda: client.allreduce(arr, op=op, codec=codec, key=key, _wire_hint=hint))
@@ -521,8 +522,8 @@ class AggnetProcessGroup(dist.ProcessGroup):
             return self._reduce_scatter_staged(input, output, bounds, op)
         src = _contiguous(input.detach())
         dst = _contiguous(output.detach())
-        src_arr, hint = _numpy_view(src)
-        dst_arr, _ = _numpy_view(dst)
+        src_arr, hint = tensor_view(src)
+        dst_arr, _ = tensor_view(dst)
         codec = self.codec if input.dtype == torch.float32 else None
         mine = slice(bounds[self._rank], bounds[self._rank + 1])
         if client.owner_results:
@@ -533,7 +534,7 @@ class AggnetProcessGroup(dist.ProcessGroup):
         else:
             # a switch, or a rack of a hierarchy: all-reduce a copy, keep this rank's share
             whole = src.reshape(-1).clone()
-            whole_arr, _ = _numpy_view(whole)
+            whole_arr, _ = tensor_view(whole)
             key = self._key(codec, whole_arr.size)
             fut = self._order.call(lambda: client.allreduce(whole_arr, op=op, codec=codec, key=key,
                                                             _wire_hint=hint))

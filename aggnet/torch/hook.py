@@ -27,15 +27,14 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from aggnet import kernels
+from aggnet.client.arrays import tensor_view
 from aggnet.client.base import Client
 from aggnet.client.config import ClientConfig
 from aggnet.errors import AggnetError, AggregatorUnreachable, NonFiniteError
-from aggnet.protocol.wire import DType
 from aggnet.torch.futures import torch_future
 from aggnet.torch.staging import ClientQueue, Stager, quantize_block, result_nonfinite
 
@@ -327,13 +326,6 @@ class AggnetState:
         atexit.unregister(self.close)
 
 
-def _numpy_view(t: torch.Tensor):
-    """(NumPy view sharing ``t``'s memory, wire dtype hint)."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16), DType.BFLOAT16
-    return t.numpy(), None
-
-
 def _count_nonfinite(t: torch.Tensor, arr) -> int:
     """NaN/Inf count: one vectorized pass without temporaries for float32
     (the common case), torch's own ops for 16-bit buffers."""
@@ -481,7 +473,7 @@ def _synchronous_allreduce(state: "AggnetState", index: int, buf: torch.Tensor, 
     """``AggnetState(staging=False)``: a device bucket copied to the CPU and
     back on the training stream, which waits for it; kept to compare with."""
     host = buf.detach().to("cpu")
-    arr, hint = _numpy_view(host)
+    arr, hint = tensor_view(host)
     local_bad = _count_nonfinite(host, arr) if state.check_finite else 0
     codec = state.codec if host.dtype == torch.float32 else None
     client = state.client

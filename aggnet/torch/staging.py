@@ -77,9 +77,9 @@ import numpy as np
 import torch
 
 from aggnet import kernels
+from aggnet.client.arrays import tensor_view
 from aggnet.client.codec import Quantized
 from aggnet.errors import AggnetError
-from aggnet.protocol.wire import DType
 from aggnet.torch import quantize as device_codec
 from aggnet.transport import shm
 
@@ -230,13 +230,6 @@ def _unregister(address: int) -> None:
 
 def _view(raw: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
     return raw[: numel * dtype.itemsize].view(dtype)
-
-
-def _numpy(t: torch.Tensor) -> tuple[np.ndarray, DType | None]:
-    """A NumPy view of host tensor ``t`` and the wire hint for bfloat16."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16), DType.BFLOAT16
-    return t.numpy(), None
 
 
 @dataclass
@@ -496,7 +489,7 @@ class Stager:
 
     def _send(self, staged: Staged, send, out: Future) -> None:
         try:
-            arr, hint = _numpy(staged.host)
+            arr, hint = tensor_view(staged.host)
             # pinned memory of the stager's own: a failed round leaves the
             # caller's buffer as it was, so nothing in it need be saved
             mine = {"_scratch": True} if staged.host is not staged.buf else {}
