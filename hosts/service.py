@@ -46,7 +46,7 @@ def default_shards() -> int:
 
 
 def shard_addresses(control: Address, shards: int) -> list[Address]:
-    if control.scheme in ("zmq+tcp", "ucx"):
+    if control.scheme in ("tcp", "zmq+tcp", "ucx"):
         return [control.with_port(0 if control.port == 0 else control.port + 1 + i) for i in range(shards)]
     if control.scheme in ("zmq+ipc", "shm", "inproc"):
         return [control.with_path(f"{control.path}.{i}") for i in range(shards)]
@@ -439,7 +439,7 @@ def start(listen_address: str, shards: int | None = None, *, log_level: int = lo
 def _refuse_a_second_service(control: Address) -> None:
     """An aggnet service that answers at ``control`` already: say so, not
     that some shard port is in use."""
-    if control.scheme != "zmq+tcp" or not control.port:
+    if control.scheme not in ("tcp", "zmq+tcp") or not control.port:
         return
     import socket
 
@@ -463,7 +463,7 @@ def _refuse_a_second_service(control: Address) -> None:
 
 
 def _ports_hint(control: Address, n: int, text: str) -> str:
-    if "in use" not in text or control.scheme not in ("zmq+tcp", "ucx") or not control.port:
+    if "in use" not in text or control.scheme not in ("tcp", "zmq+tcp", "ucx") or not control.port:
         return ""
     return (f"; a service takes its control port and the {n} after it ({control.port}..{control.port + n}, one per "
             f"shard): pick a --listen port with {n} free ports after it, fewer --shards, or port 0 for any free ports")

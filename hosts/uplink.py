@@ -30,7 +30,7 @@ from aggnet.protocol.wire import Header, MsgType
 log = logging.getLogger("aggnet.hosts.uplink")
 
 #: schemes a root service is reached at from its racks' shards
-ROOT_SCHEMES = ("zmq+tcp", "zmq+ipc")
+ROOT_SCHEMES = ("tcp", "zmq+tcp", "zmq+ipc")
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ def _ucxx_available() -> bool:
     return True
 
 
-TRANSPORTS = ["inproc", "zmq+ipc", "zmq+tcp", "shm",
+TRANSPORTS = ["inproc", "zmq+ipc", "zmq+tcp", "tcp", "shm",
               pytest.param("ucx", marks=pytest.mark.skipif(not _ucxx_available(),
                                                            reason="ucxx is not installed (pip install aggnet[rdma])"))]
 

@@ -125,6 +125,7 @@ class Transport(ABC):
 #: cost that path its batching; the switch client and switch-mode hosts
 #: use :class:`aggnet.transport.udp.DatagramSocket` directly instead.
 _BACKENDS = {
+    "tcp": "aggnet.transport.tcp:TcpTransport",
     "zmq+tcp": "aggnet.transport.zmq:ZmqTransport",
     "zmq+ipc": "aggnet.transport.zmq:ZmqTransport",
     "shm": "aggnet.transport.zmq:ZmqTransport",

@@ -183,8 +183,12 @@ class ZmqListener(Listener):
             if getattr(c, "_ready", None):
                 return
             socks.extend(getattr(c, "_socks", ()))
+            # a plain TCP connection (tcp://) sleeps on one epoll descriptor
+            epoll = getattr(c, "_epoll", None)
+            if epoll is not None:
+                socks.append(epoll.fileno())
         key = getattr(self, "_wait_key", ())
-        if len(key) != len(socks) or any(a is not b for a, b in zip(key, socks)):
+        if len(key) != len(socks) or any(a != b for a, b in zip(key, socks)):
             self._wait_poller = zmq.Poller()
             for s in socks:
                 self._wait_poller.register(s, zmq.POLLIN)
@@ -222,6 +226,7 @@ class ZmqListener(Listener):
 #: a missing or wrong CURVE key, which ZeroMQ retries for ever, and which
 #: the worker should hear at once rather than at its connect timeout
 SILENT_CLOSES = 3
+_PLAIN_TCP = "it serves plain tcp://"
 #: the monitor's events of a failed security handshake
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
@@ -320,7 +325,7 @@ class ZmqConnection(Connection):
                 return
             i = self._monitors[monitor]
             if event["event"] & _HANDSHAKE_REFUSED:
-                self._refused[i] = self._why_refused(event["event"])
+                self._refused[i] = self._why_refused(event["event"], i)
                 continue
             if event["event"] & zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
                 # a wrong CURVE key, but also a peer that died half-way
@@ -339,12 +344,20 @@ class ZmqConnection(Connection):
                 # the event then says only "disconnected"
                 self._closed_silent[i] += 1
                 if self._closed_silent[i] >= SILENT_CLOSES and i not in self._refused:
-                    self._refused[i] = self._why_refused(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL) + (
-                        "" if i in self._failed_handshakes else
+                    why = self._why_refused(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, i)
+                    self._refused[i] = why + (
+                        "" if why.startswith(_PLAIN_TCP) or i in self._failed_handshakes else
                         f" (it closed {SILENT_CLOSES} connections before answering; or what listens there is not "
                         f"an aggnet service)")
 
-    def _why_refused(self, event: int) -> str:
+    def _why_refused(self, event: int, i: int) -> str:
+        addr = self.addresses[i]
+        if addr.scheme == "zmq+tcp":
+            from aggnet.transport.tcp import greets_as_plain_tcp
+
+            if greets_as_plain_tcp(addr):
+                # no handshake at all: the service speaks aggnet's own TCP
+                return f"{_PLAIN_TCP} (no ZeroMQ): connect at tcp://{zmq_endpoint(addr)[len('tcp://'):]} instead"
         # the event's kind races with the peer closing: what this side
         # brought (a key or none) says more
         if not self._curve:

@@ -43,7 +43,9 @@ def add_arguments(p) -> None:
                    help="worker counts, comma-separated (default %(default)s)")
     p.add_argument("--sizes", type=size_list, default=DEFAULT_SIZES, help="buffer sizes (default %(default)s)")
     p.add_argument("--transports", default="shm,ipc,tcp",
-                   help="aggnet transports: shm (shared-memory payloads), ipc, tcp, ucx (default %(default)s)")
+                   help="aggnet transports: shm (shared-memory payloads), ipc (ZeroMQ over a Unix socket), tcp "
+                        "(plain sockets, tcp://), zmq+tcp (ZeroMQ over TCP; records before 2026-12-07 call it tcp), "
+                        "ucx (default %(default)s)")
     p.add_argument("--dtypes", default="float32,int32",
                    help="float32, int32, q-int32 (float32 quantized to int32, exponents agreed every round), "
                         "q-int32-carried (the same under a key, exponents carried from the last round; averaged, so "
@@ -427,8 +429,9 @@ def _main(args) -> int:
                   f"host, or time GPU buckets with aggnet bench-ddp --device cuda", file=sys.stderr)
             return 2
     for t in transports:
-        if t not in ("shm", "ipc", "tcp", "ucx"):
-            print(f"aggnet bench: unknown transport {t!r}; choose from shm, ipc, tcp, ucx", file=sys.stderr)
+        if t not in ("shm", "ipc", "tcp", "zmq+tcp", "ucx"):
+            print(f"aggnet bench: unknown transport {t!r}; choose from shm, ipc, tcp, zmq+tcp, ucx",
+                  file=sys.stderr)
             return 2
     if args.memory == "cuda":
         try:
@@ -456,7 +459,7 @@ def _main(args) -> int:
 def _run(args, sizes: list, worlds: list, transports: list, dtypes: list, chunks: list, gloo: bool,
          run_dir: str) -> int:
     listen = {"shm": f"shm://{run_dir}/shm.sock", "ipc": f"zmq+ipc://{run_dir}/agg.sock",
-              "tcp": "zmq+tcp://127.0.0.1:0", "ucx": "ucx://127.0.0.1:0"}
+              "tcp": "tcp://127.0.0.1:0", "zmq+tcp": "zmq+tcp://127.0.0.1:0", "ucx": "ucx://127.0.0.1:0"}
     records: list[dict] = []
     sums: dict = {}
     for nbytes in sizes:

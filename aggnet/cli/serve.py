@@ -98,12 +98,14 @@ def _in_a_namespace_of_its_own() -> bool:
 
 
 def _warn_if_open(address, keyring, curve: bool) -> None:
-    if address.scheme in ("zmq+tcp", "udp", "ucx") and _serves_others(address.host) and not keyring.enforced \
+    if address.scheme in ("tcp", "zmq+tcp", "udp", "ucx") and _serves_others(address.host) and not keyring.enforced \
             and not _in_a_namespace_of_its_own():
         log.warning("serving other hosts at %s WITHOUT job keys: anyone who reaches this port can join any job, "
                     "replace its workers and read its counters. Start with --keys FILE (aggnet job create) "
                     "to require signed JOINs%s", address,
-                    "" if curve or address.scheme == "udp" else ", and --curve-secret-file to encrypt")
+                    "" if curve or address.scheme == "udp" else
+                    ", and zmq+tcp:// with --curve-secret-file to encrypt" if address.scheme == "tcp" else
+                    ", and --curve-secret-file to encrypt")
 
 
 def main(args) -> int:

@@ -133,6 +133,7 @@ def _codec_for_dtype(buf, dtype: str, codec: str | None) -> str | None:
 #: :func:`register_client_kind`
 CLIENT_KINDS = {
     "udp": "aggnet.client.switch:SwitchClient",
+    "tcp": "aggnet.client.chunked:ChunkClient",
     "zmq+tcp": "aggnet.client.chunked:ChunkClient",
     "zmq+ipc": "aggnet.client.chunked:ChunkClient",
     "shm": "aggnet.client.chunked:ChunkClient",

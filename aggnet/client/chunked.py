@@ -199,7 +199,9 @@ class ChunkClient(Client):
         self._transport_options = {}
         if self.config.server_key is not None:
             if scheme != "zmq+tcp":
-                raise ValueError(f"server_key (CURVE) protects zmq+tcp addresses, not {self.address}")
+                raise ValueError(f"server_key (CURVE) protects zmq+tcp addresses, not {self.address}"
+                                 + ("; tcp:// carries no encryption: serve and connect at zmq+tcp:// to use CURVE"
+                                    if scheme == "tcp" else ""))
             from aggnet.transport.zmq import Curve
 
             self._transport_options["curve"] = Curve(self.config.server_key.encode())

@@ -49,10 +49,10 @@ _FAMILY_TEXT = {"switch": "the switch protocol over UDP", "service": "chunks ove
 _SCHEMES = {
     "p4": ("udp",),
     "host-switch": ("udp",),
-    "service": ("zmq+tcp", "zmq+ipc", "shm", "ucx"),
+    "service": ("tcp", "zmq+tcp", "zmq+ipc", "shm", "ucx"),
 }
 #: schemes a service root can take its racks' partials over (shard to shard)
-_ROOT_SERVICE_SCHEMES = ("zmq+tcp", "zmq+ipc")
+_ROOT_SERVICE_SCHEMES = ("tcp", "zmq+tcp", "zmq+ipc")
 
 _TOP_KEYS = {"job", "procs_per_host", "root", "racks", "hosts", "links"}
 _RACK_KEYS = {"name", "hosts", "ranks", "aggregator", "fallback"}

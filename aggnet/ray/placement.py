@@ -69,7 +69,7 @@ def _runnable(agg: Aggregator, what: str) -> None:
     a = parse(agg.address)
     if a.is_local_only:
         raise TopologyError(f"{agg.where}: {what} listens at {agg.address}, which only its own machine reaches; "
-                            f"give it a zmq+tcp, ucx or udp address")
+                            f"give it a tcp, zmq+tcp, ucx or udp address")
 
 
 def on_node(address: str, ip: str) -> str:

@@ -180,7 +180,7 @@ class RunningService:
         else:
             # Unix socket paths are limited to 107 bytes: keep them short
             args = []
-            if kind in ("zmq+tcp", "ucx"):
+            if kind in ("tcp", "zmq+tcp", "ucx"):
                 listen = f"{kind}://127.0.0.1:0"
             elif kind == "udp":  # a host in switch mode
                 listen, args = "udp://127.0.0.1:0", ["--mode", "switch"]

@@ -30,10 +30,11 @@ def topology_text(kind: str, root: str | None, racks: list[str], per_rack: int, 
 class Racks:
     """A root and two racks of one kind, as ``aggnet serve`` processes."""
 
-    def __init__(self, kind: str, shards: int = 2, per_rack: int = 2, root_args=(), rack_args=()):
+    def __init__(self, kind: str, shards: int = 2, per_rack: int = 2, root_args=(), rack_args=(),
+                 scheme: str = "zmq+tcp"):
         self.kind = kind
         mode = [] if kind == "service" else ["--mode", "switch"]
-        listen = "zmq+tcp://127.0.0.1:0" if kind == "service" else "udp://127.0.0.1:0"
+        listen = f"{scheme}://127.0.0.1:0" if kind == "service" else "udp://127.0.0.1:0"
         self.procs = []
         try:
             self.root = self._start(listen, shards, [*mode, *root_args])

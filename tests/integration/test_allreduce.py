@@ -76,7 +76,7 @@ def test_sums_are_exact_on_every_transport(service, world):
     _check_exact(results, world, world)
 
 
-@pytest.mark.parametrize("kind", ["inproc", "zmq+ipc", "shm"])
+@pytest.mark.parametrize("kind", ["inproc", "zmq+ipc", "tcp", "shm"])
 @pytest.mark.parametrize("shards", [1, 3])
 @pytest.mark.parametrize("chunk_bytes", [256, 65536, 1 << 20])
 def test_sums_identical_across_chunk_sizes_and_shard_counts(shared_service, kind, shards, chunk_bytes):
@@ -323,7 +323,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # no LEAVE, no close: as a crash
 """
 
 
-@pytest.mark.parametrize("kind", ["zmq+tcp", "zmq+ipc", "shm", "udp"])
+@pytest.mark.parametrize("kind", ["zmq+tcp", "tcp", "zmq+ipc", "shm", "udp"])
 def test_a_killed_worker_is_reported_to_the_survivor_at_once(shared_service, kind):
     """The service hears the connection close; a host in switch mode
     (udp, two shard ports) hears the worker's heartbeats stop."""
@@ -385,7 +385,7 @@ def test_a_worker_that_died_before_joining_every_shard_is_reported_in_seconds():
         assert HELD_GRACE <= took < HELD_GRACE + 3, took  # the stall would be 20 s
 
 
-@pytest.mark.parametrize("kind", ["inproc", "zmq+tcp", "shm", "udp"])
+@pytest.mark.parametrize("kind", ["inproc", "zmq+tcp", "tcp", "shm", "udp"])
 def test_a_world_size_mismatch_is_told_to_every_rank_at_once(shared_service, kind):
     """Rank 1 joins with another world size than the job rank 0 registered
     (on the service, and on a host in switch mode over udp://):

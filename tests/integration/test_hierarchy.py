@@ -151,13 +151,15 @@ def test_a_finished_job_leaves_the_root_too(racks):
         time.sleep(0.1)
 
 
-def test_service_racks_carry_one_partial_per_chunk_across_racks():
+@pytest.mark.parametrize("scheme", ["zmq+tcp", "tcp"])
+def test_service_racks_carry_one_partial_per_chunk_across_racks(scheme):
     """Cross-rack bytes per all-reduce are R·S up and R·S down, whatever the
-    number of workers per rack (4 here), plus the small agreements."""
-    r = Racks("service", per_rack=4)
+    number of workers per rack (4 here), plus the small agreements; the
+    sums are exact over either TCP transport (racks to root included)."""
+    r = Racks("service", per_rack=4, scheme=scheme)
     try:
         n = 1 << 20
-        run_topology(r.topology, r.world, (None,), n)
+        check(run_topology(r.topology, r.world, (None,), n), r.world, (None,), n)
         nbytes = 4 * n
         for rack in r.racks:
             shards = r.stats(rack)["shards"]

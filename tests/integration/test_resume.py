@@ -55,13 +55,15 @@ class OwnerQuantized:
             CPU.dequantize(self.q[part], shift, self.buf[part], False)
 
 
-@pytest.mark.parametrize("codec", [None, "int32", "owner-int32"])
-def test_an_allreduce_in_flight_finishes_on_the_restarted_shard(codec):
+@pytest.mark.parametrize("codec, scheme", [(None, "zmq+tcp"), ("int32", "zmq+tcp"), ("owner-int32", "zmq+tcp"),
+                                           (None, "tcp")])
+def test_an_allreduce_in_flight_finishes_on_the_restarted_shard(codec, scheme):
     """Rank 0's round waits for rank 1 when a shard dies: the shard's
     successor takes both ranks back and the same round completes exactly
     (with ``owner-int32`` rank 0 quantizes its buffer itself, as a GPU
-    bucket is, once its exponents are agreed)."""
-    with ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2, args=["--restart"]) as svc:
+    bucket is, once its exponents are agreed). Over tcp:// too: a worker
+    dials the successor itself and hears the old connection close."""
+    with ServiceProcess(f"{scheme}://127.0.0.1:0", shards=2, args=["--restart"]) as svc:
         job = _job()
         clients = [Client(svc.address, job=job, rank=r, world_size=2, timeout=20, chunk_bytes=64 << 10)
                    for r in range(2)]

@@ -89,7 +89,8 @@ def test_addresses_parse_and_unknown_schemes_list_the_known_ones():
     assert str(parse("zmq+tcp://127.0.0.1:5555")) == "zmq+tcp://127.0.0.1:5555"
     assert parse("zmq+ipc:///tmp/x.sock").path == "/tmp/x.sock"
     assert parse("udp://[::1]:9000").host == "::1"
-    with pytest.raises(AddressError, match="unknown address scheme 'http'.*known schemes: zmq\\+tcp, zmq\\+ipc"):
+    assert str(parse("tcp://[fd00::1]:5555")) == "tcp://[fd00::1]:5555"
+    with pytest.raises(AddressError, match="unknown address scheme 'http'.*known schemes: tcp, zmq\\+tcp, zmq\\+ipc"):
         parse("http://example.com:80")
     with pytest.raises(AddressError, match="needs host and port"):
         parse("zmq+tcp://localhost")

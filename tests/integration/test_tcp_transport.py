@@ -1,0 +1,346 @@
+"""The plain TCP transport (tcp://) on real sockets: every message size
+arrives whole and in order, replies reach their peer, a peer that is not up
+yet or comes back is dialled, and what is not an aggnet stream is closed and
+counted without stalling anybody else."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from aggnet import Client
+from aggnet.errors import AggregatorUnreachable
+from aggnet.processes import ServiceProcess
+from aggnet.protocol import wire
+from aggnet.protocol.limits import MAX_MESSAGE_BYTES
+from aggnet.transport import connect, listen
+from aggnet.transport import tcp
+from harness.helpers import free_port
+
+HEADER = wire.Header(wire.MsgType.PUSH).pack()
+
+
+def _recv(endpoint, timeout: float = 10.0, others=()):
+    """The next message at ``endpoint``, moving ``others`` (a connection's
+    sends go out while its owner polls it) in between."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for o in others:
+            o.recv(0)
+        m = endpoint.recv(0.01)
+        if m is not None:
+            return m
+    raise AssertionError(f"nothing arrived at {endpoint} within {timeout}s")
+
+
+@pytest.fixture
+def listener():
+    lst = listen("tcp://127.0.0.1:0")
+    yield lst
+    lst.close()
+
+
+def test_every_size_arrives_whole_in_order_and_replies_reach_their_peer(listener):
+    # around the small-payload copy, the read block and a frame split
+    # over reads, up to the largest message a listener takes
+    sizes = [0, 1, tcp.SMALL_PAYLOAD, tcp.SMALL_PAYLOAD + 1, tcp.READ_BLOCK - 56, tcp.READ_BLOCK + 1, 3 << 20,
+             MAX_MESSAGE_BYTES]
+    conns = [connect([str(listener.address)]) for _ in range(2)]
+    try:
+        sent = {}
+        for c, conn in enumerate(conns):
+            for i, n in enumerate(sizes):
+                payload = np.random.default_rng(10 * c + i).integers(0, 256, n, dtype=np.uint8)
+                h = wire.Header(wire.MsgType.PUSH, sender=c, index=i).pack()
+                conn.send(0, h, payload if n else None)
+                sent[(c, i)] = payload
+        got = {}
+        peers = {}
+        while len(got) < len(sent):
+            m = _recv(listener, others=conns)
+            h = wire.unpack_header(bytes(m.header))
+            # in order per connection
+            assert h.index == sum(1 for c, _ in got if c == h.sender)
+            got[(h.sender, h.index)] = np.frombuffer(m.payload, np.uint8).copy()
+            peers[h.sender] = m.peer
+        for key, payload in sent.items():
+            np.testing.assert_array_equal(got[key], payload)
+        # each reply goes back on the connection its peer came in on
+        for c, conn in enumerate(conns):
+            reply = np.full(1 << 20, c, np.uint8)
+            assert listener.send(peers[c], wire.Header(wire.MsgType.RESULT, sender=c).pack(), reply)
+        for c, conn in enumerate(conns):
+            m = _recv(conn, others=[listener])
+            assert m.peer == 0 and wire.unpack_header(bytes(m.header)).sender == c
+            assert (np.frombuffer(m.payload, np.uint8) == c).all()
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def test_steady_state_reads_into_reused_buffers(listener):
+    """A payload the owner let go of is read into again: no buffer per
+    message once the first ones exist."""
+    conn = connect([str(listener.address)])
+    try:
+        data = np.ones(1 << 20, np.uint8)
+        for _ in range(5):
+            conn.send(0, HEADER, data)
+            _recv(listener, others=[conn])
+        warm = listener._pool.allocated
+        for _ in range(50):
+            conn.send(0, HEADER, data)
+            m = _recv(listener, others=[conn])
+            assert len(m.payload) == data.size
+            del m
+        assert listener._pool.allocated == warm
+    finally:
+        conn.close()
+
+
+def test_sends_before_the_listener_is_up_arrive_once_it_is():
+    port = free_port()
+    conn = connect([f"tcp://127.0.0.1:{port}"])
+    try:
+        conn.send(0, HEADER, np.arange(1000, dtype=np.int32))
+        conn.recv(0.3)  # refused meanwhile: dialled again
+        lst = listen(f"tcp://127.0.0.1:{port}")
+        try:
+            m = _recv(lst, others=[conn])
+            np.testing.assert_array_equal(np.frombuffer(m.payload, np.int32), np.arange(1000))
+        finally:
+            lst.close()
+    finally:
+        conn.close()
+
+
+def test_a_listener_that_goes_away_is_reported_and_its_successor_dialled():
+    lst = listen("tcp://127.0.0.1:0")
+    address = str(lst.address)
+    conn = connect([address])
+    try:
+        conn.send(0, HEADER)
+        _recv(lst, others=[conn])
+        lst.close()
+        deadline = time.monotonic() + 5
+        gone = []
+        while not gone:
+            assert time.monotonic() < deadline, "the closed listener was never reported"
+            conn.recv(0.05)
+            gone = conn.gone()
+        assert gone == [0]
+        lst = listen(address)
+        conn.send(0, wire.Header(wire.MsgType.PUSH, index=7).pack())
+        m = _recv(lst, others=[conn])
+        assert wire.unpack_header(bytes(m.header)).index == 7
+    finally:
+        conn.close()
+        lst.close()
+
+
+def test_a_peer_that_closes_is_reported_gone_by_the_listener(listener):
+    conn = connect([str(listener.address)])
+    conn.send(0, HEADER)
+    peer = _recv(listener, others=[conn]).peer
+    conn.close()
+    deadline = time.monotonic() + 5
+    while peer not in listener.gone():
+        assert time.monotonic() < deadline, "the closed connection was never reported"
+        listener.recv(0.05)
+    assert not listener.send(peer, HEADER)
+
+
+def test_a_peer_that_reads_nothing_costs_its_replies_not_the_listener(listener, monkeypatch):
+    monkeypatch.setattr(tcp, "MAX_QUEUED_BYTES", 8 << 20)
+    deaf = connect([str(listener.address)])
+    other = connect([str(listener.address)])
+    try:
+        deaf.send(0, HEADER)
+        deaf_peer = _recv(listener, others=[deaf]).peer
+        other.send(0, HEADER)
+        other_peer = _recv(listener, others=[other]).peer
+        big = np.zeros(4 << 20, np.uint8)
+        t0 = time.monotonic()
+        results = [listener.send(deaf_peer, HEADER, big) for _ in range(16)]
+        assert time.monotonic() - t0 < 2, "a send to a full peer waited"
+        assert results[0] and not results[-1], results
+        # the other peer is served as before
+        assert listener.send(other_peer, HEADER, big)
+        assert len(_recv(other, others=[listener]).payload) == big.size
+    finally:
+        deaf.close()
+        other.close()
+
+
+def _raw(address, data: bytes) -> socket.socket:
+    host, port = address.host, address.port
+    s = socket.create_connection((host, port), timeout=5)
+    s.sendall(data)
+    return s
+
+
+def _closed_by_peer(s: socket.socket, listener, timeout: float = 5.0) -> bool:
+    s.setblocking(False)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        listener.recv(0.02)
+        try:
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    return True
+        except BlockingIOError:
+            continue
+        except ConnectionResetError:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("opening", [b"GET / HTTP/1.1\r\n\r\n", b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f",
+                                     tcp.GREETING + struct.pack("<II", 64, MAX_MESSAGE_BYTES + 1),
+                                     tcp.GREETING + struct.pack("<II", tcp.MAX_HEADER_BYTES + 1, 0)],
+                         ids=["http", "zeromq", "payload-too-large", "header-too-large"])
+def test_what_is_not_an_aggnet_stream_is_closed_and_counted(listener, opening):
+    conn = connect([str(listener.address)])
+    try:
+        s = _raw(listener.address, opening)
+        assert _closed_by_peer(s, listener), "the listener kept a stream it cannot frame"
+        s.close()
+        assert listener.bad_streams == 1
+        # and the others are served as before
+        conn.send(0, HEADER, np.ones(100_000, np.uint8))
+        assert len(_recv(listener, others=[conn]).payload) == 100_000
+    finally:
+        conn.close()
+
+
+def test_a_peer_that_never_greets_is_closed(listener, monkeypatch):
+    monkeypatch.setattr(tcp, "GREETING_TIMEOUT", 0.3)
+    listener._next_greeting_check = 0.0
+    s = socket.create_connection((listener.address.host, listener.address.port), timeout=5)
+    try:
+        assert _closed_by_peer(s, listener)
+        assert listener.bad_streams == 1
+    finally:
+        s.close()
+
+
+def test_a_send_from_another_thread_goes_out_while_the_owner_waits_in_recv(listener):
+    conn = connect([str(listener.address)])
+    try:
+        conn.send(0, HEADER)
+        _recv(listener, others=[conn])
+        stop = threading.Event()
+
+        def owner():  # the client's I/O thread: it only receives
+            while not stop.is_set():
+                conn.recv(1.0)
+
+        t = threading.Thread(target=owner)
+        t.start()
+        try:
+            time.sleep(0.05)  # the owner is inside recv's wait
+            for _ in range(3):
+                conn.send(0, HEADER, np.ones(1 << 20, np.uint8))  # larger than the socket takes at once
+            for _ in range(3):
+                assert len(listener.recv(5.0).payload) == 1 << 20
+        finally:
+            stop.set()
+            conn.wakeup()
+            t.join(5)
+        assert not t.is_alive(), "wakeup did not end the owner's recv"
+    finally:
+        conn.close()
+
+
+def test_ipv6_and_wildcard_listeners():
+    for listen_at, reach_at in [("tcp://[::1]:0", "::1"), ("tcp://0.0.0.0:0", "127.0.0.1"),
+                                ("tcp://[::]:0", "127.0.0.1")]:
+        try:
+            lst = listen(listen_at)
+        except Exception as exc:  # a machine without IPv6
+            if "::" in listen_at:
+                continue
+            raise exc
+        host = f"[{reach_at}]" if ":" in reach_at else reach_at
+        conn = connect([f"tcp://{host}:{lst.address.port}"])
+        try:
+            conn.send(0, HEADER, b"x" * 100)
+            assert bytes(_recv(lst, others=[conn]).payload) == b"x" * 100
+        finally:
+            conn.close()
+            lst.close()
+
+
+@pytest.mark.parametrize("serves, dialled, says", [
+    ("zmq+tcp", "tcp", r"speaks ZeroMQ; use its zmq\+tcp:// address instead"),
+    ("tcp", "zmq+tcp", r"serves plain tcp:// \(no ZeroMQ\): connect at tcp://127\.0\.0\.1:\d+ instead")])
+def test_a_worker_that_dials_the_other_tcp_scheme_is_told_which_to_use(serves, dialled, says):
+    with ServiceProcess(f"{serves}://127.0.0.1:0", shards=1) as svc:
+        wrong = svc.address.replace(f"{serves}://", f"{dialled}://")
+        t0 = time.monotonic()
+        with pytest.raises(AggregatorUnreachable, match=says):
+            Client(wrong, job=f"wrong-{uuid.uuid4().hex[:6]}", rank=0, world_size=1, connect_timeout=20)
+        assert time.monotonic() - t0 < 5, "the worker waited out its connect timeout"
+
+
+def test_a_tcp_service_sums_exactly_and_says_its_transport():
+    with ServiceProcess("tcp://127.0.0.1:0", shards=2) as svc:
+        assert svc.address.startswith("tcp://")
+        job = f"tcp-{uuid.uuid4().hex[:6]}"
+        bufs = [np.full(300_001, r + 1, np.float32) for r in range(2)]
+        clients = [Client(svc.address, job=job, rank=r, world_size=2, timeout=30) for r in range(2)]
+        try:
+            for f in [c.allreduce(b) for c, b in zip(clients, bufs)]:
+                f.result(30)
+        finally:
+            for c in clients:
+                c.close()
+        assert all((b == 3).all() for b in bufs)
+
+
+def test_random_frames_and_torn_streams_never_stop_the_listener(listener):
+    """Frames of random lengths and bytes, streams cut off mid-frame, and
+    garbage after a good greeting: each is delivered as framed (its owner
+    judges the header), or closed and counted; the listener serves a
+    proper connection afterwards."""
+    rng = np.random.default_rng(5)
+    delivered = 0
+    for trial in range(30):
+        s = socket.create_connection((listener.address.host, listener.address.port), timeout=5)
+        blob = bytearray(tcp.GREETING if trial % 4 else b"")
+        for _ in range(int(rng.integers(1, 6))):
+            hlen = int(rng.integers(0, 100))
+            plen = int(rng.choice([0, 1, 5000, 70_000, int(rng.integers(0, 1 << 31))]))
+            body = rng.integers(0, 256, hlen + min(plen, 80_000), dtype=np.uint8).tobytes()
+            blob += struct.pack("<II", hlen, plen) + body
+        cut = int(rng.integers(1, len(blob) + 1))
+        try:
+            s.sendall(bytes(blob[:cut]))
+        except OSError:
+            pass  # closed already: it said something no stream holds
+        s.close()
+        # until this stream is done with: read to its end, or closed
+        deadline = time.monotonic() + 5
+        while listener._streams and time.monotonic() < deadline:
+            delivered += listener.recv(0.01) is not None
+        while listener.recv(0) is not None:
+            delivered += 1
+    # every stream ended; the listener still frames a proper connection
+    conn = connect([str(listener.address)])
+    try:
+        conn.send(0, HEADER, np.arange(50_000, dtype=np.int32))
+        m = _recv(listener, others=[conn])
+        while len(m.payload) != 200_000:  # a last frame of the garbage
+            m = _recv(listener, others=[conn])
+        np.testing.assert_array_equal(np.frombuffer(m.payload, np.int32), np.arange(50_000))
+    finally:
+        conn.close()
+    assert listener.bad_streams > 0 and delivered > 0
+    assert not listener._streams or all(s.greeted for s in listener._streams.values())

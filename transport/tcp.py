@@ -1,0 +1,747 @@
+"""Plain TCP transport (``tcp://host:port``): aggnet's messages on kernel
+sockets, with nothing between the caller and the kernel.
+
+Why beside ZeroMQ: ZeroMQ hands every message to an I/O thread of its own,
+which copies it into and out of its queues and wakes the caller's thread
+for each batch; on the hosts aggnet runs on, those copies and wake-ups cost
+as much CPU as the bytes. Here the caller's own thread moves the bytes:
+
+* a send goes out at once as far as the socket takes it (``sendmsg`` of the
+  frame prefix, the header and the payload in one call, the payload read
+  where it lies); what the socket does not take yet waits in a queue of
+  views that every later send, receive and wait moves on;
+* a receive reads a block at a time and takes every whole message in it;
+  a payload larger than what the block holds is read straight into a
+  buffer of its own from a pool (:class:`aggnet.buffers.BufferPool`), so a
+  chunk crosses user space once and steady state allocates nothing.
+
+The wire: each side opens with an 8-byte greeting (``GREETING``), then
+messages follow as an 8-byte prefix (header and payload lengths, little
+endian), the header, and the payload. Lengths are checked against
+``MAX_HEADER_BYTES`` and :data:`aggnet.protocol.limits.MAX_MESSAGE_BYTES`
+before a byte is buffered; a stream that breaks them, or does not greet
+within ``GREETING_TIMEOUT``, is closed and counted, and a header the
+protocol refuses still frames right, so its owner drops and counts it as
+it does on ZeroMQ.
+
+Semantics follow the ZeroMQ transport's, so every host and client runs on
+either unchanged: a listener never blocks on a peer (a reply to one whose
+queue is full is dropped and reported), a connection queues what it sends
+before its peer is up and dials again after a peer goes away (reporting
+it through :meth:`TcpConnection.gone`), and a send that finds no room for
+``SEND_TIMEOUT`` seconds raises. No encryption: ``tcp://`` is for trusted
+networks, as UCX is; zmq+tcp with CURVE is the encrypted path.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import itertools
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from typing import Sequence
+
+from aggnet.buffers import BufferPool
+from aggnet.protocol.address import Address
+from aggnet.protocol.limits import MAX_MESSAGE_BYTES
+from aggnet.transport.base import Connection, Incoming, Listener, Transport, TransportError
+
+log = logging.getLogger("aggnet.transport.tcp")
+
+#: the first bytes each side sends: an aggnet stream, framing version 1
+GREETING = b"aggnet\x00\x01"
+#: header length, payload length
+_PREFIX = struct.Struct("<II")
+#: the longest header a frame may announce (aggnet's is 48 bytes)
+MAX_HEADER_BYTES = 4096
+#: bytes read per system call while no large payload is due
+READ_BLOCK = 64 << 10
+#: bytes one stream's read takes before the others get their turn (the
+#: poll is level-triggered: the rest is read on the next one)
+READ_BUDGET = 8 << 20
+#: payloads up to this size are copied out of the read block as bytes;
+#: larger ones get a pooled buffer
+SMALL_PAYLOAD = 4096
+#: bytes a stream may hold unsent before a listener drops replies to it
+#: (a peer that reads nothing) and a connection's send waits for room
+MAX_QUEUED_BYTES = 512 << 20
+#: seconds a connection's send waits for room before it raises
+SEND_TIMEOUT = 2.0
+#: seconds between attempts to reach a listener that is not up (or back) yet
+RECONNECT_INTERVAL = 0.1
+#: seconds a new peer has to greet before the listener closes it
+GREETING_TIMEOUT = 5.0
+#: seconds a closing connection gives its queued sends (a LEAVE) to leave
+CLOSE_LINGER = 0.2
+#: views handed to one sendmsg call (below the kernel's IOV_MAX)
+_IOV_BATCH = 64
+_EMPTY = memoryview(b"")
+_IN = select.EPOLLIN | select.EPOLLRDHUP
+_OUT = select.EPOLLOUT
+_BROKEN = select.EPOLLHUP | select.EPOLLERR
+
+
+class _BadStream(Exception):
+    """The peer sent what no aggnet stream holds; the stream is closed."""
+
+
+def _ms(timeout: float) -> float:
+    # epoll takes seconds; a negative timeout would wait for ever
+    return max(0.0, timeout)
+
+
+class _Stream:
+    """One socket's framing: the greeting, the unsent views, and the
+    message being read. The owner (listener or connection) polls it."""
+
+    __slots__ = ("sock", "fd", "out", "queued", "block", "view", "start", "end", "greeted", "body", "pool",
+                 "key", "since", "watching_out")
+
+    def __init__(self, sock: socket.socket, pool: BufferPool, key):
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.out: collections.deque = collections.deque()
+        self.queued = 0
+        self.block = bytearray(READ_BLOCK)
+        self.view = memoryview(self.block)
+        self.start = self.end = 0
+        self.greeted = False
+        #: (header, buffer, bytes in it) while a large payload is read in place
+        self.body = None
+        self.pool = pool
+        self.key = key
+        self.since = time.monotonic()
+        self.watching_out = False
+        self.out.append(memoryview(GREETING))
+        self.queued = len(GREETING)
+
+    # -- sending --------------------------------------------------------------------------
+
+    def put(self, header: bytes, payload) -> None:
+        """Queue one message and send what the socket takes now."""
+        if payload is not None and not isinstance(payload, memoryview):
+            payload = memoryview(payload)
+        n = 0 if payload is None else payload.nbytes
+        if payload is not None and (payload.ndim != 1 or payload.itemsize != 1):
+            payload = payload.cast("B")
+        first = memoryview(_PREFIX.pack(len(header), n) + bytes(header))
+        was_idle = not self.out
+        self.out.append(first)
+        self.queued += len(first)
+        if n:
+            self.out.append(payload)
+            self.queued += n
+        if was_idle:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send queued views until the socket is full; raises OSError where
+        the connection broke."""
+        out = self.out
+        while out:
+            batch = list(itertools.islice(out, _IOV_BATCH))
+            try:
+                sent = self.sock.sendmsg(batch)
+            except (BlockingIOError, InterruptedError):
+                return
+            self.queued -= sent
+            while sent:
+                head = out[0]
+                if sent >= len(head):
+                    sent -= len(head)
+                    out.popleft()
+                else:
+                    out[0] = head[sent:]
+                    sent = 0
+
+    # -- receiving ------------------------------------------------------------------------
+
+    def read(self, deliver) -> bool:
+        """Read what the socket has and ``deliver(header, payload)`` each
+        whole message; False once the peer closed. Raises _BadStream."""
+        sock = self.sock
+        taken = 0
+        while taken < READ_BUDGET:
+            body = self.body
+            if body is not None:
+                header, buf, got = body
+                try:
+                    n = sock.recv_into(buf[got:])
+                except (BlockingIOError, InterruptedError):
+                    return True
+                if not n:
+                    return False
+                taken += n
+                got += n
+                if got < len(buf):
+                    self.body = (header, buf, got)
+                    continue
+                self.body = None
+                deliver(header, buf)
+                continue
+            self._parse(deliver)
+            if self.body is not None:
+                continue
+            if self.start == self.end:
+                self.start = self.end = 0
+            elif READ_BLOCK - self.end < READ_BLOCK // 4:
+                # a partial frame near the block's end: move it to the front
+                left = self.end - self.start
+                self.view[:left] = self.view[self.start:self.end]
+                self.start, self.end = 0, left
+            try:
+                n = sock.recv_into(self.view[self.end:])
+            except (BlockingIOError, InterruptedError):
+                return True
+            if not n:
+                return False
+            taken += n
+            self.end += n
+        return True
+
+    def _parse(self, deliver) -> None:
+        view, start, end = self.view, self.start, self.end
+        if not self.greeted:
+            if end - start < len(GREETING):
+                if bytes(view[start:end]) != GREETING[:end - start]:
+                    raise _BadStream(self._stranger(bytes(view[start:end])))
+                return
+            if bytes(view[start:start + len(GREETING)]) != GREETING:
+                raise _BadStream(self._stranger(bytes(view[start:start + len(GREETING)])))
+            self.greeted = True
+            start += len(GREETING)
+        while end - start >= _PREFIX.size:
+            hlen, plen = _PREFIX.unpack_from(view, start)
+            if hlen > MAX_HEADER_BYTES or plen > MAX_MESSAGE_BYTES:
+                raise _BadStream(f"a frame of {hlen} header and {plen} payload bytes (at most {MAX_HEADER_BYTES} "
+                                 f"and {MAX_MESSAGE_BYTES})")
+            at = start + _PREFIX.size
+            whole = at + hlen + plen
+            if whole <= end:
+                header = bytes(view[at:at + hlen])
+                if not plen:
+                    payload = _EMPTY
+                elif plen <= SMALL_PAYLOAD:
+                    payload = memoryview(bytes(view[at + hlen:whole]))
+                else:
+                    payload = self.pool.take(plen)[:plen]
+                    payload[:] = view[at + hlen:whole]
+                start = whole
+                deliver(header, payload)
+                continue
+            if plen > SMALL_PAYLOAD and at + hlen <= end:
+                # the rest of a large payload goes straight into its buffer
+                buf = self.pool.take(plen)[:plen]
+                have = end - at - hlen
+                buf[:have] = view[at + hlen:end]
+                self.body = (bytes(view[at:at + hlen]), buf, have)
+                start = end
+            break
+        self.start, self.end = start, end
+
+    @staticmethod
+    def _stranger(first: bytes) -> str:
+        if first[:1] == b"\xff":
+            return "it speaks ZeroMQ"
+        if first[:4] in (b"GET ", b"POST", b"HEAD", b"HTTP"):
+            return "it speaks HTTP"
+        return f"it opened with {first!r}, not aggnet's greeting"
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self.out.clear()
+        self.body = None
+
+
+def _resolve(addr: Address, passive: bool) -> tuple:
+    """(family, sockaddr) for ``addr``. A wildcard listener serves IPv6
+    and IPv4 alike ([::] and *), or IPv4 only (0.0.0.0); a connection to a
+    wildcard goes to this host's loopback."""
+    host = addr.host
+    if passive and host in ("", "*", "::"):
+        return socket.AF_INET6, ("::", addr.port)
+    if not passive and addr.is_wildcard:
+        host = "::1" if ":" in host else "127.0.0.1"
+    try:
+        infos = socket.getaddrinfo(host, addr.port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE if passive else 0)
+    except socket.gaierror as exc:
+        raise TransportError(f"cannot resolve {addr.host!r} in {addr}: {exc.strerror}") from None
+    family, _, _, _, sockaddr = infos[0]
+    return family, sockaddr
+
+
+def greets_as_plain_tcp(addr: Address, timeout: float = 0.5) -> bool:
+    """Whether a tcp:// listener answers at ``addr``'s host and port (it
+    greets first): a ZeroMQ worker that a service refused asks, to say
+    which scheme the service takes."""
+    try:
+        family, sockaddr = _resolve(addr, passive=False)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(sockaddr)
+            first = b""
+            while len(first) < len(GREETING):
+                more = s.recv(len(GREETING) - len(first))
+                if not more:
+                    break
+                first += more
+        return first == GREETING
+    except (OSError, TransportError):
+        return False
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    # headers and acknowledgements are small and awaited: no Nagle delay
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class TcpListener(Listener):
+    def __init__(self, addr: Address):
+        family, sockaddr = _resolve(addr, passive=True)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and sockaddr[0] == "::":
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind(sockaddr)
+            sock.listen(1024)
+        except OSError as exc:
+            sock.close()
+            raise TransportError(f"cannot listen on {addr}: {exc.strerror or exc}") from None
+        sock.setblocking(False)
+        self._sock = sock
+        self.address = addr.with_port(sock.getsockname()[1])
+        self._epoll = select.epoll()
+        self._epoll.register(sock.fileno(), select.EPOLLIN)
+        self._pool = BufferPool()
+        self._streams: dict[int, _Stream] = {}  # descriptor -> stream
+        self._peers: dict[int, _Stream] = {}  # peer id -> stream
+        self._ids = itertools.count(1)
+        self._ready: collections.deque[Incoming] = collections.deque()
+        self._closed: collections.deque = collections.deque(maxlen=65536)
+        #: streams closed for what they sent (no greeting, a frame too large)
+        self.bad_streams = 0
+        self._next_greeting_check = time.monotonic() + GREETING_TIMEOUT
+
+    # -- the interface ----------------------------------------------------------------------
+
+    def recv(self, timeout: float) -> Incoming | None:
+        if not self._ready:
+            deadline = time.monotonic() + timeout
+            self._pump(timeout)
+            # an accept, a partial frame or a flush brings no message yet
+            while not self._ready and (left := deadline - time.monotonic()) > 0:
+                self._pump(left)
+        return self._ready.popleft() if self._ready else None
+
+    def send(self, peer, header: bytes, payload=None) -> bool:
+        stream = self._peers.get(peer)
+        if stream is None or stream.queued > MAX_QUEUED_BYTES:
+            # gone, or reading none of its replies: never stall the others
+            return False
+        try:
+            stream.put(header, payload)
+        except OSError:
+            self._drop(stream, None)
+            return False
+        self._watch_out(stream)
+        return True
+
+    def wait(self, timeout: float, connections=()) -> None:
+        if self._ready:
+            return
+        if not connections:
+            self._pump(timeout)
+            return
+        # one poll over this listener and the connections (ZeroMQ sockets,
+        # or the epoll descriptor of a tcp:// one): a rack's shard sleeps
+        # on its workers and its parent at once
+        import zmq
+
+        items = [self._epoll.fileno()]
+        for c in connections:
+            if getattr(c, "_ready", None):
+                return
+            items.extend(getattr(c, "_socks", ()))
+            epoll = getattr(c, "_epoll", None)
+            if epoll is not None:
+                items.append(epoll.fileno())
+        if getattr(self, "_wait_key", None) != items:
+            self._wait_poller = zmq.Poller()
+            for item in items:
+                self._wait_poller.register(item, zmq.POLLIN)
+            self._wait_key = items
+        self._wait_poller.poll(max(0, int(timeout * 1000)))
+
+    def gone(self) -> list:
+        out = list(self._closed)
+        self._closed.clear()
+        return out
+
+    def close(self) -> None:
+        for stream in list(self._streams.values()):
+            stream.close()
+        self._streams.clear()
+        self._peers.clear()
+        self._epoll.close()
+        self._sock.close()
+
+    # -- moving bytes -------------------------------------------------------------------------
+
+    def _pump(self, timeout: float) -> None:
+        try:
+            events = self._epoll.poll(_ms(timeout))
+        except InterruptedError:
+            return
+        lfd = self._sock.fileno()
+        for fd, ev in events:
+            if fd == lfd:
+                self._accept()
+                continue
+            stream = self._streams.get(fd)
+            if stream is None:
+                continue
+            try:
+                if ev & _OUT:
+                    stream.flush()
+                    self._watch_out(stream)
+                if ev & (_IN | _BROKEN):
+                    if not stream.read(lambda h, p, key=stream.key: self._ready.append(Incoming(key, h, p))):
+                        self._drop(stream, None)
+            except _BadStream as exc:
+                self._drop(stream, str(exc))
+            except OSError:
+                self._drop(stream, None)
+        now = time.monotonic()
+        if now >= self._next_greeting_check:
+            self._next_greeting_check = now + 1.0
+            for stream in [s for s in self._streams.values() if not s.greeted and now - s.since > GREETING_TIMEOUT]:
+                self._drop(stream, f"it did not greet within {GREETING_TIMEOUT:g}s")
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors: the peer waits in the backlog
+                log.warning("%s cannot accept a connection: %s", self.address, exc)
+                return
+            _tune(sock)
+            stream = _Stream(sock, self._pool, next(self._ids))
+            self._streams[stream.fd] = stream
+            self._peers[stream.key] = stream
+            self._epoll.register(stream.fd, _IN)
+            try:
+                stream.flush()
+            except OSError:
+                self._drop(stream, None)
+                continue
+            self._watch_out(stream)
+
+    def _watch_out(self, stream: _Stream) -> None:
+        want = bool(stream.out)
+        if want != stream.watching_out and stream.fd in self._streams:
+            stream.watching_out = want
+            self._epoll.modify(stream.fd, _IN | _OUT if want else _IN)
+
+    def _drop(self, stream: _Stream, why: str | None) -> None:
+        if self._streams.pop(stream.fd, None) is None:
+            return
+        self._peers.pop(stream.key, None)
+        try:
+            self._epoll.unregister(stream.fd)
+        except (OSError, ValueError):
+            pass
+        stream.close()
+        if why is not None:
+            self.bad_streams += 1
+            # the first is worth a warning; a scanner's hundredth is not
+            (log.warning if self.bad_streams == 1 else log.debug)(
+                "%s closed a connection (%d so far): %s", self.address, self.bad_streams, why)
+        if stream.greeted:
+            self._closed.append(stream.key)
+
+
+class TcpConnection(Connection):
+    """Streams to endpoints ``0..n-1``, each dialled at once and again
+    after it breaks. One thread receives (the client's I/O thread); sends
+    may come from any thread."""
+
+    def __init__(self, addrs: Sequence[Address]):
+        self.addresses = list(addrs)
+        self._targets = [_resolve(a, passive=False) for a in self.addresses]
+        self._epoll = select.epoll()
+        self._pool = BufferPool()
+        self._lock = threading.RLock()
+        self._streams: list[_Stream | None] = [None] * len(self.addresses)
+        self._by_fd: dict[int, int] = {}
+        #: per endpoint: messages queued while no stream is up
+        self._waiting: list[collections.deque] = [collections.deque() for _ in self.addresses]
+        self._waiting_bytes = [0] * len(self.addresses)
+        self._dial_at = [0.0] * len(self.addresses)
+        self._ready: collections.deque[Incoming] = collections.deque()
+        self._gone: set[int] = set()
+        self._refused: dict[int, str] = {}
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._epoll.register(self._wake_fd, select.EPOLLIN)
+        self._closed = False
+        self._woken = False
+        with self._lock:
+            for i in range(len(self.addresses)):
+                self._dial(i)
+
+    # -- the interface ----------------------------------------------------------------------
+
+    def send(self, endpoint: int, header: bytes, payload=None) -> None:
+        deadline = None
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise TransportError(f"send to {self.addresses[endpoint]} failed: the connection is closed")
+                stream = self._streams[endpoint]
+                fd = None
+                if stream is not None and stream.greeted is None:
+                    # a connect under way: it may have finished since
+                    stream = self._finish_connect(endpoint, stream)
+                if stream is not None and stream.greeted is not None:
+                    try:
+                        if stream.queued > MAX_QUEUED_BYTES:
+                            stream.flush()
+                        if stream.queued <= MAX_QUEUED_BYTES:
+                            stream.put(header, payload)
+                            self._watch_out(stream)
+                            return
+                    except OSError:
+                        # broken: the message waits for the stream dialled next
+                        self._broken(endpoint, stream)
+                        continue
+                    fd = stream.fd
+                elif self._waiting_bytes[endpoint] <= MAX_QUEUED_BYTES:
+                    self._hold(endpoint, header, payload)
+                    return
+            # no room: wait for the peer to take some, at most SEND_TIMEOUT
+            now = time.monotonic()
+            deadline = deadline or now + SEND_TIMEOUT
+            if now >= deadline:
+                raise TransportError(f"send to {self.addresses[endpoint]} failed: it took nothing of the "
+                                     f"{MAX_QUEUED_BYTES >> 20} MiB queued for it within {SEND_TIMEOUT:g}s")
+            if fd is None:
+                time.sleep(0.01)
+            else:
+                p = select.poll()
+                p.register(fd, select.POLLOUT)
+                p.poll(50)
+
+    def recv(self, timeout: float) -> Incoming | None:
+        if self._ready:
+            return self._ready.popleft()
+        deadline = time.monotonic() + timeout
+        self._pump(timeout)
+        # a connect, a partial frame or a flush brings no message yet; a
+        # wakeup ends the wait
+        while not self._ready and not self._woken and (left := deadline - time.monotonic()) > 0:
+            self._pump(left)
+        self._woken = False
+        return self._ready.popleft() if self._ready else None
+
+    def _pump(self, timeout: float) -> None:
+        with self._lock:
+            if self._closed:
+                self._woken = True
+                return
+            now = time.monotonic()
+            due = [t for i, t in enumerate(self._dial_at) if self._streams[i] is None]
+            if due:
+                soonest = min(due)
+                if soonest <= now:
+                    self._redial(now)
+                    due = [t for i, t in enumerate(self._dial_at) if self._streams[i] is None]
+                if due:
+                    timeout = min(timeout, max(0.0, min(due) - now))
+        try:
+            events = self._epoll.poll(_ms(timeout))
+        except InterruptedError:
+            return
+        except ValueError:  # closed meanwhile
+            self._woken = True
+            return
+        with self._lock:
+            for fd, ev in events:
+                if fd == self._wake_fd:
+                    try:
+                        os.eventfd_read(self._wake_fd)
+                    except BlockingIOError:
+                        pass
+                    self._woken = True
+                    continue
+                i = self._by_fd.get(fd)
+                if i is None:
+                    continue
+                stream = self._streams[i]
+                try:
+                    if stream.greeted is None:
+                        if not ev & (_OUT | _BROKEN) or not self._connected(i, stream):
+                            continue
+                    if ev & _OUT:
+                        stream.flush()
+                        self._watch_out(stream)
+                    if ev & (_IN | _BROKEN):
+                        if not stream.read(lambda h, p, i=i: self._ready.append(Incoming(i, h, p))):
+                            self._broken(i, stream)
+                except _BadStream as exc:
+                    hint = "; use its zmq+tcp:// address instead" if "ZeroMQ" in str(exc) else ""
+                    self._refused[i] = f"it is not an aggnet tcp:// listener: {exc}{hint}"
+                    self._broken(i, stream)
+                except OSError:
+                    self._broken(i, stream)
+
+    def wakeup(self) -> None:
+        try:
+            os.eventfd_write(self._wake_fd, 1)
+        except OSError:
+            pass  # closed
+
+    def gone(self) -> list[int]:
+        with self._lock:
+            out = sorted(self._gone)
+            self._gone.clear()
+        return out
+
+    def refused(self) -> dict[int, str]:
+        return dict(self._refused)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            streams = [s for s in self._streams if s is not None]
+        # a short linger lets a last message (a LEAVE) go out
+        deadline = time.monotonic() + CLOSE_LINGER
+        for s in streams:
+            while s.out and s.greeted is not None and time.monotonic() < deadline:
+                try:
+                    s.flush()
+                except OSError:
+                    break
+                if s.out:
+                    p = select.poll()
+                    p.register(s.fd, select.POLLOUT)
+                    p.poll(max(1, int((deadline - time.monotonic()) * 1000)))
+        with self._lock:
+            for s in streams:
+                s.close()
+            self._streams = [None] * len(self.addresses)
+            self._by_fd.clear()
+            self._epoll.close()
+            os.close(self._wake_fd)
+
+    # -- streams --------------------------------------------------------------------------------
+
+    def _dial(self, i: int) -> None:
+        family, sockaddr = self._targets[i]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        _tune(sock)
+        err = sock.connect_ex(sockaddr)
+        if err not in (0, errno.EINPROGRESS):
+            sock.close()
+            self._dial_at[i] = time.monotonic() + RECONNECT_INTERVAL
+            return
+        stream = _Stream(sock, self._pool, i)
+        stream.greeted = None  # connecting: nothing goes out until the connect completes
+        self._streams[i] = stream
+        self._by_fd[stream.fd] = i
+        self._epoll.register(stream.fd, _IN | _OUT)
+        stream.watching_out = True
+
+    def _finish_connect(self, i: int, stream: _Stream) -> _Stream | None:
+        p = select.poll()
+        p.register(stream.fd, select.POLLOUT)
+        if not p.poll(0) or not self._connected(i, stream):
+            return self._streams[i]
+        try:
+            stream.flush()
+        except OSError:
+            self._broken(i, stream)
+        return self._streams[i]
+
+    def _connected(self, i: int, stream: _Stream) -> bool:
+        err = stream.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            self._unwatch(stream)
+            stream.close()
+            self._streams[i] = None
+            self._dial_at[i] = time.monotonic() + RECONNECT_INTERVAL
+            return False
+        stream.greeted = False
+        stream.since = time.monotonic()
+        # what was sent before the stream was up goes first, in order
+        waiting = self._waiting[i]
+        while waiting:
+            stream.out.extend(waiting.popleft())
+        stream.queued += self._waiting_bytes[i]
+        self._waiting_bytes[i] = 0
+        return True
+
+    def _hold(self, i: int, header: bytes, payload) -> None:
+        n = 0 if payload is None else memoryview(payload).nbytes
+        parts = [memoryview(_PREFIX.pack(len(header), n) + bytes(header))]
+        if n:
+            view = memoryview(payload)
+            parts.append(view.cast("B") if view.ndim != 1 or view.itemsize != 1 else view)
+        self._waiting[i].append(parts)
+        self._waiting_bytes[i] += len(parts[0]) + n
+
+    def _redial(self, now: float) -> None:
+        for i, at in enumerate(self._dial_at):
+            if self._streams[i] is None and at <= now:
+                self._dial(i)
+
+    def _broken(self, i: int, stream: _Stream) -> None:
+        """A stream that ended: a peer that was up is reported gone (what
+        it had not taken is lost with it, as on ZeroMQ); either way it is
+        dialled again."""
+        if self._streams[i] is not stream:
+            return
+        if stream.greeted:
+            self._gone.add(i)
+        self._unwatch(stream)
+        stream.close()
+        self._streams[i] = None
+        self._dial_at[i] = time.monotonic() + RECONNECT_INTERVAL
+
+    def _unwatch(self, stream: _Stream) -> None:
+        self._by_fd.pop(stream.fd, None)
+        try:
+            self._epoll.unregister(stream.fd)
+        except (OSError, ValueError):
+            pass
+
+    def _watch_out(self, stream: _Stream) -> None:
+        want = bool(stream.out)
+        if want != stream.watching_out:
+            stream.watching_out = want
+            try:
+                self._epoll.modify(stream.fd, _IN | _OUT if want else _IN)
+            except (OSError, ValueError):
+                pass
+
+
+class TcpTransport(Transport):
+    def listen(self, address: Address, **options) -> Listener:
+        return TcpListener(address)
+
+    def connect(self, addresses: Sequence[Address], **options) -> Connection:
+        return TcpConnection(addresses)
