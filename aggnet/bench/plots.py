@@ -8,6 +8,7 @@ link rates, sizes or α than read its table.
     aggnet plot sparse sparse.json --out sparse.png   # aggnet bench-sparse
     aggnet plot racks racks.json --out racks.png      # aggnet emulate --topology ... bench
     aggnet plot compare cmp.json --out cmp.png        # aggnet compare: each pair's ratio beside the peers'
+    aggnet plot transport t.json --out t.png          # aggnet bench-transport: rate and CPU per GB over sizes
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from __future__ import annotations
 import json
 import sys
 
-KINDS = ("rack", "udp", "sparse", "racks", "compare")
+KINDS = ("rack", "udp", "sparse", "racks", "compare", "transport")
 
 
 def add_arguments(p) -> None:
     p.add_argument("kind", choices=KINDS, help="which benchmark's JSON: rack (emulate bench, one file per rate and "
                                                "size), udp (bench-udp), sparse (bench-sparse), racks (emulate "
-                                               "--topology ... bench), compare (aggnet compare)")
+                                               "--topology ... bench), compare (aggnet compare), transport "
+                                               "(bench-transport)")
     p.add_argument("files", nargs="+", help="the JSON files the benchmark wrote with --json")
     p.add_argument("--out", required=True, help="the PNG to write")
 
@@ -42,7 +44,8 @@ def main(args) -> int:
             print(f"aggnet plot: cannot read {path}: {exc}", file=sys.stderr)
             return 2
     try:
-        fig = {"rack": rack, "udp": udp, "sparse": sparse, "racks": racks, "compare": compare}[args.kind](runs)
+        fig = {"rack": rack, "udp": udp, "sparse": sparse, "racks": racks, "compare": compare,
+               "transport": transport}[args.kind](runs)
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         print(f"aggnet plot: {args.files[0]} and the rest are not {args.kind} results ({type(exc).__name__}: "
               f"{exc}); give the JSON of the matching benchmark", file=sys.stderr)
@@ -111,6 +114,32 @@ def udp(runs: list[dict]):
            title="switch-protocol client beside raw UDP loops (aggnet bench-udp)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+    return fig
+
+
+def transport(runs: list[dict]):
+    """Each message transport's point-to-point rate and the CPU both ends
+    spend per GB, over message sizes: where plain TCP gains on ZeroMQ (many
+    small messages) and where both are the kernel's copies."""
+    import matplotlib.pyplot as plt
+
+    records = [r for run in runs for r in run]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name in dict.fromkeys(r["transport"] for r in records):
+        rows = sorted((r for r in records if r["transport"] == name), key=lambda r: r["bytes"])
+        x = [r["bytes"] for r in rows]
+        left.errorbar(x, [r["median_gb_per_s"] for r in rows],
+                      yerr=[[r["median_gb_per_s"] - r["min_gb_per_s"] for r in rows],
+                            [r["max_gb_per_s"] - r["median_gb_per_s"] for r in rows]], fmt="o-", capsize=3, label=name)
+        if all("cpu_s_per_gb" in r for r in rows):
+            right.plot(x, [r["cpu_s_per_gb"] for r in rows], "o-", label=name)
+    left.set(xscale="log", xlabel="message bytes", ylabel="GB/s (median, min-max)",
+             title="point to point on one host (aggnet bench-transport)")
+    right.set(xscale="log", yscale="log", xlabel="message bytes", ylabel="CPU s per GB, sender + receiver")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
     return fig
 
 

@@ -4,7 +4,8 @@ transports (UCX, ZeroMQ tcp, ZeroMQ ipc) in one run, for messages from
 
 A sender process streams messages of one size with a window of four
 unacknowledged ones; the receiver answers each with a bare header. The
-rate is payload bytes over the time until the last acknowledgement.
+rate is payload bytes over the time until the last acknowledgement; the
+CPU is what both processes spent on the point, per GB moved.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ SILENCE = 60.0
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--transports", default="ucx,zmq+tcp,zmq+ipc",
+    p.add_argument("--transports", default="tcp,zmq+tcp,zmq+ipc,ucx",
                    help="message transports to compare on loopback (default %(default)s)")
     p.add_argument("--sizes", type=size_list, default="32KiB,256KiB,1MiB,16MiB,64MiB",
                    help="message sizes (default %(default)s)")
@@ -50,13 +51,19 @@ def _receiver(listen_addr: str, report, plan) -> None:
     lst = listen(listen_addr)
     report.put(str(lst.address))
     ack = wire.Header(wire.MsgType.RESULT).pack()
-    total = sum(n for _, n in plan)
-    for _ in range(total):
-        m = lst.recv(SILENCE)
-        if m is None:
-            break  # the sender gave up and says why
-        lst.send(m.peer, ack)
-        del m
+    cpu = []  # CPU-seconds of each point, from its first message to its last
+    for _, count in plan:
+        for i in range(count):
+            m = lst.recv(SILENCE)
+            if m is None:
+                report.put(cpu)
+                return  # the sender gave up and says why
+            if i == 0:
+                c0 = time.process_time()
+            lst.send(m.peer, ack)
+            del m
+        cpu.append(time.process_time() - c0)
+    report.put(cpu)
     time.sleep(0.5)
     lst.close()
 
@@ -74,7 +81,7 @@ def _sender(address: str, plan, out) -> None:
         for size, count in plan:
             data = np.ones(size, np.uint8)
             h = wire.Header(wire.MsgType.PUSH, count=size).pack()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             sent = acked = 0
             while acked < count:
                 while sent < count and sent - acked < WINDOW:
@@ -84,7 +91,7 @@ def _sender(address: str, plan, out) -> None:
                     raise RuntimeError(f"{format_size(size)} messages: no acknowledgement from {address} within "
                                        f"{SILENCE:g}s")
                 acked += 1
-            results.append((size, count, time.perf_counter() - t0))
+            results.append((size, count, time.perf_counter() - t0, time.process_time() - c0))
     except Exception as exc:  # the parent says it, in one line
         out.put(str(exc))
         return
@@ -127,6 +134,7 @@ def run_transport(scheme: str, sizes: list[int], volume: int, reps: int) -> list
     tx.start()
     try:
         timings = _answer(out, tx)
+        rx_cpu = report.get(timeout=SILENCE) if not isinstance(timings, str) else []
     finally:
         tx.join(30)
         rx.join(30)
@@ -134,9 +142,13 @@ def run_transport(scheme: str, sizes: list[int], volume: int, reps: int) -> list
         raise RuntimeError(f"{scheme}: {timings}")
     records = []
     for size in sizes:
-        rates = [s * c / t for s_, c, t in timings if s_ == size for s in [s_]]
+        points = [(c, t, tx_cpu + rx) for (s, c, t, tx_cpu), rx in zip(timings, rx_cpu) if s == size]
+        rates = [size * c / t for c, t, _ in points]
+        cpu = [busy / (size * c / 1e9) for c, _, busy in points]
         records.append({"transport": scheme, "bytes": size, "median_gb_per_s": statistics.median(rates) / 1e9,
-                        "min_gb_per_s": min(rates) / 1e9, "max_gb_per_s": max(rates) / 1e9, "reps": len(rates)})
+                        "min_gb_per_s": min(rates) / 1e9, "max_gb_per_s": max(rates) / 1e9, "reps": len(rates),
+                        "cpu_s_per_gb": statistics.median(cpu), "min_cpu_s_per_gb": min(cpu),
+                        "max_cpu_s_per_gb": max(cpu)})
     return records
 
 
@@ -160,16 +172,21 @@ def main(args) -> int:
                 print(f"aggnet bench-transport: {exc}", file=sys.stderr)
                 return 1
             progress.step(scheme)
-    by = {(r["transport"], r["bytes"]): r["median_gb_per_s"] for r in records}
+    by = {(r["transport"], r["bytes"]): r for r in records}
     schemes = list(dict.fromkeys(r["transport"] for r in records))
+    # each transport against ZeroMQ over tcp, the default service path
+    ratios = [(s, "zmq+tcp") for s in schemes if s in ("tcp", "ucx") and "zmq+tcp" in schemes]
+    ratios += [("ucx", "zmq+ipc")] if "ucx" in schemes and "zmq+ipc" in schemes else []
     print(f"{'size':>8} " + " ".join(f"{s + ' GB/s':>14}" for s in schemes)
-          + ("  ucx/zmq+tcp  ucx/zmq+ipc" if "ucx" in schemes else ""))
+          + "".join(f"  {a + '/' + b:>11}" for a, b in ratios)
+          + "  " + " ".join(f"{s + ' CPU s/GB':>17}" for s in schemes))
     for size in sizes:
-        row = f"{format_size(size):>8} " + " ".join(f"{by.get((s, size), float('nan')):14.2f}" for s in schemes)
-        if "ucx" in schemes:
-            u = by.get(("ucx", size))
-            row += "".join(f"  {u / by[(o, size)]:11.2f}" if (o, size) in by and u else "  " + " " * 11
-                           for o in ("zmq+tcp", "zmq+ipc"))
+        rate = {s: by[(s, size)]["median_gb_per_s"] for s in schemes if (s, size) in by}
+        row = f"{format_size(size):>8} " + " ".join(f"{rate.get(s, float('nan')):14.2f}" for s in schemes)
+        row += "".join(f"  {rate[a] / rate[b]:11.2f}" if a in rate and b in rate else "  " + " " * 11
+                       for a, b in ratios)
+        row += "  " + " ".join(f"{by[(s, size)]['cpu_s_per_gb'] if (s, size) in by else float('nan'):17.3f}"
+                               for s in schemes)
         print(row)
     if args.json:
         with open(args.json, "w") as f:

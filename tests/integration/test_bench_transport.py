@@ -30,6 +30,18 @@ def test_bench_transport_rates_every_transport_at_every_size(tmp_path):
     assert "ucx/zmq+tcp" in r.stdout
 
 
+def test_bench_transport_rates_plain_tcp_against_zeromq_with_cpu(tmp_path):
+    out = tmp_path / "transport.json"
+    r = _bench("--transports", "tcp,zmq+tcp", "--sizes", "64KiB,1MiB", "--volume", "8MiB", "--reps", "2",
+               "--json", str(out))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    records = json.loads(out.read_text())
+    assert {(x["transport"], x["bytes"]) for x in records} == {(t, s) for t in ("tcp", "zmq+tcp")
+                                                               for s in (64 << 10, 1 << 20)}
+    assert all(x["median_gb_per_s"] > 0 and x["reps"] == 2 and 0 < x["cpu_s_per_gb"] < 100 for x in records)
+    assert "tcp/zmq+tcp" in r.stdout and "tcp CPU s/GB" in r.stdout
+
+
 def test_a_size_over_the_message_limit_is_refused_in_one_line():
     r = _bench("--transports", "zmq+tcp", "--sizes", f"{(MAX_MESSAGE_BYTES >> 20) + 1}MiB")
     assert r.returncode == 2

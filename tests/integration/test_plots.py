@@ -41,6 +41,16 @@ def test_a_bench_sparse_run_is_drawn(tmp_path):
     assert png.read_bytes().startswith(PNG)
 
 
+def test_a_bench_transport_run_is_drawn(tmp_path):
+    data, png = tmp_path / "transport.json", tmp_path / "transport.png"
+    r = _aggnet("bench-transport", "--transports", "tcp,zmq+tcp", "--sizes", "64KiB,1MiB", "--volume", "4MiB",
+                "--reps", "2", "--json", str(data))
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _aggnet("plot", "transport", str(data), "--out", str(png))
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes().startswith(PNG) and png.stat().st_size > 10_000
+
+
 def test_the_wrong_json_is_one_line_naming_what_to_give(tmp_path):
     data = tmp_path / "other.json"
     data.write_text(json.dumps({"records": [{"system": "x"}]}))
