@@ -262,7 +262,8 @@ def _print(pairs: list[dict], arms: list[str]) -> None:
     for p in pairs:
         by_measure.setdefault(p["measure"], []).append(p)
     for measure, entries in by_measure.items():
-        seconds = measure.endswith("_s")
+        # times in seconds print as ms; a rate (GB/s) is not a time
+        seconds = measure.endswith("_s") and not measure.endswith("_per_s")
         better = "higher is better" if entries[0]["higher_is_better"] else "lower is better"
         print(f"\n{measure}{' in ms' if seconds else ''} ({better}): each arm's median over the runs, then each "
               f"arm over {arms[0]}, pair by pair: median [min-max]")

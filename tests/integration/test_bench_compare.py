@@ -92,7 +92,7 @@ def test_what_cannot_be_compared_is_refused_in_one_line(args, said):
     assert len(lines) == 1 and lines[0].startswith("aggnet compare: ") and said in lines[0], lines
 
 
-def test_pairs_rows_by_what_names_them_and_measures_what_changes_between_runs():
+def test_pairs_rows_by_what_names_them_and_measures_what_changes_between_runs(capsys):
     """Whole numbers that differ between runs (bytes sent) are measured;
     those alike in every run (a size) say which row a record is."""
     def rec(system, nbytes, t, sent):
@@ -113,6 +113,11 @@ def test_pairs_rows_by_what_names_them_and_measures_what_changes_between_runs():
     # a field measured for one row is measured for all (gloo's bytes were alike in every run)
     assert got[("gloo", "median_s")]["row"] == {"system": "gloo", "bytes": 1024}
     assert got[("gloo", "bytes_per_worker")]["arms"]["y"]["ratios"] == [1.0, 1.0]
+    # times print in ms, rates as they are
+    C._print(list(got.values()), ["x", "y"])
+    out = capsys.readouterr().out
+    assert "median_s in ms (lower is better)" in out and "aggnet: x 1500  y 2000" in out, out
+    assert "rate_gb_per_s (higher is better)" in out and "aggnet: x 0.75  y 0.6667" in out, out
 
 
 def _git(*args) -> str:
