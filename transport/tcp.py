@@ -481,7 +481,12 @@ class TcpConnection(Connection):
 
     def __init__(self, addrs: Sequence[Address]):
         self.addresses = list(addrs)
-        self._targets = [_resolve(a, passive=False) for a in self.addresses]
+        #: (family, sockaddr) of each endpoint once its name resolved: a
+        #: name that does not resolve yet (a Kubernetes service whose DNS
+        #: entry comes after its workers) is tried again at every dial
+        self._targets: list[tuple | None] = [None] * len(self.addresses)
+        #: why each endpoint's last dial failed, for the caller's error
+        self._dial_errors: list[str | None] = [None] * len(self.addresses)
         self._epoll = select.epoll()
         self._pool = BufferPool()
         self._lock = threading.RLock()
@@ -650,13 +655,27 @@ class TcpConnection(Connection):
 
     # -- streams --------------------------------------------------------------------------------
 
+    def last_error(self, i: int) -> str | None:
+        """Why endpoint ``i``'s last dial failed (a name that does not
+        resolve, a refused connection), or None: what a worker that heard
+        nothing can say beside its timeout."""
+        return self._dial_errors[i]
+
     def _dial(self, i: int) -> None:
+        if self._targets[i] is None:
+            try:
+                self._targets[i] = _resolve(self.addresses[i], passive=False)
+            except TransportError as exc:
+                self._dial_errors[i] = str(exc)
+                self._dial_at[i] = time.monotonic() + RECONNECT_INTERVAL
+                return
         family, sockaddr = self._targets[i]
         sock = socket.socket(family, socket.SOCK_STREAM)
         _tune(sock)
         err = sock.connect_ex(sockaddr)
         if err not in (0, errno.EINPROGRESS):
             sock.close()
+            self._dial_errors[i] = f"connecting to {self.addresses[i]}: {os.strerror(err)}"
             self._dial_at[i] = time.monotonic() + RECONNECT_INTERVAL
             return
         stream = _Stream(sock, self._pool, i)
@@ -680,6 +699,7 @@ class TcpConnection(Connection):
     def _connected(self, i: int, stream: _Stream) -> bool:
         err = stream.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if err:
+            self._dial_errors[i] = f"connecting to {self.addresses[i]}: {os.strerror(err)}"
             self._unwatch(stream)
             stream.close()
             self._streams[i] = None
@@ -687,6 +707,7 @@ class TcpConnection(Connection):
             return False
         stream.greeted = False
         stream.since = time.monotonic()
+        self._dial_errors[i] = None
         # what was sent before the stream was up goes first, in order
         waiting = self._waiting[i]
         while waiting:

@@ -231,9 +231,13 @@ class ChunkClient(Client):
     def _request_reply(self, conn, endpoints, header: Header, payload, want: MsgType, deadline: float) -> dict:
         def unreachable(missing_endpoints: list[int]) -> AggregatorUnreachable:
             missing = [str(conn.addresses[e]) for e in missing_endpoints]
+            # what the transport knows of its last try (tcp://: a name that
+            # does not resolve, a refused connection)
+            tried = [why for e in missing_endpoints if (why := getattr(conn, "last_error", lambda _: None)(e))]
             return AggregatorUnreachable(
                 f"no aggregator answered at {', '.join(missing)} within {self.config.connect_timeout:g}s "
-                f"({self._context()}): {self._unreachable_hint(conn, missing)}")
+                f"({self._context()}{'; last try: ' + tried[0] if tried else ''}): "
+                f"{self._unreachable_hint(conn, missing)}")
 
         def dropped() -> None:
             self.stats.dropped_replies += 1

@@ -344,3 +344,16 @@ def test_random_frames_and_torn_streams_never_stop_the_listener(listener):
         conn.close()
     assert listener.bad_streams > 0 and delivered > 0
     assert not listener._streams or all(s.greeted for s in listener._streams.values())
+
+
+@pytest.mark.parametrize("address, said", [("tcp://no-such-host.invalid:5555", "cannot resolve 'no-such-host.invalid'"),
+                                           (None, "Connection refused")], ids=["unresolved", "refused"])
+def test_a_worker_that_reaches_nothing_says_what_its_last_try_met(address, said):
+    """A name that does not resolve (yet: a service's DNS entry may come
+    after its workers) is tried again, not fatal at once; the timeout's
+    error says what the last try met."""
+    address = address or f"tcp://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(AggregatorUnreachable, match=f"within 1s .*; last try: .*{said}"):
+        Client(address, job=f"none-{uuid.uuid4().hex[:6]}", rank=0, world_size=1, connect_timeout=1)
+    assert time.monotonic() - t0 >= 1
