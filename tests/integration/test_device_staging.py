@@ -66,7 +66,16 @@ def test_a_staged_result_goes_back_to_the_device_off_the_client_s_io_thread(serv
                 if len(ran_on) == len(bufs):
                     done.set()
 
-            stager.submit(staged, lambda arr, **o: client.allreduce(arr, **o)).add_done_callback(back)
+            # sent once the callback is on: a future already done would
+            # run it here, on this thread, whoever completed it
+            attached = threading.Event()
+
+            def send(arr, attached=attached, **o):
+                assert attached.wait(30)
+                return client.allreduce(arr, **o)
+
+            stager.submit(staged, send).add_done_callback(back)
+            attached.set()
         assert done.wait(60), "the staged all-reduces did not complete within 60 s"
     assert sorted(ran_on) == [(k, "aggnet-unstaging") for k in range(3)]
     for k, buf in enumerate(bufs):
