@@ -11,13 +11,15 @@ one seeded ``random.Random``, so a failing campaign replays from its seed.
 
 :func:`run_campaign` sends them at a running aggregator: datagrams at a
 switch-mode one (``udp://``), multipart messages at a service's control
-endpoint and shards (``zmq+tcp://``, ``zmq+ipc://``). ``aggnet fuzz`` runs
+endpoint and shards (``zmq+tcp://``, ``zmq+ipc://``, and ``tcp://``, whose
+peers send the same frames in aggnet's own framing). ``aggnet fuzz`` runs
 one and then asks the target for its drop counters.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import random
 import socket
@@ -560,18 +562,24 @@ def zmq_campaign(address: str, fuzzer: Fuzzer, done, tally: _Tally, *, rate: flo
     service whose replies block on a full queue stalls on it."""
     import zmq
 
-    from aggnet.protocol.address import parse
+    from aggnet.protocol.address import parse, reached_via
     from aggnet.transport.zmq import zmq_endpoint
 
     ctx = zmq.Context.instance()
     control = parse(address)
-    endpoints = [zmq_endpoint(control)] + [zmq_endpoint(parse(a)) for a in _shard_map(ctx, zmq_endpoint(control))]
+    # a tcp:// service takes the same messages from peers of its own
+    # transport (frames after the first travel as one payload)
+    plain = control.scheme == "tcp"
+    dealer = _TcpPeer if plain else functools.partial(_dealer, ctx)
+    first = str(control) if plain else zmq_endpoint(control)
+    endpoints = [first] + [str(reached_via(a, control)) if plain else zmq_endpoint(parse(a))
+                           for a in _shard_map(dealer, first)]
     socks = []
     for ep in endpoints:
         for _ in range(peers):
-            socks.append((ep, _dealer(ctx, ep)))
+            socks.append((ep, dealer(ep)))
     members = []  # (socket, job id, rank): the fuzzer's own jobs on shards
-    deaf_socks = [_dealer(ctx, ep) for ep in endpoints] if deaf else []
+    deaf_socks = [dealer(ep) for ep in endpoints] if deaf else []
     kinds, weights = _zmq_kinds(fuzzer, hijack, deaf)
     started = time.monotonic()
     n = 0
@@ -581,17 +589,17 @@ def zmq_campaign(address: str, fuzzer: Fuzzer, done, tally: _Tally, *, rate: flo
             kind = r.choices(kinds, weights)[0]
             ep, s = r.choice(socks)
             if kind == "churn":
-                s = _dealer(ctx, ep)
+                s = dealer(ep)
                 frames = fuzzer.frames(r.choice(fuzzer.MESSAGE_KINDS))
             elif kind == "raw_tcp":
-                if control.scheme == "zmq+tcp":
-                    _raw_tcp(ep, fuzzer)
+                if control.scheme in ("zmq+tcp", "tcp"):
+                    _raw_tcp(ep, fuzzer, plain)
                 tally.sent[kind] += 1
                 n += 1
                 continue
             elif kind == "member":
                 if len(members) < 4 or r.random() < 0.02:
-                    members += _join_own_job(ctx, endpoints[1 + r.randrange(len(endpoints) - 1)], fuzzer, tally)
+                    members += _join_own_job(dealer, endpoints[1 + r.randrange(len(endpoints) - 1)], fuzzer, tally)
                     while len(members) > 16:  # an abandoned member: its job stalls, then lingers
                         members.pop(0)[0].close(linger=0)
                 ms, job_id, rank = r.choice(members)
@@ -649,9 +657,41 @@ def _dealer(ctx, endpoint: str):
     return s
 
 
-def _shard_map(ctx, endpoint: str) -> list[str]:
+class _TcpPeer:
+    """A peer of a tcp:// service with the DEALER calls the campaign makes:
+    the frames after the first travel as one payload, as a shard would
+    read them over ZeroMQ."""
+
+    def __init__(self, address: str):
+        from aggnet.transport import connect
+
+        self._conn = connect([address])
+        self._held = None
+
+    def send_multipart(self, frames, flags: int = 0) -> None:
+        frames = [bytes(f) for f in frames]
+        self._conn.send(0, frames[0] if frames else b"", b"".join(frames[1:]) if len(frames) > 1 else None)
+
+    def poll(self, timeout_ms: int) -> bool:
+        if self._held is None:
+            self._held = self._conn.recv(timeout_ms / 1000)
+        return self._held is not None
+
+    def recv_multipart(self, flags: int = 0) -> list[bytes]:
+        import zmq
+
+        m, self._held = self._held or self._conn.recv(0 if flags else 5.0), None
+        if m is None:
+            raise zmq.Again()
+        return [bytes(m.header)] + ([bytes(m.payload)] if len(m.payload) else [])
+
+    def close(self, linger: int = 0) -> None:
+        self._conn.close()
+
+
+def _shard_map(dealer, endpoint: str) -> list[str]:
     """The shards' addresses, from the control endpoint's HELLO_OK."""
-    s = _dealer(ctx, endpoint)
+    s = dealer(endpoint)
     try:
         s.send_multipart([Header(MsgType.HELLO).pack()])
         if not s.poll(5000):
@@ -665,7 +705,7 @@ def _shard_map(ctx, endpoint: str) -> list[str]:
         s.close(linger=0)
 
 
-def _join_own_job(ctx, endpoint: str, fuzzer: Fuzzer, tally: _Tally) -> list:
+def _join_own_job(dealer, endpoint: str, fuzzer: Fuzzer, tally: _Tally) -> list:
     """DEALERs that joined a fresh job (world 1 or 2, every rank the
     fuzzer's, half of them over tiny shared-memory rings) at a shard, so
     that hostile PUSHes reach the summation code and not only admission."""
@@ -677,18 +717,25 @@ def _join_own_job(ctx, endpoint: str, fuzzer: Fuzzer, tally: _Tally) -> list:
     payload = wire.json_payload(fields)
     members = []
     for rank in range(world):
-        s = _dealer(ctx, endpoint)
+        s = dealer(endpoint)
         s.send_multipart([Header(MsgType.JOIN, job_id=job_id, sender=rank, world=world).pack_for(payload), payload])
         tally.sent["member_join"] += 1
         members.append((s, job_id, rank))
     return members
 
 
-def _raw_tcp(endpoint: str, fuzzer: Fuzzer) -> None:
-    """A TCP peer that sends bytes that are not ZMTP, or a ZMTP greeting
-    with flipped bits, and hangs up."""
+def _raw_tcp(endpoint: str, fuzzer: Fuzzer, plain: bool = False) -> None:
+    """A TCP peer that sends bytes that are not ZMTP (not aggnet's framing,
+    at a ``plain`` tcp:// service), or a greeting with flipped bits, and
+    hangs up."""
     host, port = endpoint[len("tcp://"):].rsplit(":", 1)
-    greeting = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL" + b"\0" * 16 + b"\0" + b"\0" * 31
+    if plain:
+        from aggnet.transport.tcp import GREETING
+
+        frame = Header(MsgType.PUSH).pack()
+        greeting = GREETING + len(frame).to_bytes(4, "little") + (64).to_bytes(4, "little") + frame
+    else:
+        greeting = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL" + b"\0" * 16 + b"\0" + b"\0" * 31
     data = fuzzer.mutate(greeting) + fuzzer.random_bytes(fuzzer.rng.randrange(256))
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0) as s:
@@ -757,7 +804,8 @@ def run_campaign(address: str, seconds: float | None = None, datagrams: int | No
 
 def add_arguments(p) -> None:
     p.add_argument("--target", required=True, metavar="ADDRESS",
-                   help="the aggregator: udp://host:port (switch mode) or its control endpoint (zmq+tcp://...)")
+                   help="the aggregator: udp://host:port (switch mode) or its control endpoint (tcp://..., "
+                        "zmq+tcp://...)")
     p.add_argument("--seconds", type=float, default=None, help="run this long")
     p.add_argument("--count", type=int, default=None, help="send this many datagrams or messages (default 10000 "
                                                            "when --seconds is not given)")
@@ -800,9 +848,9 @@ def health(before: dict, after: dict) -> list[str]:
 def main(args) -> int:
     from aggnet.client.stats import query
 
-    if not args.target.startswith(("udp://", "zmq+tcp://", "zmq+ipc://")):
-        print(f"aggnet fuzz: cannot fuzz {args.target}: give udp:// (switch mode) or a zmq+ service address",
-              file=sys.stderr)
+    if not args.target.startswith(("udp://", "tcp://", "zmq+tcp://", "zmq+ipc://")):
+        print(f"aggnet fuzz: cannot fuzz {args.target}: give udp:// (switch mode) or a tcp://, zmq+tcp:// or "
+              f"zmq+ipc:// service address", file=sys.stderr)
         return 2
     try:
         before = query(args.target, timeout=3.0)

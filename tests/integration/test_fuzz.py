@@ -184,8 +184,9 @@ def test_switch_mode_aggregator_survives_100k_hostile_datagrams():
         assert svc.stop() == 0, "the aggregator did not stop cleanly"
 
 
-def test_zeromq_service_survives_10k_malformed_messages():
-    svc = ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2)
+@pytest.mark.parametrize("scheme", ["zmq+tcp", "tcp"])
+def test_a_service_survives_10k_malformed_messages(scheme):
+    svc = ServiceProcess(f"{scheme}://127.0.0.1:0", shards=2)
     name = f"fuzzed-{uuid.uuid4().hex[:6]}"
     job = Job(svc.address, name, timeout=30, chunk_bytes=4096)
     try:
@@ -222,9 +223,11 @@ def aggregators():
     switch = ServiceProcess("udp://127.0.0.1:0", shards=1, args=["--mode", "switch", "--elements", str(K),
                                                                  "--pool", "1024"])
     service = ServiceProcess("zmq+tcp://127.0.0.1:0", shards=1)
-    yield {"switch": switch, "service": service}
+    plain = ServiceProcess("tcp://127.0.0.1:0", shards=1)
+    yield {"switch": switch, "service": service, "tcp-service": plain}
     switch.stop()
     service.stop()
+    plain.stop()
 
 
 def _ask_udp(address: str, data: bytes, timeout: float = 2.0) -> bytes | None:
@@ -274,7 +277,7 @@ def test_a_hostile_join_is_answered_and_the_aggregator_goes_on(aggregators, kind
     assert query(svc.address)["totals"].get("internal_error", 0) == 0
 
 
-@pytest.mark.parametrize("kind", ["switch", "service"])
+@pytest.mark.parametrize("kind", ["switch", "service", "tcp-service"])
 def test_aggnet_fuzz_runs_a_campaign_and_reports_the_target_up(aggregators, kind):
     out = subprocess.run([sys.executable, "-m", "aggnet", "fuzz", "--target", aggregators[kind].address,
                           "--count", "3000", "--seed", "1"], capture_output=True, text=True, timeout=60)
