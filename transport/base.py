@@ -86,6 +86,11 @@ class Connection(ABC):
     def wakeup(self) -> None:
         """Make a blocked :meth:`recv` return early; safe from any thread."""
 
+    def poll_items(self) -> list:
+        """What a listener's joint wait polls for this connection's
+        messages (ZeroMQ sockets, descriptors); [] where it cannot."""
+        return []
+
     def gone(self) -> list[int]:
         """Endpoints whose connection closed since the last call (an
         aggregator shard that died; it may be back on the same address),
@@ -106,6 +111,26 @@ class Connection(ABC):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def wait_jointly(owner, own, timeout: float, connections) -> None:
+    """Sleep until ``own`` (a listener's socket or descriptor) or one of
+    ``connections`` may have a message, or ``timeout`` seconds pass: a
+    rack's shard sleeps on its workers and its parent at once. The poller
+    is kept on ``owner`` while the set it polls stays the same."""
+    import zmq
+
+    items = [own]
+    for c in connections:
+        if getattr(c, "_ready", None):
+            return
+        items.extend(c.poll_items())
+    if getattr(owner, "_wait_key", None) != items:
+        owner._wait_poller = zmq.Poller()
+        for item in items:
+            owner._wait_poller.register(item, zmq.POLLIN)
+        owner._wait_key = items
+    owner._wait_poller.poll(max(0, int(timeout * 1000)))
 
 
 class Transport(ABC):

@@ -50,7 +50,7 @@ from typing import Sequence
 from aggnet.buffers import BufferPool
 from aggnet.protocol.address import Address
 from aggnet.protocol.limits import MAX_MESSAGE_BYTES
-from aggnet.transport.base import Connection, Incoming, Listener, Transport, TransportError
+from aggnet.transport.base import Connection, Incoming, Listener, Transport, TransportError, wait_jointly
 
 log = logging.getLogger("aggnet.transport.tcp")
 
@@ -364,25 +364,8 @@ class TcpListener(Listener):
         if not connections:
             self._pump(timeout)
             return
-        # one poll over this listener and the connections (ZeroMQ sockets,
-        # or the epoll descriptor of a tcp:// one): a rack's shard sleeps
-        # on its workers and its parent at once
-        import zmq
-
-        items = [self._epoll.fileno()]
-        for c in connections:
-            if getattr(c, "_ready", None):
-                return
-            items.extend(getattr(c, "_socks", ()))
-            epoll = getattr(c, "_epoll", None)
-            if epoll is not None:
-                items.append(epoll.fileno())
-        if getattr(self, "_wait_key", None) != items:
-            self._wait_poller = zmq.Poller()
-            for item in items:
-                self._wait_poller.register(item, zmq.POLLIN)
-            self._wait_key = items
-        self._wait_poller.poll(max(0, int(timeout * 1000)))
+        # the epoll descriptor is readable while any stream has news
+        wait_jointly(self, self._epoll.fileno(), timeout, connections)
 
     def gone(self) -> list:
         out = list(self._closed)
@@ -626,6 +609,10 @@ class TcpConnection(Connection):
 
     def refused(self) -> dict[int, str]:
         return dict(self._refused)
+
+    def poll_items(self) -> list:
+        # one descriptor, readable while any stream (or a wakeup) has news
+        return [self._epoll.fileno()]
 
     def close(self) -> None:
         with self._lock:

@@ -21,7 +21,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from aggnet.protocol.address import Address
 from aggnet.protocol.limits import MAX_MESSAGE_BYTES
-from aggnet.transport.base import Connection, Incoming, Listener, Transport, TransportError
+from aggnet.transport.base import Connection, Incoming, Listener, Transport, TransportError, wait_jointly
 
 #: messages queued per socket before sends block (clients bound their
 #: in-flight chunks by a window far below this)
@@ -178,22 +178,7 @@ class ZmqListener(Listener):
         return out
 
     def wait(self, timeout: float, connections=()) -> None:
-        socks = [self._sock]
-        for c in connections:
-            if getattr(c, "_ready", None):
-                return
-            socks.extend(getattr(c, "_socks", ()))
-            # a plain TCP connection (tcp://) sleeps on one epoll descriptor
-            epoll = getattr(c, "_epoll", None)
-            if epoll is not None:
-                socks.append(epoll.fileno())
-        key = getattr(self, "_wait_key", ())
-        if len(key) != len(socks) or any(a != b for a, b in zip(key, socks)):
-            self._wait_poller = zmq.Poller()
-            for s in socks:
-                self._wait_poller.register(s, zmq.POLLIN)
-            self._wait_key = tuple(socks)
-        self._wait_poller.poll(max(0, int(timeout * 1000)))
+        wait_jointly(self, self._sock, timeout, connections)
 
     def send(self, peer, header: bytes, payload=None) -> bool:
         frames = [peer, header] if payload is None else [peer, header, payload]
@@ -372,6 +357,9 @@ class ZmqConnection(Connection):
 
     def refused(self) -> dict[int, str]:
         return dict(self._refused)
+
+    def poll_items(self) -> list:
+        return list(self._socks)
 
     def gone(self) -> list[int]:
         out = sorted(self._gone)
