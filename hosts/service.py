@@ -233,6 +233,9 @@ class Service(Aggregator):
                 except wire.WireError:
                     continue
         totals: dict = dict(self.counters)
+        bad = getattr(self.control, "bad_streams", 0)  # what the control listener closed (tcp://)
+        if bad:
+            totals["dropped_bad_stream"] = bad
         for s in shards:
             for k, v in (s or {}).get("counters", {}).items():
                 totals[k] = totals.get(k, 0) + v

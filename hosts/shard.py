@@ -75,6 +75,17 @@ class Histogram:
         return {"bounds": list(self.BOUNDS), "counts": list(self.counts), "sum": self.sum}
 
 
+def _with_transport_drops(counters, listener) -> dict:
+    """The counters and what the listener itself dropped: streams a tcp://
+    listener closed for what they sent (not aggnet's greeting or framing),
+    counted beside the messages the shard dropped."""
+    out = dict(counters)
+    bad = getattr(listener, "bad_streams", 0)
+    if bad:
+        out["dropped_bad_stream"] = bad
+    return out
+
+
 class Shard:
     def __init__(self, listener: Listener, index: int = 0, keyring: Keyring | None = None,
                  uplink: Uplink | None = None, job_lease: float | None = JOB_LEASE):
@@ -980,7 +991,7 @@ class Shard:
             **({"uplink": {"root_shard": self.uplink.root_shard, "error": self.uplink.error,
                            **self.uplink.counters}} if self.uplink is not None else {}),
             "address": str(self.listener.address),
-            "counters": dict(self.counters),
+            "counters": _with_transport_drops(self.counters, self.listener),
             "pool_buffers": self.pool.allocated,
             "histograms": {"chunk_seconds": self.latency.describe()},
             "sparse": self.sparse.describe(jobs),

@@ -16,7 +16,9 @@ import pytest
 
 from aggnet import Client
 from aggnet.errors import AggregatorUnreachable
+from aggnet.client.stats import query
 from aggnet.processes import ServiceProcess
+from aggnet.protocol.address import parse
 from aggnet.protocol import wire
 from aggnet.protocol.limits import MAX_MESSAGE_BYTES
 from aggnet.transport import connect, listen
@@ -290,9 +292,15 @@ def test_a_worker_that_dials_the_other_tcp_scheme_is_told_which_to_use(serves, d
         assert time.monotonic() - t0 < 5, "the worker waited out its connect timeout"
 
 
-def test_a_tcp_service_sums_exactly_and_says_its_transport():
+def test_a_tcp_service_sums_exactly_and_counts_the_streams_it_closed():
     with ServiceProcess("tcp://127.0.0.1:0", shards=2) as svc:
         assert svc.address.startswith("tcp://")
+        shard = parse(query(svc.address)["service"]["shards"][1])
+        for where in (parse(svc.address), shard):  # the control endpoint and a shard
+            with socket.create_connection(("127.0.0.1", where.port), timeout=5) as s:
+                s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                s.settimeout(5)
+                assert s.recv(64) == tcp.GREETING and s.recv(64) == b"", "the stream was not closed"
         job = f"tcp-{uuid.uuid4().hex[:6]}"
         bufs = [np.full(300_001, r + 1, np.float32) for r in range(2)]
         clients = [Client(svc.address, job=job, rank=r, world_size=2, timeout=30) for r in range(2)]
@@ -303,6 +311,9 @@ def test_a_tcp_service_sums_exactly_and_says_its_transport():
             for c in clients:
                 c.close()
         assert all((b == 3).all() for b in bufs)
+        stats = query(svc.address)
+        assert stats["totals"]["dropped_bad_stream"] == 2
+        assert stats["shards"][1]["counters"]["dropped_bad_stream"] == 1
 
 
 def test_random_frames_and_torn_streams_never_stop_the_listener(listener):
