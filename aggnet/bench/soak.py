@@ -13,8 +13,9 @@ are paused between two all-reduces, so the samples compare like with like.
   which drops each datagram with probability ``--loss`` in both
   directions, so retransmission runs all the time, as on a real lossy
   fabric (no root needed, unlike iptables on lo).
-* ``service``: the sharded ZeroMQ service over zmq+tcp; TCP recovers its
-  own losses below aggnet, so no loss is applied there.
+* ``service``: the sharded service over zmq+tcp (``--scheme tcp``: plain
+  TCP); TCP recovers its own losses below aggnet, so no loss is applied
+  there.
 * ``racks``: two racks of services under a root service, workers placed
   by a topology file, as a cluster runs them.
 
@@ -63,8 +64,10 @@ def add_arguments(p) -> None:
     p.add_argument("--loss", type=float, default=0.01,
                    help="switch kind: drop probability of each datagram, both directions (default %(default)s)")
     p.add_argument("--kind", choices=["switch", "service", "racks", "both"], default="both",
-                   help="aggregator: switch mode over UDP, the ZeroMQ service over tcp, two racks of services "
+                   help="aggregator: switch mode over UDP, the service over TCP (--scheme), two racks of services "
                         "under a root, or both switch and service (default both)")
+    p.add_argument("--scheme", choices=["zmq+tcp", "tcp"], default="zmq+tcp",
+                   help="service and racks: the services' transport, ZeroMQ or plain TCP (default %(default)s)")
     p.add_argument("--kill-every", type=float, default=None, metavar="SECONDS",
                    help="service and racks: SIGKILL a random aggregator shard this often (they run with --restart)")
     p.add_argument("--seed", type=int, default=1, help="which shards --kill-every kills (default %(default)s)")
@@ -299,15 +302,15 @@ class Killer:
             print(f"  killed {name} shard {shard} (pid {pid}); its successor serves", flush=True)
 
 
-def _racks(workers: int, restart: list, tmp: str):
+def _racks(workers: int, restart: list, tmp: str, scheme: str = "zmq+tcp"):
     """A root and two racks of services, and a topology file placing
     ``workers`` (even) on them."""
     from aggnet.processes import ServiceProcess
 
-    services = {"root": ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2, args=restart)}
+    services = {"root": ServiceProcess(f"{scheme}://127.0.0.1:0", shards=2, args=restart)}
     try:
         for i in range(2):
-            services[f"rack{i}"] = ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2, args=[
+            services[f"rack{i}"] = ServiceProcess(f"{scheme}://127.0.0.1:0", shards=2, args=[
                 "--parent", services["root"].address, "--rack-id", str(i), "--racks", "2", *restart])
     except BaseException:
         for s in services.values():
@@ -324,15 +327,16 @@ def _racks(workers: int, restart: list, tmp: str):
     return services, path
 
 
-def _aggregators(kind: str, workers: int, restart: list, tmp: str) -> tuple[dict, str | None]:
+def _aggregators(kind: str, workers: int, restart: list, tmp: str,
+                 scheme: str = "zmq+tcp") -> tuple[dict, str | None]:
     """The soak's aggregators by name, and the racks' topology file."""
     from aggnet.processes import ServiceProcess
 
     if kind == "switch":
         return {"aggregator": ServiceProcess("udp://127.0.0.1:0", shards=1, args=["--mode", "switch"])}, None
     if kind == "service":
-        return {"aggregator": ServiceProcess("zmq+tcp://127.0.0.1:0", shards=2, args=restart)}, None
-    return _racks(workers, restart, tmp)
+        return {"aggregator": ServiceProcess(f"{scheme}://127.0.0.1:0", shards=2, args=restart)}, None
+    return _racks(workers, restart, tmp, scheme)
 
 
 def _start_workers(addresses: list, elements: int, points: list, topology: str | None) -> tuple[list, list]:
@@ -379,7 +383,7 @@ def _roles(services: dict, procs: list, relay, kill_every: float | None) -> dict
 
 
 def run_soak(kind: str, allreduces: int, loss: float, elements: int, workers: int, kill_every: float | None = None,
-             seed: int = 1) -> dict:
+             seed: int = 1, scheme: str = "zmq+tcp") -> dict:
     """One soak of ``kind`` ("switch", "service" or "racks"); returns its record."""
     import tempfile
 
@@ -387,12 +391,12 @@ def run_soak(kind: str, allreduces: int, loss: float, elements: int, workers: in
 
     points = checkpoints(allreduces)
     tmp = tempfile.TemporaryDirectory(prefix="aggnet-soak-")
-    services, topology = _aggregators(kind, workers, ["--restart"] if kill_every else [], tmp.name)
+    services, topology = _aggregators(kind, workers, ["--restart"] if kill_every else [], tmp.name, scheme)
     service = next(iter(services.values()))
     relay = killer = None
     record = {"kind": kind, "allreduces": allreduces, "workers": workers, "elements": elements,
               "loss": loss if kind == "switch" else None, "warmup": points[0], "points": points,
-              "kill_every": kill_every}
+              "kill_every": kill_every, "scheme": None if kind == "switch" else scheme}
     procs, conns = [], []
     try:
         addresses = [service.address] * workers
@@ -516,7 +520,7 @@ def problems(record: dict, max_rss_growth_mb: float | None = None) -> list[str]:
 
 def _print_record(r: dict) -> None:
     loss = f"{r['loss']:g} loss through the relay" if r["kind"] == "switch" else \
-        "zmq+tcp: no loss applied (TCP retransmits below aggnet)"
+        f"{r.get('scheme') or 'zmq+tcp'}: no loss applied (TCP retransmits below aggnet)"
     print(f"\n{r['kind']}: {r['allreduces']} all-reduces x {r['workers']} workers of {r['elements']} values, {loss}")
     if "error" in r:
         print(f"  FAILED: {r['error']}")
@@ -559,8 +563,8 @@ def main(args) -> int:
         print("aggnet soak: --kill-every takes seconds > 0, with --kind service or racks (a switch-mode aggregator "
               "does not resume after a restart)", file=sys.stderr)
         return 2
-    records = [run_soak(k, args.allreduces, args.loss, args.elements, args.workers, args.kill_every, args.seed)
-               for k in kinds]
+    records = [run_soak(k, args.allreduces, args.loss, args.elements, args.workers, args.kill_every, args.seed,
+                        args.scheme) for k in kinds]
     found = []
     for r in records:
         _print_record(r)

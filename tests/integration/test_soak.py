@@ -46,7 +46,8 @@ def test_problems_names_growth_beyond_the_limit():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_chaos_soak_of_racks_kills_shards_and_every_result_is_right():
+@pytest.mark.parametrize("scheme", ["zmq+tcp", "tcp"])
+def test_a_chaos_soak_of_racks_kills_shards_and_every_result_is_right(scheme):
     """``aggnet soak --kind racks --kill-every``: shards of the root and the
     racks are killed while the workers all-reduce; none of it shows in a
     result, and each aggregator's descriptors stay where they were. A kill
@@ -55,7 +56,7 @@ def test_a_chaos_soak_of_racks_kills_shards_and_every_result_is_right():
     256 KiB take 14 s on a quiet machine and see 3 kills (500 of 64 KiB
     took 4 s there and saw 1: the check below failed whenever no other
     work slowed the all-reduces)."""
-    r = run_soak("racks", allreduces=800, loss=0.0, elements=65536, workers=2, kill_every=0.5, seed=3)
+    r = run_soak("racks", allreduces=800, loss=0.0, elements=65536, workers=2, kill_every=0.5, seed=3, scheme=scheme)
     assert "error" not in r, r["error"]
     assert len(r["kills"]) >= 2, r["kills"]
     assert r["failures"] == {"int32": 0, "float32": 0}, r["first_failure"]
