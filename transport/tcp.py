@@ -3,8 +3,9 @@ sockets, with nothing between the caller and the kernel.
 
 Why beside ZeroMQ: ZeroMQ hands every message to an I/O thread of its own,
 which copies it into and out of its queues and wakes the caller's thread
-for each batch; on the hosts aggnet runs on, those copies and wake-ups cost
-as much CPU as the bytes. Here the caller's own thread moves the bytes:
+for each batch (on a 2-core host plain sockets moved 1.2-2.7 times as
+much point to point, at 0.45-0.8 of the CPU per GB: docs/benchmarks.md).
+Here the caller's own thread moves the bytes:
 
 * a send goes out at once as far as the socket takes it (``sendmsg`` of the
   frame prefix, the header and the payload in one call, the payload read
@@ -29,7 +30,10 @@ either unchanged: a listener never blocks on a peer (a reply to one whose
 queue is full is dropped and reported), a connection queues what it sends
 before its peer is up and dials again after a peer goes away (reporting
 it through :meth:`TcpConnection.gone`), and a send that finds no room for
-``SEND_TIMEOUT`` seconds raises. No encryption: ``tcp://`` is for trusted
+``SEND_TIMEOUT`` seconds raises. One difference: with no thread of its
+own, a connection moves bytes while its owner sends, receives or waits
+(the client's I/O thread does one of those all the time; a send from
+another thread wakes it). No encryption: ``tcp://`` is for trusted
 networks, as UCX is; zmq+tcp with CURVE is the encrypted path.
 """
 

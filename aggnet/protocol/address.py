@@ -1,8 +1,9 @@
 """Addresses as URLs, parsed in this one module.
 
-``tcp://host:port`` (plain sockets), ``zmq+tcp://host:port``, ``zmq+ipc:///path``, ``shm:///path`` (shared-memory
-payloads with an ipc control socket), ``udp://host:port`` (the switch
-protocol), ``ucx://host:port`` and ``inproc://name`` (one process, tests).
+``tcp://host:port`` (plain sockets), ``zmq+tcp://host:port``,
+``zmq+ipc:///path``, ``shm:///path`` (shared-memory payloads with an ipc
+control socket), ``udp://host:port`` (the switch protocol),
+``ucx://host:port`` and ``inproc://name`` (one process, tests).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from urllib.parse import urlsplit
 #: every scheme aggnet knows, with what it is for; an unknown scheme fails
 #: with this list.
 SCHEMES = {
-    "tcp": "TCP, no ZeroMQ: the fastest service path between hosts (no encryption)",
+    "tcp": "plain TCP to an aggregator service, no ZeroMQ between (no encryption)",
     "zmq+tcp": "ZeroMQ over TCP",
     "zmq+ipc": "ZeroMQ over a Unix socket",
     "shm": "shared-memory payloads, ZeroMQ ipc control (same host only)",
