@@ -79,6 +79,10 @@ MAX_QUEUED_BYTES = 512 << 20
 SEND_TIMEOUT = 2.0
 #: seconds between attempts to reach a listener that is not up (or back) yet
 RECONNECT_INTERVAL = 0.1
+#: seconds between attempts to resolve a name that did not resolve: the
+#: look-up blocks its caller (the client's I/O thread), a slow resolver
+#: for seconds
+RESOLVE_INTERVAL = 1.0
 #: seconds a new peer has to greet before the listener closes it
 GREETING_TIMEOUT = 5.0
 #: seconds a closing connection gives its queued sends (a LEAVE) to leave
@@ -658,7 +662,7 @@ class TcpConnection(Connection):
                 self._targets[i] = _resolve(self.addresses[i], passive=False)
             except TransportError as exc:
                 self._dial_errors[i] = str(exc)
-                self._dial_at[i] = time.monotonic() + RECONNECT_INTERVAL
+                self._dial_at[i] = time.monotonic() + RESOLVE_INTERVAL
                 return
         family, sockaddr = self._targets[i]
         sock = socket.socket(family, socket.SOCK_STREAM)
