@@ -45,8 +45,8 @@ class UplinkConfig:
     def __post_init__(self):
         scheme = parse(self.parent).scheme
         if scheme not in ROOT_SCHEMES:
-            raise ValueError(f"the parent of a service rack is a service at zmq+tcp://host:port (or zmq+ipc:// on "
-                             f"one host), not {self.parent}")
+            raise ValueError(f"the parent of a service rack is a service at tcp:// or zmq+tcp://host:port (or "
+                             f"zmq+ipc:// on one host), not {self.parent}")
         if not 0 <= self.rack_id < self.racks <= MAX_WORKERS:
             raise ValueError(f"rack id {self.rack_id} of {self.racks} racks: a parent takes 1..{MAX_WORKERS} racks, "
                              f"ids 0..racks-1")

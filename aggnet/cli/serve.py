@@ -22,7 +22,8 @@ DEFAULT_SERVICE_LISTEN = "zmq+tcp://127.0.0.1:5555"
 
 def add_arguments(s) -> None:
     s.add_argument("--listen", default=None,
-                   help="control address (zmq+tcp://host:port, zmq+ipc:///path, shm:///path, ucx://host:port; "
+                   help="control address (tcp://host:port: plain TCP, zmq+tcp://host:port, zmq+ipc:///path, "
+                        "shm:///path, ucx://host:port; "
                         f"udp://host:port with --mode switch); default {DEFAULT_SERVICE_LISTEN}, or "
                         "udp://127.0.0.1:42606 in switch mode. Give 0.0.0.0 to serve other hosts (with --keys)")
     s.add_argument("--advertise", default=None, metavar="HOST",
@@ -54,7 +55,7 @@ def add_arguments(s) -> None:
                    help="switch mode: batching of UDP I/O (default: the best the kernel offers; AGGNET_UDP_IO)")
     s.add_argument("--parent", default=None,
                    help="this aggregator serves a rack under a root that reduces across racks: udp://host:port in "
-                        "switch mode, the root service's zmq+tcp://host:port in service mode (same --shards)")
+                        "switch mode, the root service's tcp:// or zmq+tcp://host:port in service mode (same --shards)")
     s.add_argument("--rack-id", type=int, default=0, help="this rack's id at its parent (0..racks-1)")
     s.add_argument("--racks", type=int, default=1, help="racks under the parent")
     s.add_argument("--reclaim-idle", type=float, default=300.0, metavar="SECONDS",

@@ -515,8 +515,8 @@ class _Reader:
                           r.index, "racks.aggregator", "kind")
         if root.family == "service":
             if parse(root.address).scheme not in _ROOT_SERVICE_SCHEMES:
-                self.fail(f"the root service takes racks' partials over zmq+tcp:// (or zmq+ipc:// on one host), "
-                          f"not {root.address!r}", None, "root", "address")
+                self.fail(f"the root service takes racks' partials over tcp:// or zmq+tcp:// (or zmq+ipc:// on one "
+                          f"host), not {root.address!r}", None, "root", "address")
             # unset means one per core of each machine, which need not agree
             given = {"the root": root.shards, **{f"rack {r.name!r}": r.aggregator.shards for r in racks}}
             if len(set(given.values())) > 1 or None in given.values():
