@@ -99,9 +99,15 @@ class _BadStream(Exception):
     """The peer sent what no aggnet stream holds; the stream is closed."""
 
 
-def _ms(timeout: float) -> float:
-    # epoll takes seconds; a negative timeout would wait for ever
-    return max(0.0, timeout)
+def _frame(header: bytes, payload) -> list[memoryview]:
+    """One message as the views that go on the wire: the prefix and the
+    header in one small buffer, then the payload where it lies."""
+    view = None if payload is None else memoryview(payload)
+    n = 0 if view is None else view.nbytes
+    parts = [memoryview(_PREFIX.pack(len(header), n) + bytes(header))]
+    if n:
+        parts.append(view if view.ndim == 1 and view.itemsize == 1 else view.cast("B"))
+    return parts
 
 
 class _Stream:
@@ -133,18 +139,10 @@ class _Stream:
 
     def put(self, header: bytes, payload) -> None:
         """Queue one message and send what the socket takes now."""
-        if payload is not None and not isinstance(payload, memoryview):
-            payload = memoryview(payload)
-        n = 0 if payload is None else payload.nbytes
-        if payload is not None and (payload.ndim != 1 or payload.itemsize != 1):
-            payload = payload.cast("B")
-        first = memoryview(_PREFIX.pack(len(header), n) + bytes(header))
         was_idle = not self.out
-        self.out.append(first)
-        self.queued += len(first)
-        if n:
-            self.out.append(payload)
-            self.queued += n
+        for part in _frame(header, payload):
+            self.out.append(part)
+            self.queued += part.nbytes
         if was_idle:
             self.flush()
 
@@ -392,7 +390,7 @@ class TcpListener(Listener):
 
     def _pump(self, timeout: float) -> None:
         try:
-            events = self._epoll.poll(_ms(timeout))
+            events = self._epoll.poll(max(0.0, timeout))  # seconds; a negative one waits for ever
         except InterruptedError:
             return
         lfd = self._sock.fileno()
@@ -567,7 +565,7 @@ class TcpConnection(Connection):
                 if due:
                     timeout = min(timeout, max(0.0, min(due) - now))
         try:
-            events = self._epoll.poll(_ms(timeout))
+            events = self._epoll.poll(max(0.0, timeout))  # seconds; a negative one waits for ever
         except InterruptedError:
             return
         except ValueError:  # closed meanwhile
@@ -712,13 +710,9 @@ class TcpConnection(Connection):
         return True
 
     def _hold(self, i: int, header: bytes, payload) -> None:
-        n = 0 if payload is None else memoryview(payload).nbytes
-        parts = [memoryview(_PREFIX.pack(len(header), n) + bytes(header))]
-        if n:
-            view = memoryview(payload)
-            parts.append(view.cast("B") if view.ndim != 1 or view.itemsize != 1 else view)
+        parts = _frame(header, payload)
         self._waiting[i].append(parts)
-        self._waiting_bytes[i] += len(parts[0]) + n
+        self._waiting_bytes[i] += sum(p.nbytes for p in parts)
 
     def _redial(self, now: float) -> None:
         for i, at in enumerate(self._dial_at):
