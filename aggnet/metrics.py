@@ -41,6 +41,8 @@ _COUNTERS = (
      "Packets sent again for a worker's retransmission: a lost result (what=result) or a partial sum lost "
      "on the way to the parent (what=uplink)", {"what": "uplink"}),
     ("stalls", "stalls", "Slots given up because a worker did not contribute in time", {}),
+    ("receive_waits", "receive_waits", "Times a tcp:// stream waited, unread, for room in its shard's budget "
+     "for payloads being received", {}),
     ("internal_error", "internal_errors", "Messages the aggregator failed on (its log says why)", {}),
 )
 

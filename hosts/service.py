@@ -35,7 +35,7 @@ from aggnet.transport import Listener, connect, listen
 from aggnet.protocol.wire import ErrorCode, Header, MsgType
 
 from aggnet.hosts.aggregator import STOP_POLL, Aggregator
-from aggnet.hosts.shard import JOB_LEASE, Shard
+from aggnet.hosts.shard import JOB_LEASE, Shard, transport_counters
 from aggnet.hosts.supervisor import STOP_TIMEOUT, RestartLimit, ShardStartError, ShardSupervisor, alive
 from aggnet.hosts.uplink import Uplink, UplinkConfig
 
@@ -233,9 +233,8 @@ class Service(Aggregator):
                 except wire.WireError:
                     continue
         totals: dict = dict(self.counters)
-        bad = getattr(self.control, "bad_streams", 0)  # what the control listener closed (tcp://)
-        if bad:
-            totals["dropped_bad_stream"] = bad
+        for k, v in transport_counters(self.control).items():  # what the control listener closed (tcp://)
+            totals[k] = totals.get(k, 0) + v
         for s in shards:
             for k, v in (s or {}).get("counters", {}).items():
                 totals[k] = totals.get(k, 0) + v

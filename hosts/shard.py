@@ -76,14 +76,20 @@ class Histogram:
 
 
 def _with_transport_drops(counters, listener) -> dict:
-    """The counters and what the listener itself dropped: streams a tcp://
-    listener closed for what they sent (not aggnet's greeting or framing),
-    counted beside the messages the shard dropped."""
+    """The counters and what the listener itself dropped or held back: a
+    tcp:// listener's streams closed for what they sent (not aggnet's
+    greeting or framing), for holding memory without sending, or past its
+    limit, counted beside the messages the shard dropped."""
     out = dict(counters)
-    bad = getattr(listener, "bad_streams", 0)
-    if bad:
-        out["dropped_bad_stream"] = bad
+    for name, v in transport_counters(listener).items():
+        out[name] = out.get(name, 0) + v
     return out
+
+
+def transport_counters(listener) -> dict:
+    """A listener's own counters, where its transport keeps some."""
+    counters = getattr(listener, "transport_counters", None)
+    return counters() if counters is not None else {}
 
 
 class Shard:

@@ -23,7 +23,12 @@ endian), the header, and the payload. Lengths are checked against
 before a byte is buffered; a stream that breaks them, or does not greet
 within ``GREETING_TIMEOUT``, is closed and counted, and a header the
 protocol refuses still frames right, so its owner drops and counts it as
-it does on ZeroMQ.
+it does on ZeroMQ. A listener's memory is bounded whatever its peers send:
+a read block per stream, at most ``MAX_STREAMS`` streams, and at most
+``RECEIVE_BUDGET`` bytes of payloads being read at once; a stream whose
+next payload does not fit waits, unread, and the kernel's flow control
+holds its sender (ZeroMQ sizes each message by what its frame announces
+and has no such budget).
 
 Semantics follow the ZeroMQ transport's, so every host and client runs on
 either unchanged: a listener never blocks on a peer (a reply to one whose
@@ -87,6 +92,18 @@ RESOLVE_INTERVAL = 1.0
 GREETING_TIMEOUT = 5.0
 #: seconds a closing connection gives its queued sends (a LEAVE) to leave
 CLOSE_LINGER = 0.2
+#: bytes of payloads a listener reads at once, summed over its streams (a
+#: payload counts its announced size from its first byte to its last):
+#: past it, a stream whose next payload does not fit waits, unread, so the
+#: kernel's flow control holds its sender. Four of the largest messages;
+#: the default 1 MiB chunks of 256 workers at once
+RECEIVE_BUDGET = 4 * MAX_MESSAGE_BYTES
+#: seconds a stream reading a payload may send nothing of it while others
+#: wait for the listener's receive budget, before it is closed
+STALL_TIMEOUT = 10.0
+#: streams one listener holds; a connection past them is closed at once
+#: (every stream keeps a read block, and the process has descriptors)
+MAX_STREAMS = 4096
 #: views handed to one sendmsg call (below the kernel's IOV_MAX)
 _IOV_BATCH = 64
 _EMPTY = memoryview(b"")
@@ -115,9 +132,9 @@ class _Stream:
     message being read. The owner (listener or connection) polls it."""
 
     __slots__ = ("sock", "fd", "out", "queued", "block", "view", "start", "end", "greeted", "body", "pool",
-                 "key", "since", "watching_out")
+                 "key", "since", "watching_out", "budget", "waiting", "wants", "progress")
 
-    def __init__(self, sock: socket.socket, pool: BufferPool, key):
+    def __init__(self, sock: socket.socket, pool: BufferPool, key, budget=None):
         self.sock = sock
         self.fd = sock.fileno()
         self.out: collections.deque = collections.deque()
@@ -132,6 +149,14 @@ class _Stream:
         self.key = key
         self.since = time.monotonic()
         self.watching_out = False
+        #: the owner whose receive budget a large payload must fit (a
+        #: listener's); None: no budget
+        self.budget = budget
+        #: waiting for room in that budget, unread, to take ``wants`` bytes
+        self.waiting = False
+        self.wants = 0
+        #: when a byte of the payload being read last came
+        self.progress = 0.0
         self.out.append(memoryview(GREETING))
         self.queued = len(GREETING)
 
@@ -187,13 +212,19 @@ class _Stream:
                 got += n
                 if got < len(buf):
                     self.body = (header, buf, got)
+                    if self.budget is not None:
+                        self.progress = time.monotonic()
                     continue
                 self.body = None
+                if self.budget is not None:
+                    self.budget.release(len(buf))
                 deliver(header, buf)
                 continue
             self._parse(deliver)
             if self.body is not None:
                 continue
+            if self.waiting:
+                return True  # the next payload waits for room; the socket stays unread
             if self.start == self.end:
                 self.start = self.end = 0
             elif READ_BLOCK - self.end < READ_BLOCK // 4:
@@ -242,7 +273,10 @@ class _Stream:
                 deliver(header, payload)
                 continue
             if plen > SMALL_PAYLOAD and at + hlen <= end:
+                if self.budget is not None and not self.budget.admit(self, plen):
+                    break  # its frame stays at the block's front until there is room
                 # the rest of a large payload goes straight into its buffer
+                self.progress = time.monotonic()
                 buf = self.pool.take(plen)[:plen]
                 have = end - at - hlen
                 buf[:have] = view[at + hlen:end]
@@ -313,7 +347,21 @@ def _tune(sock: socket.socket) -> None:
 
 
 class TcpListener(Listener):
-    def __init__(self, addr: Address):
+    """Many peers' streams, polled by the owner's calls. Its memory is
+    bounded whatever the peers send: a read block per stream, at most
+    ``max_streams`` streams, and at most ``receive_budget`` bytes of
+    payloads being read at once (a stream whose next payload does not fit
+    waits in line, unread; one that holds room and sends nothing of its
+    payload for ``stall_timeout`` seconds while others wait is closed)."""
+
+    def __init__(self, addr: Address, receive_budget: int = RECEIVE_BUDGET, stall_timeout: float = STALL_TIMEOUT,
+                 max_streams: int = MAX_STREAMS):
+        if receive_budget < MAX_MESSAGE_BYTES:
+            raise ValueError(f"receive_budget must hold the largest message ({MAX_MESSAGE_BYTES} bytes), "
+                             f"got {receive_budget}")
+        self.receive_budget = receive_budget
+        self.stall_timeout = stall_timeout
+        self.max_streams = max_streams
         family, sockaddr = _resolve(addr, passive=True)
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -338,7 +386,18 @@ class TcpListener(Listener):
         self._closed: collections.deque = collections.deque(maxlen=65536)
         #: streams closed for what they sent (no greeting, a frame too large)
         self.bad_streams = 0
-        self._next_greeting_check = time.monotonic() + GREETING_TIMEOUT
+        #: streams closed for holding receive budget without sending
+        self.stalled_streams = 0
+        #: connections closed at once because ``max_streams`` were open
+        self.streams_over_limit = 0
+        #: times a stream waited for room in the receive budget
+        self.receive_waits = 0
+        #: bytes of the payloads being read now (at most ``receive_budget``)
+        self.receiving = 0
+        #: streams waiting for room, first come first served
+        self._for_room: collections.deque[_Stream] = collections.deque()
+        self._room_freed = False
+        self._next_check = time.monotonic() + 1.0
 
     # -- the interface ----------------------------------------------------------------------
 
@@ -378,6 +437,51 @@ class TcpListener(Listener):
         self._closed.clear()
         return out
 
+    def transport_counters(self) -> dict:
+        """What the listener itself dropped or held back, named as the
+        shard's counters are (zeros left out, as in STATS)."""
+        counts = {"dropped_bad_stream": self.bad_streams, "dropped_stalled_stream": self.stalled_streams,
+                  "dropped_stream_over_limit": self.streams_over_limit, "receive_waits": self.receive_waits}
+        return {k: v for k, v in counts.items() if v}
+
+    # -- the receive budget ------------------------------------------------------------------
+
+    def admit(self, stream: _Stream, nbytes: int) -> bool:
+        """Whether ``stream`` may start reading a payload of ``nbytes`` now;
+        else it waits in line, unread (it asks again when resumed)."""
+        behind = self._for_room and self._for_room[0] is not stream
+        if behind or (self.receiving and self.receiving + nbytes > self.receive_budget):
+            if not stream.waiting:
+                stream.waiting = True
+                stream.wants = nbytes
+                self._for_room.append(stream)
+                self.receive_waits += 1
+                self._rearm(stream)
+            return False
+        if stream.waiting:
+            self._for_room.popleft()
+            stream.waiting = False
+            self._rearm(stream)
+        self.receiving += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        """A payload of ``nbytes`` is read (or its stream closed)."""
+        self.receiving -= nbytes
+        self._room_freed = True
+
+    def _resume(self) -> None:
+        """Let the streams at the head of the line read, as far as the
+        budget has room, first come first served."""
+        self._room_freed = False
+        while self._for_room:
+            stream = self._for_room[0]
+            if self.receiving and self.receiving + stream.wants > self.receive_budget:
+                return
+            self._read(stream)
+            if stream.waiting and self._for_room and self._for_room[0] is stream:
+                return  # cannot happen while the check above holds; never spin
+
     def close(self) -> None:
         for stream in list(self._streams.values()):
             stream.close()
@@ -405,18 +509,44 @@ class TcpListener(Listener):
                 if ev & _OUT:
                     stream.flush()
                     self._watch_out(stream)
-                if ev & (_IN | _BROKEN):
-                    if not stream.read(lambda h, p, key=stream.key: self._ready.append(Incoming(key, h, p))):
-                        self._drop(stream, None)
-            except _BadStream as exc:
-                self._drop(stream, str(exc))
             except OSError:
                 self._drop(stream, None)
+                continue
+            if stream.waiting:
+                if ev & _BROKEN:
+                    self._drop(stream, None)
+            elif ev & (_IN | _BROKEN):
+                self._read(stream)
+        if self._room_freed:
+            self._resume()
         now = time.monotonic()
-        if now >= self._next_greeting_check:
-            self._next_greeting_check = now + 1.0
-            for stream in [s for s in self._streams.values() if not s.greeted and now - s.since > GREETING_TIMEOUT]:
-                self._drop(stream, f"it did not greet within {GREETING_TIMEOUT:g}s")
+        if now >= self._next_check:
+            self._next_check = now + 1.0
+            self._check_streams(now)
+
+    def _read(self, stream: _Stream) -> None:
+        try:
+            if not stream.read(lambda h, p, key=stream.key: self._ready.append(Incoming(key, h, p))):
+                self._drop(stream, None)
+        except _BadStream as exc:
+            self._drop(stream, str(exc))
+        except OSError:
+            self._drop(stream, None)
+
+    def _check_streams(self, now: float) -> None:
+        """Close streams that never greeted, and streams that hold room in
+        the receive budget but send nothing of their payload while others
+        wait for it (a peer that stopped, or one that means to hold it)."""
+        for stream in [s for s in self._streams.values() if not s.greeted and now - s.since > GREETING_TIMEOUT]:
+            self._drop(stream, f"it did not greet within {GREETING_TIMEOUT:g}s")
+        if not self._for_room:
+            return
+        stalled = [s for s in self._streams.values() if s.body is not None and now - s.progress > self.stall_timeout]
+        for stream in stalled:
+            self.stalled_streams += 1
+            self._drop(stream, f"it sent nothing of a {len(stream.body[1])}-byte payload for "
+                               f"{self.stall_timeout:g}s while {len(self._for_room)} streams waited for the "
+                               f"listener's receive budget ({self.receive_budget >> 20} MiB)", counted=False)
 
     def _accept(self) -> None:
         while True:
@@ -427,8 +557,15 @@ class TcpListener(Listener):
             except OSError as exc:  # out of descriptors: the peer waits in the backlog
                 log.warning("%s cannot accept a connection: %s", self.address, exc)
                 return
+            if len(self._streams) >= self.max_streams:
+                sock.close()
+                self.streams_over_limit += 1
+                (log.warning if self.streams_over_limit == 1 else log.debug)(
+                    "%s closed a new connection (%d so far): it holds %d streams already, its limit",
+                    self.address, self.streams_over_limit, self.max_streams)
+                continue
             _tune(sock)
-            stream = _Stream(sock, self._pool, next(self._ids))
+            stream = _Stream(sock, self._pool, next(self._ids), budget=self)
             self._streams[stream.fd] = stream
             self._peers[stream.key] = stream
             self._epoll.register(stream.fd, _IN)
@@ -441,11 +578,19 @@ class TcpListener(Listener):
 
     def _watch_out(self, stream: _Stream) -> None:
         want = bool(stream.out)
-        if want != stream.watching_out and stream.fd in self._streams:
+        if want != stream.watching_out:
             stream.watching_out = want
-            self._epoll.modify(stream.fd, _IN | _OUT if want else _IN)
+            self._rearm(stream)
 
-    def _drop(self, stream: _Stream, why: str | None) -> None:
+    def _rearm(self, stream: _Stream) -> None:
+        """Poll ``stream`` for what it waits on: input unless it waits for
+        room, output while it has some queued."""
+        if stream.fd in self._streams:
+            self._epoll.modify(stream.fd, (0 if stream.waiting else _IN) | (_OUT if stream.watching_out else 0))
+
+    def _drop(self, stream: _Stream, why: str | None, counted: bool = True) -> None:
+        """Close ``stream``; ``why`` (logged) where it was closed for what
+        it did, counted as a bad stream unless its caller counts it."""
         if self._streams.pop(stream.fd, None) is None:
             return
         self._peers.pop(stream.key, None)
@@ -453,12 +598,20 @@ class TcpListener(Listener):
             self._epoll.unregister(stream.fd)
         except (OSError, ValueError):
             pass
+        if stream.body is not None:
+            self.release(len(stream.body[1]))
+        if stream.waiting:
+            self._for_room.remove(stream)
+            stream.waiting = False
+            self._room_freed = True  # the next in line may fit
         stream.close()
         if why is not None:
-            self.bad_streams += 1
+            if counted:
+                self.bad_streams += 1
+            dropped = self.bad_streams + self.stalled_streams
             # the first is worth a warning; a scanner's hundredth is not
-            (log.warning if self.bad_streams == 1 else log.debug)(
-                "%s closed a connection (%d so far): %s", self.address, self.bad_streams, why)
+            (log.warning if dropped == 1 else log.debug)(
+                "%s closed a connection (%d so far): %s", self.address, dropped, why)
         if stream.greeted:
             self._closed.append(stream.key)
 

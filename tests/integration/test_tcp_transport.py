@@ -224,7 +224,7 @@ def test_what_is_not_an_aggnet_stream_is_closed_and_counted(listener, opening):
 
 def test_a_peer_that_never_greets_is_closed(listener, monkeypatch):
     monkeypatch.setattr(tcp, "GREETING_TIMEOUT", 0.3)
-    listener._next_greeting_check = 0.0
+    listener._next_check = 0.0
     s = socket.create_connection((listener.address.host, listener.address.port), timeout=5)
     try:
         assert _closed_by_peer(s, listener)
@@ -368,3 +368,159 @@ def test_a_worker_that_reaches_nothing_says_what_its_last_try_met(address, said)
     with pytest.raises(AggregatorUnreachable, match=f"within 1s .*; last try: .*{said}"):
         Client(address, job=f"none-{uuid.uuid4().hex[:6]}", rank=0, world_size=1, connect_timeout=1)
     assert time.monotonic() - t0 >= 1
+
+
+# -- the listener's memory, whatever its peers send ------------------------------------------------
+
+def _opening(nbytes: int) -> bytes:
+    """A stream's greeting and the frame prefix and header of a payload of
+    ``nbytes``: what a peer sends before the payload itself."""
+    return tcp.GREETING + struct.pack("<II", len(HEADER), nbytes) + HEADER
+
+
+def _sending(s: socket.socket, *parts) -> threading.Thread:
+    """Send ``parts`` on ``s`` from a thread of its own (the listener may
+    leave it unread for a while); a send into a socket closed meanwhile ends
+    it quietly."""
+    def run():
+        try:
+            for p in parts:
+                s.sendall(p)
+        except OSError:
+            pass
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_listener_reads_at_most_its_receive_budget_of_payloads_at_once_and_the_rest_in_turn():
+    n = 40 << 20  # two of them do not fit a 64 MiB budget
+    lst = tcp.TcpListener(parse("tcp://127.0.0.1:0"), receive_budget=MAX_MESSAGE_BYTES)
+    socks = [socket.create_connection((lst.address.host, lst.address.port), timeout=30) for _ in range(4)]
+    try:
+        for i, s in enumerate(socks):
+            _sending(s, _opening(n), np.full(n, i + 1, np.uint8))
+        got, most = set(), 0
+        deadline = time.monotonic() + 60
+        while len(got) < len(socks) and time.monotonic() < deadline:
+            m = lst.recv(0.05)
+            most = max(most, lst.receiving)
+            if m is not None:
+                value = int(m.payload[0])
+                assert len(m.payload) == n and (m.payload == value).all()
+                got.add(value)
+                del m  # its buffer goes back to the pool
+        assert got == {1, 2, 3, 4}, f"only {sorted(got)} of 4 payloads arrived within 60s"
+        assert most <= MAX_MESSAGE_BYTES and lst.receiving == 0
+        assert lst.receive_waits >= 1 and lst.transport_counters()["receive_waits"] == lst.receive_waits
+        # one payload read at a time: a buffer for it and one for the last delivered, never one per stream
+        assert lst._pool.allocated <= 2
+    finally:
+        for s in socks:
+            s.close()
+        lst.close()
+
+
+def test_a_stream_that_holds_the_budget_and_sends_nothing_is_closed_only_once_others_wait():
+    n = 40 << 20
+    lst = tcp.TcpListener(parse("tcp://127.0.0.1:0"), receive_budget=MAX_MESSAGE_BYTES, stall_timeout=1.0)
+    stalled = _raw(lst.address, _opening(n) + bytes(1 << 20))
+    other = socket.create_connection((lst.address.host, lst.address.port), timeout=30)
+    try:
+        deadline = time.monotonic() + 10
+        while lst.receiving != n and time.monotonic() < deadline:
+            lst.recv(0.05)
+        assert lst.receiving == n, "the first payload was not taken in"
+        # alone, a slow stream keeps its room for as long as it takes
+        until = time.monotonic() + 2.5
+        while time.monotonic() < until:
+            assert lst.recv(0.05) is None
+        assert lst.stalled_streams == 0 and lst.receiving == n
+        # once another waits for room, the stream that sends nothing goes
+        t0 = time.monotonic()
+        _sending(other, _opening(n), np.full(n, 7, np.uint8))
+        m = _recv(lst, timeout=15)
+        assert len(m.payload) == n and (m.payload == 7).all()
+        assert time.monotonic() - t0 < 1.0 + 3.0
+        assert _closed_by_peer(stalled, lst)
+        assert lst.transport_counters() == {"dropped_stalled_stream": 1, "receive_waits": 1}
+        assert lst.receiving == 0
+    finally:
+        stalled.close()
+        other.close()
+        lst.close()
+
+
+def test_a_connection_past_the_stream_limit_is_closed_at_once_and_the_others_served():
+    lst = tcp.TcpListener(parse("tcp://127.0.0.1:0"), max_streams=3)
+    conns = [connect([str(lst.address)]) for _ in range(3)]
+    try:
+        for i, c in enumerate(conns):
+            c.send(0, HEADER, np.full(10, i, np.uint8))
+        assert sorted(int(_recv(lst, others=conns).payload[0]) for _ in conns) == [0, 1, 2]
+        extra = _raw(lst.address, tcp.GREETING)
+        assert _closed_by_peer(extra, lst), "a connection past the limit was kept"
+        extra.close()
+        assert lst.transport_counters() == {"dropped_stream_over_limit": 1}
+        conns[0].send(0, HEADER, np.full(10, 9, np.uint8))
+        assert int(_recv(lst, others=conns).payload[0]) == 9
+        # the limit counts open streams: one that closes makes room
+        conns.pop().close()
+        late = connect([str(lst.address)])
+        conns.append(late)
+        late.send(0, HEADER, np.full(10, 5, np.uint8))
+        assert int(_recv(lst, others=conns).payload[0]) == 5
+        assert lst.streams_over_limit == 1
+    finally:
+        for c in conns:
+            c.close()
+        lst.close()
+
+
+def _peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError(f"no VmHWM for process {pid}")
+
+
+def test_a_shard_s_memory_stays_within_its_budget_while_peers_flood_it_with_large_payloads():
+    """Twelve streams announce the largest payload and send all but its
+    last MiB: the shard reads four at a time (its 256 MiB budget); the rest
+    wait in the kernel's buffers, not the shard's. A job runs once they go."""
+    with ServiceProcess("tcp://127.0.0.1:0", shards=1) as svc:
+        shard = parse(query(svc.address)["service"]["shards"][0])
+        pid = query(svc.address)["shards"][0]["pid"]
+        before = _peak_rss(pid)
+        n = MAX_MESSAGE_BYTES
+        part = np.ones(n - (1 << 20), np.uint8)
+        socks = [socket.create_connection(("127.0.0.1", shard.port), timeout=60) for _ in range(12)]
+        try:
+            senders = [_sending(s, _opening(n), part) for s in socks]
+            fits = tcp.RECEIVE_BUDGET // n
+            deadline = time.monotonic() + 60
+            waits = 0
+            while time.monotonic() < deadline:
+                waits = query(svc.address)["shards"][0]["counters"].get("receive_waits", 0)
+                done = sum(not t.is_alive() for t in senders)
+                if done == len(socks) or (waits >= len(socks) - fits and done >= fits):
+                    break
+                time.sleep(0.1)
+            grew = _peak_rss(pid) - before
+            assert grew < tcp.RECEIVE_BUDGET + (64 << 20), f"the shard grew {grew >> 20} MiB"
+            assert waits >= len(socks) - fits, f"{waits} streams waited for room"
+        finally:
+            for s in socks:
+                s.close()
+        job = f"tcp-{uuid.uuid4().hex[:6]}"
+        bufs = [np.full(300_001, r + 1, np.float32) for r in range(2)]
+        clients = [Client(svc.address, job=job, rank=r, world_size=2, timeout=30) for r in range(2)]
+        try:
+            for f in [c.allreduce(b) for c, b in zip(clients, bufs)]:
+                f.result(30)
+        finally:
+            for c in clients:
+                c.close()
+        assert all((b == 3).all() for b in bufs)
+        assert query(svc.address)["shards"][0]["pid"] == pid
