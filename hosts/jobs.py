@@ -109,8 +109,9 @@ class Job:
     #: (round, index, op) -> ERROR payload of slots given up (stall,
     #: mismatch, a member left), for the ranks whose part comes later
     abandoned: collections.OrderedDict = field(default_factory=collections.OrderedDict)
-    #: ranks that left while the job went on: a chunk can no longer complete
-    departed: set = field(default_factory=set)
+    #: ranks that left while the job went on (a chunk can no longer
+    #: complete), and how each went, for the others' errors
+    departed: dict = field(default_factory=dict)
     #: messages and bytes of this job (STATS, metrics)
     counters: collections.Counter = field(default_factory=collections.Counter)
     #: a rack under a root: whether the root took the job, and the

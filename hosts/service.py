@@ -86,6 +86,9 @@ class _ShardSettings:
     uplink: UplinkConfig | None
     count: int
     job_lease: float | None
+    #: what every shard's listener is opened with besides CURVE (a tcp://
+    #: listener's budgets)
+    listener_options: dict = field(default_factory=dict)
 
 
 def _shard_main(index: int, report, should_stop, address: str, settings: _ShardSettings) -> None:
@@ -95,7 +98,7 @@ def _shard_main(index: int, report, should_stop, address: str, settings: _ShardS
                         format=f"%(asctime)s aggnet shard {index} %(levelname)s %(message)s")
     try:
         _warm_up_kernels()
-        listener = listen(address, **_curve_options(settings.curve))
+        listener = listen(address, **_curve_options(settings.curve), **settings.listener_options)
     except Exception as exc:
         report.failed(f"shard {index} cannot start on {address}: {exc}")
         return
@@ -385,13 +388,15 @@ def start(listen_address: str, shards: int | None = None, *, log_level: int = lo
           keyring: Keyring | None = None, restart: bool = False, curve=None,
           uplink: UplinkConfig | None = None, advertise: str | None = None,
           until_idle: float | None = None, parent_pid: int | None = None,
-          job_lease: float | None = JOB_LEASE) -> Service:
+          job_lease: float | None = JOB_LEASE, listener_options: dict | None = None) -> Service:
     """Start shards and bind the control endpoint; returns when every shard
     is ready. ``inproc://`` services run their shards as threads. With
     ``uplink`` the service is a rack under a root service (hosts/uplink.py);
     with ``advertise`` its shard map names that host (a service behind NAT,
     or one whose workers reach it by a name of its own); ``until_idle`` and
-    ``parent_pid``: see Service; ``job_lease``: see Shard."""
+    ``parent_pid``: see Service; ``job_lease``: see Shard;
+    ``listener_options``: what each shard's listener is opened with (a
+    tcp:// listener's budgets: transport.tcp.TcpListener)."""
     keyring = keyring or Keyring()
     if keyring.enforced and keyring.admin is None:
         # the supervisor reads every shard's full table (STATS, metrics,
@@ -405,13 +410,17 @@ def start(listen_address: str, shards: int | None = None, *, log_level: int = lo
     if curve is not None and control_addr.scheme != "zmq+tcp":
         raise ValueError(f"CURVE protects zmq+tcp services; {control_addr.scheme} addresses are protected by "
                          f"file permissions (the socket's directory)")
+    listener_options = dict(listener_options or {})
+    if listener_options and control_addr.scheme != "tcp":
+        raise ValueError(f"listener options {sorted(listener_options)} are a tcp:// listener's; this service "
+                         f"listens at {control_addr}")
     if control_addr.scheme == "inproc":
         return _start_threads(control_addr, addrs, keyring, uplink, job_lease)
     _refuse_a_second_service(control_addr)
     handles = [_ShardHandle(str(a)) for a in addrs]
     # a restarted shard binds the address its first process reported (the
     # port a ":0" address was given), with the same settings
-    settings = _ShardSettings(log_level, keyring, curve, uplink, n, job_lease)
+    settings = _ShardSettings(log_level, keyring, curve, uplink, n, job_lease, listener_options)
     supervisor = ShardSupervisor(_shard_main, n, lambda i: (handles[i].address, settings))
     # fork before any socket exists in this process: children start fast and
     # inherit nothing they should not; the kernels loaded once here, not in

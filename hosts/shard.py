@@ -256,7 +256,7 @@ class Shard:
             log.warning("shard %d: job %r rank %d re-joined from a new connection", self.index, name, h.sender)
             self.counters["rejoins"] += 1
         job.members[h.sender] = peer
-        job.departed.discard(h.sender)
+        job.departed.pop(h.sender, None)
         if info.get("rack"):
             job.racks.add(h.sender)
         if came_back:
@@ -398,7 +398,7 @@ class Shard:
             self._drop_job(job)
             log.info("shard %d: job %r finished (every worker left)", self.index, job.name)
             return
-        job.departed.add(rank)
+        job.departed[rank] = what
         for slot in list(job.slots.values()):
             self._abandon(job, slot, ErrorCode.STALL,
                           f"{what} while round {slot.key[0]} {self._what(slot)} was open; it cannot complete")
@@ -407,6 +407,8 @@ class Shard:
         """Members whose connection closed without LEAVE (a killed worker):
         they depart now, and the others' open rounds fail naming them."""
         for peer in peers:
+            closed_because = getattr(self.listener, "closed_because", None)
+            why = closed_because(peer) if closed_because is not None else None
             for job in list(self.jobs.values()):
                 for rank, member in list(job.members.items()):
                     if member == peer and rank in job.racks:
@@ -422,8 +424,10 @@ class Shard:
                         self.counters["members_disconnected"] += 1
                         self._closes_to_log.append((time.monotonic(), f"shard {self.index}: job {job.name!r} rank "
                                                                       f"{rank}'s connection closed without LEAVE"))
-                        self._depart(job, rank, f"rank {rank} of job {job.name!r} lost its connection to the "
-                                                f"aggregator without leaving (the worker died or closed its client)")
+                        self._depart(job, rank, f"rank {rank} of job {job.name!r} was disconnected by the "
+                                                f"aggregator: {why}" if why is not None else
+                                     f"rank {rank} of job {job.name!r} lost its connection to the aggregator "
+                                     f"without leaving (the worker died or closed its client)")
 
     @staticmethod
     def _what(slot: Slot) -> str:
@@ -583,8 +587,8 @@ class Shard:
             self.counters["dropped_member_left"] += 1
             err = Header(MsgType.ERROR, job_id=job.job_id, round=h.round, index=h.index, sender=h.sender)
             self._reply(peer, err, wire.error_payload(
-                ErrorCode.STALL, f"rank(s) {gone} left job {job.name!r} or lost their connection; round "
-                                 f"{h.round} cannot complete until they join again"))
+                ErrorCode.STALL, f"rank(s) {gone} left job {job.name!r} or lost their connection "
+                                 f"({job.departed[gone[0]]}); round {h.round} cannot complete until they join again"))
             return True
         return False
 

@@ -24,11 +24,11 @@ before a byte is buffered; a stream that breaks them, or does not greet
 within ``GREETING_TIMEOUT``, is closed and counted, and a header the
 protocol refuses still frames right, so its owner drops and counts it as
 it does on ZeroMQ. A listener's memory is bounded whatever its peers send:
-a read block per stream, at most ``MAX_STREAMS`` streams, and at most
-``RECEIVE_BUDGET`` bytes of payloads being read at once; a stream whose
+a read block per stream, at most ``MAX_STREAMS`` streams, at most
+``RECEIVE_BUDGET`` bytes of payloads being read at once (a stream whose
 next payload does not fit waits, unread, and the kernel's flow control
-holds its sender (ZeroMQ sizes each message by what its frame announces
-and has no such budget).
+holds its sender; ZeroMQ sizes each message by what its frame announces
+and has no such budget), and at most ``QUEUE_BUDGET`` bytes unsent.
 
 Semantics follow the ZeroMQ transport's, so every host and client runs on
 either unchanged: a listener never blocks on a peer (a reply to one whose
@@ -101,6 +101,10 @@ RECEIVE_BUDGET = 4 * MAX_MESSAGE_BYTES
 #: seconds a stream reading a payload may send nothing of it while others
 #: wait for the listener's receive budget, before it is closed
 STALL_TIMEOUT = 10.0
+#: bytes a listener holds unsent, summed over its streams: past it, the
+#: stream holding the most is closed (peers that read none of their
+#: replies; a worker's own is at most its window of chunks, 4 MiB by default)
+QUEUE_BUDGET = 1 << 30
 #: streams one listener holds; a connection past them is closed at once
 #: (every stream keeps a read block, and the process has descriptors)
 MAX_STREAMS = 4096
@@ -349,17 +353,20 @@ def _tune(sock: socket.socket) -> None:
 class TcpListener(Listener):
     """Many peers' streams, polled by the owner's calls. Its memory is
     bounded whatever the peers send: a read block per stream, at most
-    ``max_streams`` streams, and at most ``receive_budget`` bytes of
-    payloads being read at once (a stream whose next payload does not fit
-    waits in line, unread; one that holds room and sends nothing of its
-    payload for ``stall_timeout`` seconds while others wait is closed)."""
+    ``max_streams`` streams, at most ``receive_budget`` bytes of payloads
+    being read at once (a stream whose next payload does not fit waits in
+    line, unread; one that holds room and sends nothing of its payload for
+    ``stall_timeout`` seconds while others wait is closed), and at most
+    ``queue_budget`` bytes unsent (past it, the stream holding the most is
+    closed)."""
 
     def __init__(self, addr: Address, receive_budget: int = RECEIVE_BUDGET, stall_timeout: float = STALL_TIMEOUT,
-                 max_streams: int = MAX_STREAMS):
-        if receive_budget < MAX_MESSAGE_BYTES:
-            raise ValueError(f"receive_budget must hold the largest message ({MAX_MESSAGE_BYTES} bytes), "
-                             f"got {receive_budget}")
+                 max_streams: int = MAX_STREAMS, queue_budget: int = QUEUE_BUDGET):
+        for name, value in (("receive_budget", receive_budget), ("queue_budget", queue_budget)):
+            if value < MAX_MESSAGE_BYTES:
+                raise ValueError(f"{name} must hold the largest message ({MAX_MESSAGE_BYTES} bytes), got {value}")
         self.receive_budget = receive_budget
+        self.queue_budget = queue_budget
         self.stall_timeout = stall_timeout
         self.max_streams = max_streams
         family, sockaddr = _resolve(addr, passive=True)
@@ -384,12 +391,19 @@ class TcpListener(Listener):
         self._ids = itertools.count(1)
         self._ready: collections.deque[Incoming] = collections.deque()
         self._closed: collections.deque = collections.deque(maxlen=65536)
+        #: why the listener itself closed a greeted peer, by peer, for the
+        #: owner's error to the peer's job (the most recent ones)
+        self._why_closed: collections.OrderedDict = collections.OrderedDict()
         #: streams closed for what they sent (no greeting, a frame too large)
         self.bad_streams = 0
         #: streams closed for holding receive budget without sending
         self.stalled_streams = 0
         #: connections closed at once because ``max_streams`` were open
         self.streams_over_limit = 0
+        #: streams closed for holding the most unsent past ``queue_budget``
+        self.unread_streams = 0
+        #: bytes queued unsent, summed over the streams
+        self.unsent = 0
         #: times a stream waited for room in the receive budget
         self.receive_waits = 0
         #: bytes of the payloads being read now (at most ``receive_budget``)
@@ -415,12 +429,18 @@ class TcpListener(Listener):
         if stream is None or stream.queued > MAX_QUEUED_BYTES:
             # gone, or reading none of its replies: never stall the others
             return False
+        before = stream.queued
         try:
             stream.put(header, payload)
         except OSError:
+            self.unsent += stream.queued - before
             self._drop(stream, None)
             return False
+        self.unsent += stream.queued - before
         self._watch_out(stream)
+        if self.unsent > self.queue_budget:
+            self._shed()
+            return self._peers.get(peer) is stream
         return True
 
     def wait(self, timeout: float, connections=()) -> None:
@@ -437,11 +457,18 @@ class TcpListener(Listener):
         self._closed.clear()
         return out
 
+    def closed_because(self, peer) -> str | None:
+        """Why this listener closed ``peer``'s stream itself (it held memory
+        without sending, or read none of its replies), or None where the
+        peer closed it or broke it."""
+        return self._why_closed.pop(peer, None)
+
     def transport_counters(self) -> dict:
         """What the listener itself dropped or held back, named as the
         shard's counters are (zeros left out, as in STATS)."""
         counts = {"dropped_bad_stream": self.bad_streams, "dropped_stalled_stream": self.stalled_streams,
-                  "dropped_stream_over_limit": self.streams_over_limit, "receive_waits": self.receive_waits}
+                  "dropped_stream_over_limit": self.streams_over_limit, "dropped_unread_stream": self.unread_streams,
+                  "receive_waits": self.receive_waits}
         return {k: v for k, v in counts.items() if v}
 
     # -- the receive budget ------------------------------------------------------------------
@@ -505,12 +532,7 @@ class TcpListener(Listener):
             stream = self._streams.get(fd)
             if stream is None:
                 continue
-            try:
-                if ev & _OUT:
-                    stream.flush()
-                    self._watch_out(stream)
-            except OSError:
-                self._drop(stream, None)
+            if ev & _OUT and not self._flush(stream):
                 continue
             if stream.waiting:
                 if ev & _BROKEN:
@@ -545,8 +567,8 @@ class TcpListener(Listener):
         for stream in stalled:
             self.stalled_streams += 1
             self._drop(stream, f"it sent nothing of a {len(stream.body[1])}-byte payload for "
-                               f"{self.stall_timeout:g}s while {len(self._for_room)} streams waited for the "
-                               f"listener's receive budget ({self.receive_budget >> 20} MiB)", counted=False)
+                               f"{self.stall_timeout:g}s while {len(self._for_room)} streams waited for room in the "
+                               f"listener's {self.receive_budget >> 20} MiB (--receive-budget)", counted=False)
 
     def _accept(self) -> None:
         while True:
@@ -569,12 +591,33 @@ class TcpListener(Listener):
             self._streams[stream.fd] = stream
             self._peers[stream.key] = stream
             self._epoll.register(stream.fd, _IN)
-            try:
-                stream.flush()
-            except OSError:
-                self._drop(stream, None)
-                continue
-            self._watch_out(stream)
+            self.unsent += stream.queued  # its greeting
+            self._flush(stream)
+
+    def _flush(self, stream: _Stream) -> bool:
+        """Send what ``stream`` has queued as far as its socket takes it;
+        False where it broke (and is closed)."""
+        before = stream.queued
+        try:
+            stream.flush()
+        except OSError:
+            self.unsent += stream.queued - before
+            self._drop(stream, None)
+            return False
+        self.unsent += stream.queued - before
+        self._watch_out(stream)
+        return True
+
+    def _shed(self) -> None:
+        """Close the streams holding the most unsent until the rest fit the
+        queue budget: peers that read none of their replies (an honest
+        worker holds a window's worth, and one closed dials again)."""
+        while self.unsent > self.queue_budget and self._streams:
+            worst = max(self._streams.values(), key=lambda st: st.queued)
+            self.unread_streams += 1
+            self._drop(worst, f"it left {worst.queued / (1 << 20):.1f} MiB of replies unread, the most of any peer, "
+                              f"when the unsent replies passed the listener's {self.queue_budget >> 20} MiB "
+                              f"(--unsent-budget)", counted=False)
 
     def _watch_out(self, stream: _Stream) -> None:
         want = bool(stream.out)
@@ -598,6 +641,7 @@ class TcpListener(Listener):
             self._epoll.unregister(stream.fd)
         except (OSError, ValueError):
             pass
+        self.unsent -= stream.queued
         if stream.body is not None:
             self.release(len(stream.body[1]))
         if stream.waiting:
@@ -608,12 +652,16 @@ class TcpListener(Listener):
         if why is not None:
             if counted:
                 self.bad_streams += 1
-            dropped = self.bad_streams + self.stalled_streams
+            dropped = self.bad_streams + self.stalled_streams + self.unread_streams
             # the first is worth a warning; a scanner's hundredth is not
             (log.warning if dropped == 1 else log.debug)(
                 "%s closed a connection (%d so far): %s", self.address, dropped, why)
         if stream.greeted:
             self._closed.append(stream.key)
+            if why is not None:
+                self._why_closed[stream.key] = why
+                while len(self._why_closed) > 1024:
+                    self._why_closed.popitem(last=False)
 
 
 class TcpConnection(Connection):
@@ -904,7 +952,7 @@ class TcpConnection(Connection):
 
 class TcpTransport(Transport):
     def listen(self, address: Address, **options) -> Listener:
-        return TcpListener(address)
+        return TcpListener(address, **options)
 
     def connect(self, addresses: Sequence[Address], **options) -> Connection:
         return TcpConnection(addresses)

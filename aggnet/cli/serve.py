@@ -68,6 +68,12 @@ def add_arguments(s) -> None:
                    help="service mode: reclaim a job none of whose members was heard from for this long "
                         "(workers killed without LEAVE, junk JOINs); a member that comes back later fails one "
                         "all-reduce and joins again on its next; default: never")
+    s.add_argument("--receive-budget", default=None, metavar="SIZE",
+                   help="tcp:// service: bytes of payloads a shard reads at once, over all its streams; past it a "
+                        "stream waits, unread (at least 64MiB; default 256MiB)")
+    s.add_argument("--unsent-budget", default=None, metavar="SIZE",
+                   help="tcp:// service: bytes of replies a shard holds unsent, over all its streams; past it the "
+                        "stream holding the most is closed (at least 64MiB; default 1GiB)")
     s.add_argument("--shards", type=int, default=None, help="shard processes (default: one per core)")
     s.add_argument("--parent-pid", type=int, default=None, help="stop when this process is gone")
     s.add_argument("--until-idle", type=float, default=None, metavar="SECONDS",
@@ -189,6 +195,7 @@ def _service(args, keyring):
             raise _BadSetting(exc) from None
     if args.job_lease is not None and not args.job_lease > 0:
         raise _BadSetting(f"--job-lease must be a positive number of seconds, got {args.job_lease:g}")
+    budgets = _stream_budgets(args)
     uplink = None
     if args.parent is not None:
         from aggnet.hosts.uplink import UplinkConfig
@@ -199,8 +206,38 @@ def _service(args, keyring):
             raise _BadSetting(exc) from None
     return service.start(args.listen, args.shards, log_level=getattr(logging, args.log_level), keyring=keyring,
                          restart=args.restart, curve=curve, uplink=uplink, advertise=args.advertise,
-                         until_idle=args.until_idle, parent_pid=args.parent_pid,
+                         until_idle=args.until_idle, parent_pid=args.parent_pid, listener_options=budgets,
                          **({"job_lease": args.job_lease} if args.job_lease is not None else {}))
+
+
+def _stream_budgets(args) -> dict:
+    """A tcp:// shard listener's budgets from --receive-budget and
+    --unsent-budget (transport/tcp.py), refused in one line where they are
+    no size, too small, or given to a service of another scheme."""
+    from aggnet.client.config import format_size, parse_size
+    from aggnet.protocol.address import AddressError, parse
+    from aggnet.protocol.limits import MAX_MESSAGE_BYTES
+
+    budgets = {}
+    for flag, option, given in (("--receive-budget", "receive_budget", args.receive_budget),
+                                ("--unsent-budget", "queue_budget", args.unsent_budget)):
+        if given is None:
+            continue
+        try:
+            size = parse_size(given)
+        except ValueError as exc:
+            raise _BadSetting(f"{flag}: {exc}") from None
+        if size < MAX_MESSAGE_BYTES:
+            raise _BadSetting(f"{flag} must hold the largest message, {format_size(MAX_MESSAGE_BYTES)}; got {given}")
+        budgets[option] = size
+    try:
+        scheme = parse(args.listen).scheme if budgets else "tcp"
+    except AddressError:
+        scheme = "tcp"  # the address is refused, saying why, where the service starts
+    if scheme != "tcp":
+        raise _BadSetting(f"--receive-budget and --unsent-budget bound a tcp:// service's streams; this one listens "
+                          f"at {args.listen} ({scheme}), which has no such budgets")
+    return budgets
 
 
 def _switch(args, keyring):

@@ -24,6 +24,7 @@ from aggnet.protocol.limits import MAX_MESSAGE_BYTES
 from aggnet.transport import connect, listen
 from aggnet.transport import tcp
 from harness.helpers import free_port
+from harness.raw_worker import RawWorker
 
 HEADER = wire.Header(wire.MsgType.PUSH).pack()
 
@@ -524,3 +525,82 @@ def test_a_shard_s_memory_stays_within_its_budget_while_peers_flood_it_with_larg
                 c.close()
         assert all((b == 3).all() for b in bufs)
         assert query(svc.address)["shards"][0]["pid"] == pid
+
+
+def test_past_its_queue_budget_a_listener_closes_the_peer_that_reads_none_of_its_replies():
+    lst = tcp.TcpListener(parse("tcp://127.0.0.1:0"), queue_budget=MAX_MESSAGE_BYTES)
+    reader = connect([str(lst.address)])
+    deaf = _raw(lst.address, tcp.GREETING + struct.pack("<II", len(HEADER), 0) + HEADER)
+    deaf.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    try:
+        reader.send(0, HEADER, b"hello")
+        peers = {len(m.payload): m.peer for m in (_recv(lst, others=[reader]), _recv(lst, others=[reader]))}
+        deaf_peer, reader_peer = peers[0], peers[5]
+        reply = np.ones(8 << 20, np.uint8)
+        got = 0
+        for _ in range(12):  # 96 MiB to each: the deaf peer's pile passes the 64 MiB budget
+            assert lst.send(reader_peer, HEADER, reply)
+            lst.send(deaf_peer, HEADER, reply)
+            while lst._peers[reader_peer].queued:  # the reader takes its reply
+                lst.recv(0.01)
+                while (m := reader.recv(0)) is not None:
+                    got += len(m.payload) == len(reply)
+        assert not lst.send(deaf_peer, HEADER, reply), "the peer that reads nothing was kept"
+        assert _closed_by_peer(deaf, lst)
+        assert lst.transport_counters() == {"dropped_unread_stream": 1}
+        while got < 12:
+            got += len(_recv(reader, others=[lst]).payload) == len(reply)
+        assert lst.unsent <= MAX_MESSAGE_BYTES
+        assert deaf_peer in lst.gone()
+    finally:
+        deaf.close()
+        reader.close()
+        lst.close()
+
+
+def test_a_worker_that_reads_none_of_its_results_is_closed_and_its_job_told_why():
+    """A member that sends its parts and reads none of the results piles
+    them up at its shard: past the shard's --unsent-budget its stream is
+    closed, and the rank that goes on hears why, not that a worker died."""
+    with ServiceProcess("tcp://127.0.0.1:0", shards=1, args=["--unsent-budget", "64MiB"]) as svc:
+        job = f"deaf-{uuid.uuid4().hex[:6]}"
+        a = RawWorker(svc.address, job, rank=0, world=2, timeout=20)
+        b = RawWorker(svc.address, job, rank=1, world=2, timeout=20)
+        try:
+            a.join()
+            b.join()
+            chunk = np.ones(1 << 20, np.float32)  # 4 MiB: b leaves 64 MiB unread within 16 chunks, and its buffers
+            said = None
+            for i in range(64):
+                a.push(0, 1, i, i * chunk.size, chunk)
+                b.push(0, 1, i, i * chunk.size, chunk)
+                h, payload = None, None
+                deadline = time.monotonic() + 20
+                while h is None or h.index != i:
+                    msg = a.conn.recv(max(0.0, deadline - time.monotonic()))
+                    assert msg is not None, f"rank 0 heard nothing of chunk {i}"
+                    h, payload = wire.unpack_header(msg.header), msg.payload
+                if h.msg_type == wire.MsgType.ERROR:
+                    said = wire.parse_error(payload)[1]
+                    break
+                assert h.msg_type == wire.MsgType.RESULT and (np.frombuffer(payload, np.float32) == 2).all()
+            assert said is not None, "rank 1 read nothing of 256 MiB of results and was kept"
+            assert "rank(s) [1]" in said and "was disconnected by the aggregator: it left" in said, said
+            counters = query(svc.address)["shards"][0]["counters"]
+            assert counters["dropped_unread_stream"] == 1 and counters["members_disconnected"] == 1, counters
+        finally:
+            a.close()
+            b.close()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--listen", "tcp://127.0.0.1:0", "--receive-budget", "1MiB"], "--receive-budget must hold the largest message"),
+    (["--listen", "tcp://127.0.0.1:0", "--unsent-budget", "lots"], "--unsent-budget: cannot read size 'lots'"),
+    (["--listen", "zmq+tcp://127.0.0.1:0", "--receive-budget", "512MiB"], "bound a tcp:// service's streams")])
+def test_a_stream_budget_the_service_cannot_take_is_refused_in_one_line(flags, says):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "aggnet", "serve", *flags], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
