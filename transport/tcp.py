@@ -444,6 +444,8 @@ class TcpListener(Listener):
         return True
 
     def wait(self, timeout: float, connections=()) -> None:
+        if self._room_freed:
+            self._resume()  # a stream that waits for room is not polled: nothing else would wake it
         if self._ready:
             return
         if not connections:
@@ -568,7 +570,7 @@ class TcpListener(Listener):
             self.stalled_streams += 1
             self._drop(stream, f"it sent nothing of a {len(stream.body[1])}-byte payload for "
                                f"{self.stall_timeout:g}s while {len(self._for_room)} streams waited for room in the "
-                               f"listener's {self.receive_budget >> 20} MiB (--receive-budget)", counted=False)
+                               f"listener's {self.receive_budget >> 20} MiB (--receive-budget)", bad=False)
 
     def _accept(self) -> None:
         while True:
@@ -611,13 +613,13 @@ class TcpListener(Listener):
     def _shed(self) -> None:
         """Close the streams holding the most unsent until the rest fit the
         queue budget: peers that read none of their replies (an honest
-        worker holds a window's worth, and one closed dials again)."""
+        worker holds a window of chunks' worth)."""
         while self.unsent > self.queue_budget and self._streams:
             worst = max(self._streams.values(), key=lambda st: st.queued)
             self.unread_streams += 1
             self._drop(worst, f"it left {worst.queued / (1 << 20):.1f} MiB of replies unread, the most of any peer, "
                               f"when the unsent replies passed the listener's {self.queue_budget >> 20} MiB "
-                              f"(--unsent-budget)", counted=False)
+                              f"(--unsent-budget)", bad=False)
 
     def _watch_out(self, stream: _Stream) -> None:
         want = bool(stream.out)
@@ -631,9 +633,11 @@ class TcpListener(Listener):
         if stream.fd in self._streams:
             self._epoll.modify(stream.fd, (0 if stream.waiting else _IN) | (_OUT if stream.watching_out else 0))
 
-    def _drop(self, stream: _Stream, why: str | None, counted: bool = True) -> None:
+    def _drop(self, stream: _Stream, why: str | None, bad: bool = True) -> None:
         """Close ``stream``; ``why`` (logged) where it was closed for what
-        it did, counted as a bad stream unless its caller counts it."""
+        it did: a ``bad`` stream (not aggnet's framing) is counted here and
+        logged at warning level once, as a scanner sends many; the caller
+        counts the others (held memory), each worth a warning."""
         if self._streams.pop(stream.fd, None) is None:
             return
         self._peers.pop(stream.key, None)
@@ -650,12 +654,10 @@ class TcpListener(Listener):
             self._room_freed = True  # the next in line may fit
         stream.close()
         if why is not None:
-            if counted:
+            if bad:
                 self.bad_streams += 1
-            dropped = self.bad_streams + self.stalled_streams + self.unread_streams
-            # the first is worth a warning; a scanner's hundredth is not
-            (log.warning if dropped == 1 else log.debug)(
-                "%s closed a connection (%d so far): %s", self.address, dropped, why)
+            (log.warning if not bad or self.bad_streams == 1 else log.debug)(
+                "%s closed a connection: %s", self.address, why)
         if stream.greeted:
             self._closed.append(stream.key)
             if why is not None:
