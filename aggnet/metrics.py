@@ -192,6 +192,7 @@ class StatsCollector:
             yield _family(core.GaugeMetricFamily, "aggnet_shard_up",
                           "1 when the shard answered this scrape (0: its last answer is used)", ["shard"],
                           [([str(i)], v) for i, v in sorted(shard_up.items())])
+        yield from _shard_memory_families(core, stats, shard_up)
         if stats.get("restarts") is not None:
             yield core.CounterMetricFamily("aggnet_shard_restarts", "Shard processes restarted (their counters "
                                            "start again from 0)", stats["restarts"])
@@ -234,6 +235,31 @@ class StatsCollector:
                     job["open_slots"] = (job["open_slots"] or 0) + j["open_slots"]
                 job["counters"].update(j.get("counters") or {})
         return totals, jobs, hists, pool, shard_up
+
+
+#: (key of a shard's "memory" in STATS, metric, help) exported per shard
+_SHARD_MEMORY = (
+    ("rss_bytes", "shard_resident_bytes", "Resident memory of the shard process"),
+    ("peak_rss_bytes", "shard_peak_resident_bytes", "Peak resident memory of the shard process"),
+    ("receiving_bytes", "shard_receiving_bytes",
+     "tcp://: bytes of payloads the shard is reading now (at most its --receive-budget)"),
+    ("unsent_bytes", "shard_unsent_bytes", "tcp://: bytes of replies the shard holds unsent (at most its "
+                                           "--unsent-budget)"),
+    ("streams", "shard_streams", "tcp://: connections the shard holds"),
+    ("receive_budget", "shard_receive_budget_bytes", "tcp://: the shard's --receive-budget"),
+    ("unsent_budget", "shard_unsent_budget_bytes", "tcp://: the shard's --unsent-budget"),
+)
+
+
+def _shard_memory_families(core, stats: dict, shard_up: dict):
+    """Each answering shard's memory, labelled by shard: a silent shard's
+    last answer would show memory it may no longer hold, so it is left out."""
+    answered = [(i, part.get("memory") or {}) for i, part in enumerate(stats.get("shards") or [])
+                if part is not None and shard_up.get(i)]
+    for key, metric, help_text in _SHARD_MEMORY:
+        samples = [([str(i)], memory[key]) for i, memory in answered if memory.get(key) is not None]
+        if samples:
+            yield _family(core.GaugeMetricFamily, f"aggnet_{metric}", help_text, ["shard"], samples)
 
 
 def _resolve(future: Future, fn) -> None:

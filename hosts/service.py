@@ -373,6 +373,7 @@ def stats_view(reply: dict) -> dict:
                             "counters": dict(j.get("counters") or {})} for name, j in (s.get("jobs") or {}).items()},
             "histograms": dict(s.get("histograms") or {}),
             "pool": {"slots": pool.get("slots"), "used": pool.get("used"), "buffers": s.get("pool_buffers", 0)},
+            "memory": dict(s.get("memory") or {}),
         })
     return {"kind": Service.kind, "totals": dict(reply.get("totals") or {}), "jobs": {},
             "histograms": dict(reply.get("histograms") or {}),

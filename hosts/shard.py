@@ -86,6 +86,25 @@ def _with_transport_drops(counters, listener) -> dict:
     return out
 
 
+def memory_of(listener) -> dict:
+    """This process's resident memory now and at its peak, and where its
+    listener bounds what peers make it hold (a tcp:// listener's budgets
+    and what they hold now): what an operator alerts on and what
+    ``aggnet fuzz --hoard`` checks."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    out["rss_bytes" if line.startswith("VmRSS") else "peak_rss_bytes"] = int(line.split()[1]) << 10
+    except OSError:
+        pass  # not Linux: the listener's part alone
+    gauges = getattr(listener, "memory_gauges", None)
+    if gauges is not None:
+        out.update(gauges())
+    return out
+
+
 def transport_counters(listener) -> dict:
     """A listener's own counters, where its transport keeps some."""
     counters = getattr(listener, "transport_counters", None)
@@ -1003,6 +1022,7 @@ class Shard:
             "address": str(self.listener.address),
             "counters": _with_transport_drops(self.counters, self.listener),
             "pool_buffers": self.pool.allocated,
+            "memory": memory_of(self.listener),
             "histograms": {"chunk_seconds": self.latency.describe()},
             "sparse": self.sparse.describe(jobs),
             "jobs": {

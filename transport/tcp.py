@@ -465,6 +465,12 @@ class TcpListener(Listener):
         peer closed it or broke it."""
         return self._why_closed.pop(peer, None)
 
+    def memory_gauges(self) -> dict:
+        """What the budgets hold now, and the budgets."""
+        return {"receiving_bytes": self.receiving, "receive_budget": self.receive_budget,
+                "unsent_bytes": self.unsent, "unsent_budget": self.queue_budget, "streams": len(self._streams),
+                "max_streams": self.max_streams}
+
     def transport_counters(self) -> dict:
         """What the listener itself dropped or held back, named as the
         shard's counters are (zeros left out, as in STATS)."""

@@ -817,6 +817,10 @@ def add_arguments(p) -> None:
                         "without job keys)")
     p.add_argument("--deaf", action="store_true",
                    help="ZeroMQ: also peers that never read their replies (a service whose sends block stalls)")
+    p.add_argument("--hoard", action="store_true",
+                   help="tcp:// service: then peers that try to make each shard hold memory (the largest payloads, "
+                        "announced and never finished; members that read none of their results), sending GBs; "
+                        "fails where a shard grew past its --receive-budget and --unsent-budget")
 
 
 def drop_counters(stats: dict) -> dict:
@@ -845,9 +849,39 @@ def health(before: dict, after: dict) -> list[str]:
     return problems
 
 
+def _hoard(target: str, before: dict) -> list[str]:
+    """Run the hoard (aggnet/cli/hoard.py), print what it did, and return
+    what is wrong with the target after it."""
+    from aggnet.cli import hoard
+    from aggnet.client.stats import query
+
+    def progress(phase: str, sent: int, closed: int) -> None:
+        print(f"  hoard, {phase}: {sent / 2 ** 30:.2f} GiB sent, {closed} closed by the target", flush=True)
+
+    print("hoard: peers that try to make each shard hold memory")
+    out = hoard.hoard_campaign(target, progress=progress)
+    print(f"hoard: {out['peers']['hoarder']} hoarders and {out['peers']['deaf']} deaf members sent "
+          f"{out['bytes_sent'] / 2 ** 30:.2f} GiB; the target closed {out['closed_by_target']['hoarder']} and "
+          f"{out['closed_by_target']['deaf']} of them")
+    for i, s in enumerate(out["shards"]):
+        if s["peak_rss_before"] is not None and s["peak_rss_after"] is not None:
+            print(f"  shard {i}: peak resident {s['peak_rss_before'] >> 20} -> {s['peak_rss_after'] >> 20} MiB "
+                  f"(budgets: receive {(s['receive_budget'] or 0) >> 20} MiB, unsent "
+                  f"{(s['unsent_budget'] or 0) >> 20} MiB)")
+    try:
+        after = query(target, timeout=5.0)
+    except Exception as exc:
+        return [f"target {target} is DOWN or silent after the hoard: {exc}"]
+    return health(before, after) + hoard.hoard_problems(out)
+
+
 def main(args) -> int:
     from aggnet.client.stats import query
 
+    if args.hoard and not args.target.startswith("tcp://"):
+        print(f"aggnet fuzz: --hoard checks a tcp:// service's memory budgets; {args.target} is not tcp://",
+              file=sys.stderr)
+        return 2
     if not args.target.startswith(("udp://", "tcp://", "zmq+tcp://", "zmq+ipc://")):
         print(f"aggnet fuzz: cannot fuzz {args.target}: give udp:// (switch mode) or a tcp://, zmq+tcp:// or "
               f"zmq+ipc:// service address", file=sys.stderr)
@@ -876,6 +910,8 @@ def main(args) -> int:
     for k, v in drop_counters(after).items():
         print(f"  {k:<36} {v:>10}  (+{v - was.get(k, 0)})")
     problems = health(before, after)
+    if args.hoard and not problems:
+        problems = _hoard(args.target, before)
     for p in problems:
         print(f"PROBLEM: {p}")
     if not problems:

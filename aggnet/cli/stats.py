@@ -54,6 +54,18 @@ def _drops(c: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(drops.items())) or "none"
 
 
+def _memory(m: dict) -> str:
+    """A shard's memory, and what its tcp:// budgets hold, for a person."""
+    parts = []
+    if m.get("rss_bytes") is not None:
+        parts.append(f"resident {_size(m['rss_bytes'])} (peak {_size(m.get('peak_rss_bytes', 0))})")
+    if m.get("receive_budget"):
+        parts.append(f"reading {_size(m.get('receiving_bytes', 0))} of {_size(m['receive_budget'])}, unsent "
+                     f"{_size(m.get('unsent_bytes', 0))} of {_size(m.get('unsent_budget', 0))}, streams "
+                     f"{m.get('streams', 0)} of {m.get('max_streams', 0)}")
+    return "; " + ", ".join(parts) if parts else ""
+
+
 def summary(address: str, r: dict) -> str:
     """A running aggregator's STATS reply, for a person."""
     lines = []
@@ -100,7 +112,8 @@ def summary(address: str, r: dict) -> str:
                 continue
             c = s.get("counters", {})
             lines.append(f"  {s.get('shard', i)}: {s.get('address')} pid {s.get('pid')}; messages "
-                         f"{c.get('messages', 0)}, results {c.get('results', 0)}, drops {_drops(c)}")
+                         f"{c.get('messages', 0)}, results {c.get('results', 0)}, drops {_drops(c)}"
+                         f"{_memory(s.get('memory') or {})}")
     lines.append("(--json: the whole reply)")
     return "\n".join(lines)
 

@@ -351,3 +351,47 @@ def test_a_hijacking_join_cannot_replace_a_member_of_a_keyed_job(kind, tmp_path)
     finally:
         job.kill()
         svc.stop()
+
+
+# -- memory a tcp:// service can be made to hold ----------------------------------------------------
+
+
+def test_the_hoard_leaves_a_tcp_service_within_its_budgets_and_serving():
+    """Payloads announced and never finished, and members that read none
+    of their results: `aggnet fuzz --hoard` reads each shard's peak memory
+    before and after and fails where it grew past its budgets. Without the
+    budgets the shard grew by GBs (hoarders 9 x 63 MiB, deaf members 3 x
+    512 MiB)."""
+    args = ["--receive-budget", "64MiB", "--unsent-budget", "128MiB"]
+    with ServiceProcess("tcp://127.0.0.1:0", shards=1, args=args) as svc:
+        out = subprocess.run([sys.executable, "-m", "aggnet", "fuzz", "--target", svc.address, "--count", "500",
+                              "--hoard"], capture_output=True, text=True, timeout=240)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "hoard: 9 hoarders and 3 deaf members sent" in out.stdout, out.stdout
+        assert re.search(r"shard 0: peak resident \d+ -> \d+ MiB \(budgets: receive 64 MiB, unsent 128 MiB\)",
+                         out.stdout), out.stdout
+        shard = query(svc.address)["shards"][0]
+        assert shard["counters"]["dropped_unread_stream"] >= 1 and shard["counters"]["receive_waits"] >= 8
+        # every peer is gone: nothing is held for them any more
+        deadline = time.monotonic() + 10
+        while (shard["memory"]["receiving_bytes"], shard["memory"]["unsent_bytes"]) != (0, 0):
+            assert time.monotonic() < deadline, shard["memory"]
+            time.sleep(0.1)
+            shard = query(svc.address)["shards"][0]
+        job = f"after-hoard-{uuid.uuid4().hex[:6]}"
+        bufs = [np.full(300_001, r + 1, np.float32) for r in range(2)]
+        clients = [Client(svc.address, job=job, rank=r, world_size=2, timeout=30) for r in range(2)]
+        try:
+            for f in [c.allreduce(b) for c, b in zip(clients, bufs)]:
+                f.result(30)
+        finally:
+            for c in clients:
+                c.close()
+        assert all((b == 3).all() for b in bufs)
+
+
+def test_the_hoard_is_refused_in_one_line_where_there_are_no_budgets():
+    out = subprocess.run([sys.executable, "-m", "aggnet", "fuzz", "--target", "zmq+tcp://127.0.0.1:9", "--hoard"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--hoard checks a tcp:// service's memory budgets" in out.stderr
+    assert "Traceback" not in out.stderr

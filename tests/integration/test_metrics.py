@@ -266,19 +266,31 @@ def test_stats_of_an_unknown_kind_read_as_down_and_say_why(endpoints, caplog):
     assert any("'router'" in r.getMessage() and "service, switch" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("mode", ["service", "switch"])
+@pytest.mark.parametrize("mode", ["service", "switch", "tcp-service"])
 def test_aggnet_serve_metrics_port(tmp_path, mode):
     port = free_port()
-    listen = "udp://127.0.0.1:0" if mode == "switch" else f"zmq+ipc://{tmp_path}/agg"
-    extra = ["--mode", "switch", "--elements", str(K), "--pool", "64"] if mode == "switch" else []
+    listen = {"switch": "udp://127.0.0.1:0", "service": f"zmq+ipc://{tmp_path}/agg",
+              "tcp-service": "tcp://127.0.0.1:0"}[mode]
+    extra = {"switch": ["--mode", "switch", "--elements", str(K), "--pool", "64"],
+             "tcp-service": ["--receive-budget", "128MiB"]}.get(mode, [])
     with ServiceProcess(listen, shards=2, args=[*extra, "--metrics-port", str(port)]) as svc:
         # the serving line comes after the endpoint is up
         got = scrape(port)
         assert value(got, "aggnet_up") == 1
-        if mode == "service":
-            assert labelled(got, "aggnet_shard_up", "shard") == {"0": 1, "1": 1}
-        else:
+        if mode == "switch":
             assert value(got, "aggnet_pool_slots") == 64
+        else:
+            assert labelled(got, "aggnet_shard_up", "shard") == {"0": 1, "1": 1}
+            # each shard's memory, by shard: what an operator alerts on
+            resident = labelled(got, "aggnet_shard_resident_bytes", "shard")
+            peak = labelled(got, "aggnet_shard_peak_resident_bytes", "shard")
+            assert set(resident) == set(peak) == {"0", "1"}
+            assert all(10 << 20 < resident[s] <= peak[s] for s in resident), (resident, peak)
+        if mode == "tcp-service":  # and what its budgets hold, beside the budgets
+            assert labelled(got, "aggnet_shard_receive_budget_bytes", "shard") == {"0": 128 << 20, "1": 128 << 20}
+            assert labelled(got, "aggnet_shard_unsent_budget_bytes", "shard") == {"0": 1 << 30, "1": 1 << 30}
+            assert labelled(got, "aggnet_shard_receiving_bytes", "shard") == {"0": 0, "1": 0}
+            assert labelled(got, "aggnet_shard_unsent_bytes", "shard") == {"0": 0, "1": 0}
         assert svc.alive()
 
 

@@ -5,6 +5,7 @@ counted without stalling anybody else."""
 
 from __future__ import annotations
 
+import re
 import socket
 import struct
 import threading
@@ -315,6 +316,14 @@ def test_a_tcp_service_sums_exactly_and_counts_the_streams_it_closed():
         stats = query(svc.address)
         assert stats["totals"]["dropped_bad_stream"] == 2
         assert stats["shards"][1]["counters"]["dropped_bad_stream"] == 1
+        # each shard's memory and what its budgets hold, for a person
+        import subprocess
+        import sys
+
+        shown = subprocess.run([sys.executable, "-m", "aggnet", "stats", svc.address], capture_output=True,
+                               text=True, timeout=60).stdout
+        assert re.search(r"1: tcp://\S+ pid \d+; .* resident [\d.]+ MiB \(peak [\d.]+ MiB\), reading 0 B of "
+                         r"256\.0 MiB, unsent 0 B of 1\.0 GiB, streams \d+ of 4096", shown), shown
 
 
 def test_random_frames_and_torn_streams_never_stop_the_listener(listener):
