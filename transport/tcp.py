@@ -429,15 +429,8 @@ class TcpListener(Listener):
         if stream is None or stream.queued > MAX_QUEUED_BYTES:
             # gone, or reading none of its replies: never stall the others
             return False
-        before = stream.queued
-        try:
-            stream.put(header, payload)
-        except OSError:
-            self.unsent += stream.queued - before
-            self._drop(stream, None)
+        if not self._moved(stream, lambda: stream.put(header, payload)):
             return False
-        self.unsent += stream.queued - before
-        self._watch_out(stream)
         if self.unsent > self.queue_budget:
             self._shed()
             return self._peers.get(peer) is stream
@@ -605,9 +598,15 @@ class TcpListener(Listener):
     def _flush(self, stream: _Stream) -> bool:
         """Send what ``stream`` has queued as far as its socket takes it;
         False where it broke (and is closed)."""
+        return self._moved(stream, stream.flush)
+
+    def _moved(self, stream: _Stream, move) -> bool:
+        """``move()`` (a put or a flush) on ``stream``, its change to what
+        is queued counted in ``unsent``; False where the stream broke (and
+        is closed)."""
         before = stream.queued
         try:
-            stream.flush()
+            move()
         except OSError:
             self.unsent += stream.queued - before
             self._drop(stream, None)

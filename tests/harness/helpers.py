@@ -224,3 +224,31 @@ class RunningService:
             self._svc.stop()
             return 0
         return self._svc.stop()
+
+
+def peak_rss(pid: int) -> int:
+    """Bytes of process ``pid``'s peak resident memory (VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError(f"no VmHWM for process {pid}")
+
+
+def a_job_runs(address: str, job: str, size: int = 300_001) -> None:
+    """Two workers of a fresh job all-reduce at ``address`` and get the
+    exact sum: the service serves after whatever came before."""
+    import numpy as np
+
+    from aggnet import Client
+
+    bufs = [np.full(size, r + 1, np.float32) for r in range(2)]
+    clients = [Client(address, job=job, rank=r, world_size=2, timeout=30) for r in range(2)]
+    try:
+        for f in [c.allreduce(b) for c, b in zip(clients, bufs)]:
+            f.result(30)
+    finally:
+        for c in clients:
+            c.close()
+    assert all((b == 3).all() for b in bufs), "the all-reduce after returned a wrong sum"
+

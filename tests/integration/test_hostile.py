@@ -25,6 +25,7 @@ from aggnet.processes import ServiceProcess
 from aggnet.client.stats import query, stats_request
 from aggnet.transport import connect
 from aggnet.protocol.wire import Header, MsgType
+from harness.helpers import peak_rss
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -703,14 +704,6 @@ def test_a_job_whose_members_went_silent_is_reclaimed_and_a_returning_member_joi
     assert r.returncode == 2 and "--job-lease must be a positive" in r.stderr and "Traceback" not in r.stderr
 
 
-def _peak_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError(f"no VmHWM for process {pid}")
-
-
 def test_a_frame_larger_than_any_message_is_refused_unbuffered():
     """A listener takes no frame over MAX_MESSAGE_BYTES: the sender is
     disconnected before the frame is buffered, and the shard goes on."""
@@ -724,7 +717,7 @@ def test_a_frame_larger_than_any_message_is_refused_unbuffered():
     with ServiceProcess("zmq+tcp://127.0.0.1:0", shards=1) as svc:
         shard = _shards(svc.address)[0]
         pid = query(svc.address)["shards"][0]["pid"]
-        before = _peak_rss(pid)
+        before = peak_rss(pid)
         sock = zmq.Context.instance().socket(zmq.DEALER)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
@@ -737,7 +730,7 @@ def test_a_frame_larger_than_any_message_is_refused_unbuffered():
             sock.disable_monitor()
             monitor.close(linger=0)
             sock.close(linger=0)
-        assert _peak_rss(pid) - before < MAX_MESSAGE_BYTES // 2
+        assert peak_rss(pid) - before < MAX_MESSAGE_BYTES // 2
         r = _allreduce_pair(svc.address, _job())
         assert all(isinstance(b, np.ndarray) and (b == 3).all() for b in r), r
         assert query(svc.address)["shards"][0]["pid"] == pid

@@ -24,7 +24,7 @@ from aggnet.protocol import wire
 from aggnet.protocol.limits import MAX_MESSAGE_BYTES
 from aggnet.transport import connect, listen
 from aggnet.transport import tcp
-from harness.helpers import free_port
+from harness.helpers import a_job_runs, free_port, peak_rss
 from harness.raw_worker import RawWorker
 
 HEADER = wire.Header(wire.MsgType.PUSH).pack()
@@ -303,16 +303,7 @@ def test_a_tcp_service_sums_exactly_and_counts_the_streams_it_closed():
                 s.sendall(b"GET / HTTP/1.1\r\n\r\n")
                 s.settimeout(5)
                 assert s.recv(64) == tcp.GREETING and s.recv(64) == b"", "the stream was not closed"
-        job = f"tcp-{uuid.uuid4().hex[:6]}"
-        bufs = [np.full(300_001, r + 1, np.float32) for r in range(2)]
-        clients = [Client(svc.address, job=job, rank=r, world_size=2, timeout=30) for r in range(2)]
-        try:
-            for f in [c.allreduce(b) for c, b in zip(clients, bufs)]:
-                f.result(30)
-        finally:
-            for c in clients:
-                c.close()
-        assert all((b == 3).all() for b in bufs)
+        a_job_runs(svc.address, f"tcp-{uuid.uuid4().hex[:6]}")
         stats = query(svc.address)
         assert stats["totals"]["dropped_bad_stream"] == 2
         assert stats["shards"][1]["counters"]["dropped_bad_stream"] == 1
@@ -487,14 +478,6 @@ def test_a_connection_past_the_stream_limit_is_closed_at_once_and_the_others_ser
         lst.close()
 
 
-def _peak_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError(f"no VmHWM for process {pid}")
-
-
 def test_a_shard_s_memory_stays_within_its_budget_while_peers_flood_it_with_large_payloads():
     """Twelve streams announce the largest payload and send all but its
     last MiB: the shard reads four at a time (its 256 MiB budget); the rest
@@ -502,7 +485,7 @@ def test_a_shard_s_memory_stays_within_its_budget_while_peers_flood_it_with_larg
     with ServiceProcess("tcp://127.0.0.1:0", shards=1) as svc:
         shard = parse(query(svc.address)["service"]["shards"][0])
         pid = query(svc.address)["shards"][0]["pid"]
-        before = _peak_rss(pid)
+        before = peak_rss(pid)
         n = MAX_MESSAGE_BYTES
         part = np.ones(n - (1 << 20), np.uint8)
         socks = [socket.create_connection(("127.0.0.1", shard.port), timeout=60) for _ in range(12)]
@@ -517,22 +500,13 @@ def test_a_shard_s_memory_stays_within_its_budget_while_peers_flood_it_with_larg
                 if done == len(socks) or (waits >= len(socks) - fits and done >= fits):
                     break
                 time.sleep(0.1)
-            grew = _peak_rss(pid) - before
+            grew = peak_rss(pid) - before
             assert grew < tcp.RECEIVE_BUDGET + (64 << 20), f"the shard grew {grew >> 20} MiB"
             assert waits >= len(socks) - fits, f"{waits} streams waited for room"
         finally:
             for s in socks:
                 s.close()
-        job = f"tcp-{uuid.uuid4().hex[:6]}"
-        bufs = [np.full(300_001, r + 1, np.float32) for r in range(2)]
-        clients = [Client(svc.address, job=job, rank=r, world_size=2, timeout=30) for r in range(2)]
-        try:
-            for f in [c.allreduce(b) for c, b in zip(clients, bufs)]:
-                f.result(30)
-        finally:
-            for c in clients:
-                c.close()
-        assert all((b == 3).all() for b in bufs)
+        a_job_runs(svc.address, f"tcp-{uuid.uuid4().hex[:6]}")
         assert query(svc.address)["shards"][0]["pid"] == pid
 
 
