@@ -19,7 +19,8 @@ kind beyond the names of its counters.
      "restarts": n | None}           # shard processes restarted; None: never restarted
 
     part = {"counters": {counter: n}, "jobs": {name: part_job},
-            "histograms": {name: hist}, "pool": {"slots", "used", "buffers"}}
+            "histograms": {name: hist}, "pool": {"slots", "used", "buffers"},
+            "memory": {name: bytes}}  # the shard process's, and its listener's budgets
     part_job = {"members": n, "open_slots": n | None, "counters": {counter: n}}
 
 The aggregator-wide ``jobs``, ``histograms`` and ``pool`` are one more

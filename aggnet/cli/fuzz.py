@@ -859,10 +859,13 @@ def _hoard(target: str, before: dict) -> list[str]:
         print(f"  hoard, {phase}: {sent / 2 ** 30:.2f} GiB sent, {closed} closed by the target", flush=True)
 
     print("hoard: peers that try to make each shard hold memory")
-    out = hoard.hoard_campaign(target, progress=progress)
+    try:
+        out = hoard.hoard_campaign(target, progress=progress)
+    except (OSError, KeyError, ValueError) as exc:
+        return [f"the hoard could not run against {target}: {exc}"]
     print(f"hoard: {out['peers']['hoarder']} hoarders and {out['peers']['deaf']} deaf members sent "
-          f"{out['bytes_sent'] / 2 ** 30:.2f} GiB; the target closed {out['closed_by_target']['hoarder']} and "
-          f"{out['closed_by_target']['deaf']} of them")
+          f"{out['bytes_sent'] / 2 ** 30:.2f} GiB; the target closed {out['closed_by_target']['hoarder']} "
+          f"hoarders and {out['closed_by_target']['deaf']} deaf members")
     for i, s in enumerate(out["shards"]):
         if s["peak_rss_before"] is not None and s["peak_rss_after"] is not None:
             print(f"  shard {i}: peak resident {s['peak_rss_before'] >> 20} -> {s['peak_rss_after'] >> 20} MiB "

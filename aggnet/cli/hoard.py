@@ -21,6 +21,7 @@ grew past its budgets and a few messages of working room is a problem.
 from __future__ import annotations
 
 import itertools
+import random
 import select
 import socket
 import struct
@@ -141,7 +142,7 @@ def hoard_campaign(address: str, seconds: float = 30.0, progress=None) -> dict:
     shards = [reached_via(a, control) for a in query(address, timeout=5.0)["service"]["shards"]]
     before = _shard_memory(address)
     zeros = memoryview(bytes(MAX_MESSAGE_BYTES))
-    job_ids = itertools.count(0x7A000000)
+    job_ids = itertools.count(0x40000000 + random.getrandbits(29))  # apart from another hoard's jobs
     deaf: list[tuple[str, _Peer]] = []
     hoarders: list[tuple[str, _Peer]] = []
     try:

@@ -76,7 +76,8 @@ def test_each_kind_serves_until_told_and_reports_in_the_one_shape(make):
         assert max(t[job]["members"] for t in tables if job in t) == 2
         assert set(stats["pool"]) == {"slots", "used", "buffers"}
         for part in stats["shards"]:
-            assert set(part) == {"counters", "jobs", "histograms", "pool"}
+            assert set(part) == {"counters", "jobs", "histograms", "pool", "memory"}
+            assert part["memory"]["rss_bytes"] > 0
         stop.set()
         loop.join(30)
         assert not loop.is_alive(), "serve() did not return after should_stop()"
