@@ -208,7 +208,8 @@ class Shard:
                 self._reply(peer, Header(MsgType.HELLO_OK), wire.json_payload(
                     {"service": "aggnet", "version": wire.VERSION, "shards": [str(self.listener.address)]}))
             elif t == MsgType.STATS:
-                self._reply(peer, Header(MsgType.STATS_OK), wire.json_payload(self.stats(self.keyring.stats_view(h, payload, peer))))
+                shown = self.keyring.stats_view(h, payload, peer)
+                self._reply(peer, Header(MsgType.STATS_OK), wire.json_payload(self.stats(shown)))
             else:
                 self._drop(peer, "unexpected_type", ErrorCode.REFUSED,
                            f"an aggregator does not accept {t.name} messages", h)

@@ -28,7 +28,7 @@ a read block per stream, at most ``MAX_STREAMS`` streams, at most
 ``RECEIVE_BUDGET`` bytes of payloads being read at once (a stream whose
 next payload does not fit waits, unread, and the kernel's flow control
 holds its sender; ZeroMQ sizes each message by what its frame announces
-and has no such budget), and at most ``QUEUE_BUDGET`` bytes unsent.
+and has no such budget), and at most ``UNSENT_BUDGET`` bytes unsent.
 
 Semantics follow the ZeroMQ transport's, so every host and client runs on
 either unchanged: a listener never blocks on a peer (a reply to one whose
@@ -104,7 +104,7 @@ STALL_TIMEOUT = 10.0
 #: bytes a listener holds unsent, summed over its streams: past it, the
 #: stream holding the most is closed (peers that read none of their
 #: replies; a worker's own is at most its window of chunks, 4 MiB by default)
-QUEUE_BUDGET = 1 << 30
+UNSENT_BUDGET = 1 << 30
 #: streams one listener holds; a connection past them is closed at once
 #: (every stream keeps a read block, and the process has descriptors)
 MAX_STREAMS = 4096
@@ -357,16 +357,16 @@ class TcpListener(Listener):
     being read at once (a stream whose next payload does not fit waits in
     line, unread; one that holds room and sends nothing of its payload for
     ``stall_timeout`` seconds while others wait is closed), and at most
-    ``queue_budget`` bytes unsent (past it, the stream holding the most is
+    ``unsent_budget`` bytes unsent (past it, the stream holding the most is
     closed)."""
 
     def __init__(self, addr: Address, receive_budget: int = RECEIVE_BUDGET, stall_timeout: float = STALL_TIMEOUT,
-                 max_streams: int = MAX_STREAMS, queue_budget: int = QUEUE_BUDGET):
-        for name, value in (("receive_budget", receive_budget), ("queue_budget", queue_budget)):
+                 max_streams: int = MAX_STREAMS, unsent_budget: int = UNSENT_BUDGET):
+        for name, value in (("receive_budget", receive_budget), ("unsent_budget", unsent_budget)):
             if value < MAX_MESSAGE_BYTES:
                 raise ValueError(f"{name} must hold the largest message ({MAX_MESSAGE_BYTES} bytes), got {value}")
         self.receive_budget = receive_budget
-        self.queue_budget = queue_budget
+        self.unsent_budget = unsent_budget
         self.stall_timeout = stall_timeout
         self.max_streams = max_streams
         family, sockaddr = _resolve(addr, passive=True)
@@ -400,7 +400,7 @@ class TcpListener(Listener):
         self.stalled_streams = 0
         #: connections closed at once because ``max_streams`` were open
         self.streams_over_limit = 0
-        #: streams closed for holding the most unsent past ``queue_budget``
+        #: streams closed for holding the most unsent past ``unsent_budget``
         self.unread_streams = 0
         #: bytes queued unsent, summed over the streams
         self.unsent = 0
@@ -431,7 +431,7 @@ class TcpListener(Listener):
             return False
         if not self._moved(stream, lambda: stream.put(header, payload)):
             return False
-        if self.unsent > self.queue_budget:
+        if self.unsent > self.unsent_budget:
             self._shed()
             return self._peers.get(peer) is stream
         return True
@@ -461,7 +461,7 @@ class TcpListener(Listener):
     def memory_gauges(self) -> dict:
         """What the budgets hold now, and the budgets."""
         return {"receiving_bytes": self.receiving, "receive_budget": self.receive_budget,
-                "unsent_bytes": self.unsent, "unsent_budget": self.queue_budget, "streams": len(self._streams),
+                "unsent_bytes": self.unsent, "unsent_budget": self.unsent_budget, "streams": len(self._streams),
                 "max_streams": self.max_streams}
 
     def transport_counters(self) -> dict:
@@ -619,11 +619,11 @@ class TcpListener(Listener):
         """Close the streams holding the most unsent until the rest fit the
         queue budget: peers that read none of their replies (an honest
         worker holds a window of chunks' worth)."""
-        while self.unsent > self.queue_budget and self._streams:
+        while self.unsent > self.unsent_budget and self._streams:
             worst = max(self._streams.values(), key=lambda st: st.queued)
             self.unread_streams += 1
             self._drop(worst, f"it left {worst.queued / (1 << 20):.1f} MiB of replies unread, the most of any peer, "
-                              f"when the unsent replies passed the listener's {self.queue_budget >> 20} MiB "
+                              f"when the unsent replies passed the listener's {self.unsent_budget >> 20} MiB "
                               f"(--unsent-budget)", bad=False)
 
     def _watch_out(self, stream: _Stream) -> None:

@@ -220,7 +220,7 @@ def _stream_budgets(args) -> dict:
 
     budgets = {}
     for flag, option, given in (("--receive-budget", "receive_budget", args.receive_budget),
-                                ("--unsent-budget", "queue_budget", args.unsent_budget)):
+                                ("--unsent-budget", "unsent_budget", args.unsent_budget)):
         if given is None:
             continue
         try:

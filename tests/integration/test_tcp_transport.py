@@ -510,8 +510,8 @@ def test_a_shard_s_memory_stays_within_its_budget_while_peers_flood_it_with_larg
         assert query(svc.address)["shards"][0]["pid"] == pid
 
 
-def test_past_its_queue_budget_a_listener_closes_the_peer_that_reads_none_of_its_replies():
-    lst = tcp.TcpListener(parse("tcp://127.0.0.1:0"), queue_budget=MAX_MESSAGE_BYTES)
+def test_past_its_unsent_budget_a_listener_closes_the_peer_that_reads_none_of_its_replies():
+    lst = tcp.TcpListener(parse("tcp://127.0.0.1:0"), unsent_budget=MAX_MESSAGE_BYTES)
     reader = connect([str(lst.address)])
     deaf = _raw(lst.address, tcp.GREETING + struct.pack("<II", len(HEADER), 0) + HEADER)
     deaf.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
