@@ -17,3 +17,20 @@ def alive(pid) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def memory(pid="self") -> dict:
+    """Resident bytes of process ``pid`` now and at its peak
+    (``rss_bytes``, ``peak_rss_bytes``); {} where it is gone, a zombie, or
+    the system keeps no /proc."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    out["rss_bytes"] = int(line.split()[1]) << 10
+                elif line.startswith("VmHWM:"):
+                    out["peak_rss_bytes"] = int(line.split()[1]) << 10
+    except OSError:
+        return {}
+    return out

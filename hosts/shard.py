@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from aggnet import kernels
+from aggnet import kernels, pids
 from aggnet.protocol import control, wire
 from aggnet.protocol.control import ControlError
 from aggnet.protocol.keys import Keyring
@@ -91,14 +91,7 @@ def memory_of(listener) -> dict:
     listener bounds what peers make it hold (a tcp:// listener's budgets
     and what they hold now): what an operator alerts on and what
     ``aggnet fuzz --hoard`` checks."""
-    out = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(("VmRSS:", "VmHWM:")):
-                    out["rss_bytes" if line.startswith("VmRSS") else "peak_rss_bytes"] = int(line.split()[1]) << 10
-    except OSError:
-        pass  # not Linux: the listener's part alone
+    out = pids.memory()  # {} where the system keeps no /proc: the listener's part alone
     gauges = getattr(listener, "memory_gauges", None)
     if gauges is not None:
         out.update(gauges())

@@ -120,12 +120,18 @@ class _BadStream(Exception):
     """The peer sent what no aggnet stream holds; the stream is closed."""
 
 
+def frame_head(header: bytes, payload_bytes: int) -> bytes:
+    """What goes on the wire before a message's payload: the prefix (the
+    header's and payload's lengths) and the header."""
+    return _PREFIX.pack(len(header), payload_bytes) + bytes(header)
+
+
 def _frame(header: bytes, payload) -> list[memoryview]:
     """One message as the views that go on the wire: the prefix and the
     header in one small buffer, then the payload where it lies."""
     view = None if payload is None else memoryview(payload)
     n = 0 if view is None else view.nbytes
-    parts = [memoryview(_PREFIX.pack(len(header), n) + bytes(header))]
+    parts = [memoryview(frame_head(header, n))]
     if n:
         parts.append(view if view.ndim == 1 and view.itemsize == 1 else view.cast("B"))
     return parts
@@ -280,7 +286,8 @@ class _Stream:
                 if self.budget is not None and not self.budget.admit(self, plen):
                     break  # its frame stays at the block's front until there is room
                 # the rest of a large payload goes straight into its buffer
-                self.progress = time.monotonic()
+                if self.budget is not None:
+                    self.progress = time.monotonic()
                 buf = self.pool.take(plen)[:plen]
                 have = end - at - hlen
                 buf[:have] = view[at + hlen:end]

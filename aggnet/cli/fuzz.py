@@ -730,10 +730,9 @@ def _raw_tcp(endpoint: str, fuzzer: Fuzzer, plain: bool = False) -> None:
     hangs up."""
     host, port = endpoint[len("tcp://"):].rsplit(":", 1)
     if plain:
-        from aggnet.transport.tcp import GREETING
+        from aggnet.transport.tcp import GREETING, frame_head
 
-        frame = Header(MsgType.PUSH).pack()
-        greeting = GREETING + len(frame).to_bytes(4, "little") + (64).to_bytes(4, "little") + frame
+        greeting = GREETING + frame_head(Header(MsgType.PUSH).pack(), 64)
     else:
         greeting = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL" + b"\0" * 16 + b"\0" + b"\0" * 31
     data = fuzzer.mutate(greeting) + fuzzer.random_bytes(fuzzer.rng.randrange(256))

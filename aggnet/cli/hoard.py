@@ -24,12 +24,12 @@ import itertools
 import random
 import select
 import socket
-import struct
 import time
 
 from aggnet.protocol import wire
 from aggnet.protocol.limits import MAX_MESSAGE_BYTES
 from aggnet.protocol.wire import DType, Flag, Header, MsgType
+from aggnet.transport.tcp import GREETING, frame_head
 
 #: room a shard may grow by beyond its two budgets under the hoard: the
 #: payloads it is summing and the buffers its pools keep
@@ -41,20 +41,11 @@ DEAF_MEMBERS = 3
 #: seconds without a byte taken by the target after which the hoard holds
 #: what it has: the shards took all they will
 QUIET = 2.0
-_PREFIX = struct.Struct("<II")
-
-
-def _frame(header: bytes, payload_bytes: int) -> bytes:
-    return _PREFIX.pack(len(header), payload_bytes) + header
-
-
 class _Peer:
     """One raw stream and the views it has yet to send (sent as the socket
     takes them: a shard that stops reading leaves them unsent)."""
 
     def __init__(self, host: str, port: int, parts: list):
-        from aggnet.transport.tcp import GREETING
-
         self.sock = socket.create_connection((host, port), timeout=5)
         self.sock.setblocking(False)
         self.parts = [memoryview(GREETING), *parts]
@@ -84,18 +75,18 @@ class _Peer:
 
 def _hoarder(host: str, port: int, zeros: memoryview) -> _Peer:
     h = Header(MsgType.PUSH).pack()
-    return _Peer(host, port, [memoryview(_frame(h, MAX_MESSAGE_BYTES)), zeros[:MAX_MESSAGE_BYTES - (1 << 20)]])
+    return _Peer(host, port, [memoryview(frame_head(h, MAX_MESSAGE_BYTES)), zeros[:MAX_MESSAGE_BYTES - (1 << 20)]])
 
 
 def _deaf_member(host: str, port: int, zeros: memoryview, job_id: int, pushes: int) -> _Peer:
     join = wire.json_payload({"name": f"fuzz-hoard-{job_id:08x}", "timeout": 30.0})
     jh = Header(MsgType.JOIN, job_id=job_id, sender=0, world=1).pack_for(join)
-    parts = [memoryview(_frame(jh, len(join))), memoryview(join)]
+    parts = [memoryview(frame_head(jh, len(join))), memoryview(join)]
     count = MAX_MESSAGE_BYTES // 4
     for i in range(pushes):
         ph = Header(MsgType.PUSH, job_id=job_id, round=0, index=i, sender=0, flags=Flag.LITTLE_ENDIAN,
                     dtype=DType.FLOAT32, count=count, world=1, offset=i * count).pack()
-        parts += [memoryview(_frame(ph, MAX_MESSAGE_BYTES)), zeros]
+        parts += [memoryview(frame_head(ph, MAX_MESSAGE_BYTES)), zeros]
     return _Peer(host, port, parts)
 
 

@@ -228,11 +228,11 @@ class RunningService:
 
 def peak_rss(pid: int) -> int:
     """Bytes of process ``pid``'s peak resident memory (VmHWM)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError(f"no VmHWM for process {pid}")
+    from aggnet import pids
+
+    peak = pids.memory(pid).get("peak_rss_bytes")
+    assert peak is not None, f"no VmHWM for process {pid}"
+    return peak
 
 
 def a_job_runs(address: str, job: str, size: int = 300_001) -> None:

@@ -376,7 +376,7 @@ def test_a_worker_that_reaches_nothing_says_what_its_last_try_met(address, said)
 def _opening(nbytes: int) -> bytes:
     """A stream's greeting and the frame prefix and header of a payload of
     ``nbytes``: what a peer sends before the payload itself."""
-    return tcp.GREETING + struct.pack("<II", len(HEADER), nbytes) + HEADER
+    return tcp.GREETING + tcp.frame_head(HEADER, nbytes)
 
 
 def _sending(s: socket.socket, *parts) -> threading.Thread:
@@ -513,7 +513,7 @@ def test_a_shard_s_memory_stays_within_its_budget_while_peers_flood_it_with_larg
 def test_past_its_unsent_budget_a_listener_closes_the_peer_that_reads_none_of_its_replies():
     lst = tcp.TcpListener(parse("tcp://127.0.0.1:0"), unsent_budget=MAX_MESSAGE_BYTES)
     reader = connect([str(lst.address)])
-    deaf = _raw(lst.address, tcp.GREETING + struct.pack("<II", len(HEADER), 0) + HEADER)
+    deaf = _raw(lst.address, tcp.GREETING + tcp.frame_head(HEADER, 0))
     deaf.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
     try:
         reader.send(0, HEADER, b"hello")
